@@ -1,0 +1,324 @@
+"""The records that stages exchange: ``Profile`` (profile -> solve), ``Plan`` (solve -> apply/verify).
+
+Frozen, keyword-only dataclasses with a docstring per field, units in names, bytes as ints, and a
+JSON form that carries ``schema_version``. No torch here: the solver side must import without it.
+
+# NOTE [ How a block's bytes are attributed ]
+A chain of blocks passes one boundary tensor from block to block (the hidden state). Its bytes are
+charged to the block that *consumes* it: a block that keeps, recomputes or selectively recomputes
+keeps its input on the device until its backward; an offloaded block does not. So
+``OptionCost.kept_bytes`` = the block's input (when kept on the device) + whatever the block's own
+ops keep. The part before the blocks (embeddings) and after them (head, logits, loss) are measured
+as fixed segments. The cost model (``remat.costmodel``) replays these numbers through a step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+__all__ = [
+    "OPTIONS",
+    "BlockProfile",
+    "Estimate",
+    "OptionCost",
+    "Plan",
+    "Profile",
+    "RecordError",
+    "Segment",
+    "load_record",
+]
+
+PROFILE_SCHEMA = 1
+PLAN_SCHEMA = 1
+
+#: Every option a block can take, in order from most memory to least extra time.
+OPTIONS: tuple[str, ...] = ("keep", "selective", "recompute", "offload", "recompute_offload")
+
+
+class RecordError(ValueError):
+    """A record file that cannot be read: wrong kind, wrong schema version, or malformed."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class OptionCost:
+    """What one way of keeping a block costs."""
+
+    kept_bytes: int
+    """Bytes this block holds on the device from the end of its forward until its backward starts
+    (its input when kept on the device, plus what its ops keep). See NOTE [ How a block's bytes are
+    attributed ]."""
+    fwd_peak_bytes: int
+    """Peak bytes above the live level at the start of the block's forward, during that forward."""
+    bwd_peak_bytes: int
+    """Peak bytes above the live level at the start of the block's backward, during that backward
+    (recomputed or reloaded activations, gradient temporaries)."""
+    extra_ms: float
+    """Extra step time against keeping the block, milliseconds (recompute, copies not hidden)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class BlockProfile:
+    """One block (for example one decoder layer) and the cost of each option for it."""
+
+    name: str
+    """The block's qualified module name, e.g. ``"layers.3"``."""
+    kind: str
+    """The block's class name, e.g. ``"Block"``; blocks of one kind are interchangeable."""
+    param_bytes: int
+    """Bytes of the block's own parameters (its gradients take as much)."""
+    grad_bytes: int
+    """Net bytes that appear during the block's backward besides the freed activations: its
+    parameters' gradients plus the change in the gradient flowing through it."""
+    input_bytes: int
+    """Bytes of the boundary tensor the block consumes."""
+    fwd_ms: float
+    """Forward time with the block kept, milliseconds (median over repeats)."""
+    bwd_ms: float
+    """Backward time with the block kept, milliseconds (median over repeats)."""
+    options: dict[str, OptionCost]
+    """The cost of each option that applies on this device, keyed by name from ``OPTIONS``."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Segment:
+    """A fixed part of the step outside the blocks: the part before them or after them."""
+
+    kept_bytes: int
+    """Bytes the segment keeps from its forward until its backward."""
+    fwd_peak_bytes: int
+    """Peak bytes above the level at the start of its forward, during that forward."""
+    bwd_peak_bytes: int
+    """Peak bytes above the level at the start of its backward, during that backward."""
+    grad_bytes: int
+    """Net bytes that appear during its backward besides the freed activations (its gradients)."""
+    fwd_ms: float
+    """Forward time, milliseconds."""
+    bwd_ms: float
+    """Backward time, milliseconds."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Profile:
+    """Everything the planner needs to know about one training step of one model on one device."""
+
+    model: str
+    """The model's class name."""
+    fingerprint: str
+    """A hash of the model's structure (module names, classes, parameter shapes and dtypes)."""
+    device: str
+    """The device the numbers are for: ``"cpu"``, ``"cuda"``, or an estimated spec like ``"h100"``."""
+    mode: str
+    """``"measured"`` (real steps on the device) or ``"estimated"`` (fake tensors and a roofline)."""
+    dtype: str
+    """The parameters' dtype (and autocast dtype when one was used), e.g. ``"float32"``."""
+    batch_shape: list[int]
+    """The shape of the batch's first tensor."""
+    world_size: int = 1
+    """Ranks the job runs on; with ``fsdp`` the parameter bytes here are per rank."""
+    fsdp: bool = False
+    """Whether parameters, gradients and optimizer state are sharded over ``world_size`` ranks."""
+    base_bytes: int
+    """Bytes live when the step starts and through all of it: parameters, optimizer state, batch."""
+    param_bytes: int
+    """Bytes of all parameters (per rank when sharded)."""
+    optimizer_bytes: int
+    """Bytes of optimizer state (0 without an optimizer)."""
+    batch_bytes: int
+    """Bytes of the batch tensors."""
+    optimizer_peak_bytes: int
+    """Peak bytes above ``base_bytes`` + all gradients during the optimizer step (temporaries)."""
+    device_memory_bytes: int | None = None
+    """Memory of the device when known (estimated mode or CUDA), for 'does it fit' messages."""
+    pre: Segment
+    """The part before the blocks (embeddings)."""
+    post: Segment
+    """The part after the blocks (final norm, head, logits, loss)."""
+    blocks: list[BlockProfile]
+    """The blocks in forward order."""
+    plain_peak_bytes: int
+    """Peak bytes of the plain step (every block kept), measured or estimated."""
+    plain_step_ms: float
+    """Time of the plain step, milliseconds (median)."""
+    gather_bytes: int = 0
+    """Under FSDP: bytes of one block's all-gathered parameters, live while the block runs."""
+    schema_version: int = PROFILE_SCHEMA
+    """The record's schema version; files of another version are refused."""
+
+    @property
+    def options(self) -> tuple[str, ...]:
+        """The options every block offers on this device."""
+        common = set(OPTIONS)
+        for block in self.blocks:
+            common &= set(block.options)
+        return tuple(o for o in OPTIONS if o in common)
+
+    def to_json(self) -> str:
+        return _dump(self, "profile")
+
+    @classmethod
+    def from_json(cls, text: str) -> Profile:
+        return _load(cls, text, "profile", PROFILE_SCHEMA)
+
+    def save(self, path: str | Path) -> None:
+        _atomic_write(Path(path), self.to_json())
+
+    @classmethod
+    def load(cls, path: str | Path) -> Profile:
+        return cls.from_json(_read(Path(path)))
+
+
+@dataclass(frozen=True, kw_only=True)
+class Estimate:
+    """What the cost model predicts for one assignment of options to blocks."""
+
+    peak_bytes: int
+    """Predicted peak bytes of the whole step."""
+    peak_phase: str
+    """Where the peak falls, e.g. ``"backward of layers.0"`` or ``"optimizer step"``."""
+    step_ms: float
+    """Predicted step time, milliseconds."""
+    overhead: float
+    """Predicted step time over the plain step's, minus one (0.12 = 12% slower)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Plan:
+    """One option per block, the budget it was solved for, and what it is predicted to cost."""
+
+    choices: dict[str, str]
+    """Block name -> option name, in forward order."""
+    budget_bytes: int | None
+    """The budget the plan was solved for (None for methods that take no budget)."""
+    method: str
+    """The solver that produced it: ``optimal``, ``none``, ``all``, ``every_k``, ``sqrt``, ``greedy``."""
+    estimate: Estimate
+    """The cost model's prediction for this plan."""
+    model: str
+    """The model's class name (from the profile)."""
+    fingerprint: str
+    """The model structure's fingerprint (from the profile): a plan is not applied elsewhere."""
+    device: str
+    """The device the profile was for."""
+    dtype: str
+    """The profile's dtype."""
+    batch_shape: list[int]
+    """The profile's batch shape."""
+    schema_version: int = PLAN_SCHEMA
+    """The record's schema version; files of another version are refused."""
+    notes: list[str] = field(default_factory=list)
+    """Free-form remarks from the solver (e.g. what dominates the peak)."""
+
+    def to_json(self) -> str:
+        return _dump(self, "plan")
+
+    @classmethod
+    def from_json(cls, text: str) -> Plan:
+        return _load(cls, text, "plan", PLAN_SCHEMA)
+
+    def save(self, path: str | Path) -> None:
+        _atomic_write(Path(path), self.to_json())
+
+    @classmethod
+    def load(cls, path: str | Path) -> Plan:
+        return cls.from_json(_read(Path(path)))
+
+
+def load_record(path: str | Path) -> Profile | Plan:
+    """Read a Profile or a Plan file, whichever it holds."""
+    text = _read(Path(path))
+    try:
+        kind = json.loads(text).get("kind")
+    except (json.JSONDecodeError, AttributeError) as e:
+        raise RecordError(f"{path}: not a remat JSON record ({e})") from None
+    if kind == "profile":
+        return Profile.from_json(text)
+    if kind == "plan":
+        return Plan.from_json(text)
+    raise RecordError(f"{path}: expected a remat 'profile' or 'plan' record, found kind={kind!r}")
+
+
+# --- JSON --------------------------------------------------------------------------------------
+
+_T = TypeVar("_T")
+
+
+def _dump(record: Any, kind: str) -> str:
+    data = {"kind": kind, **dataclasses.asdict(record)}
+    return json.dumps(data, indent=2) + "\n"
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text()
+    except FileNotFoundError:
+        raise RecordError(f"no such file: {path}") from None
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
+def _load(cls: type[_T], text: str, kind: str, schema: int) -> _T:
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise RecordError(f"not a remat {kind} file: invalid JSON ({e})") from None
+    if not isinstance(data, dict) or data.get("kind") != kind:
+        found = data.get("kind") if isinstance(data, dict) else type(data).__name__
+        raise RecordError(f"expected a remat {kind} record, found kind={found!r}")
+    version = data.get("schema_version")
+    if version != schema:
+        raise RecordError(
+            f"this {kind} file has schema version {version!r}, but this remat reads version "
+            f"{schema}; recreate it with this version (e.g. `remat {kind} ... --out FILE`)"
+        )
+    data.pop("kind")
+    try:
+        return _build(cls, data)
+    except (TypeError, KeyError) as e:
+        raise RecordError(f"malformed {kind} record: {e}") from None
+
+
+def _build(cls: Any, data: dict[str, Any]) -> Any:
+    kwargs: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        if f.name not in data:
+            continue
+        value = data[f.name]
+        kwargs[f.name] = _convert(cls, f.name, value)
+    unknown = set(data) - {f.name for f in dataclasses.fields(cls)}
+    if unknown:
+        raise TypeError(f"unknown fields {sorted(unknown)} for {cls.__name__}")
+    return cls(**kwargs)
+
+
+_NESTED: dict[tuple[str, str], Any] = {}
+
+
+def _convert(cls: Any, name: str, value: Any) -> Any:
+    nested = _NESTED.get((cls.__name__, name))
+    if nested is None:
+        return value
+    kind, sub = nested
+    if kind == "one":
+        return _build(sub, value)
+    if kind == "list":
+        return [_build(sub, v) for v in value]
+    return {k: _build(sub, v) for k, v in value.items()}
+
+
+_NESTED.update(
+    {
+        ("Profile", "pre"): ("one", Segment),
+        ("Profile", "post"): ("one", Segment),
+        ("Profile", "blocks"): ("list", BlockProfile),
+        ("BlockProfile", "options"): ("dict", OptionCost),
+        ("Plan", "estimate"): ("one", Estimate),
+    }
+)
