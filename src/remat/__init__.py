@@ -1,5 +1,50 @@
-"""remat: make PyTorch training fit a memory budget with the least slowdown."""
+"""remat: make PyTorch training fit a memory budget with the least slowdown.
+
+The public surface is a handful of verbs; everything heavy is imported on first use so that
+``import remat`` stays cheap and the pure planner (``remat.solver``) never pulls in torch.
+"""
 
 from __future__ import annotations
 
+import importlib
+from typing import Any
+
 __version__ = "0.1.0"
+
+_EXPORTS = {
+    "checkpoint": "remat._checkpoint",
+    "checkpoint_call": "remat._checkpoint",
+    "checkpoint_sequential": "remat._checkpoint",
+    "checkpoint_module": "remat._checkpoint",
+    "uncheckpoint_module": "remat._checkpoint",
+    "measure_step": "remat.measure",
+    "StepMemory": "remat.measure",
+    "profile": "remat.profiler",
+    "Profile": "remat.records",
+    "Plan": "remat.records",
+    "Estimate": "remat.records",
+    "estimate": "remat.costmodel",
+    "solve": "remat.solver",
+    "InfeasibleBudget": "remat.solver",
+    "apply": "remat.apply",
+    "remove": "remat.apply",
+    "verify": "remat.verify",
+    "Report": "remat.verify",
+    "auto": "remat.auto",
+    "GradNorm": "remat.gradnorm",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'remat' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXPORTS])

@@ -1,0 +1,239 @@
+"""One training step, the way every stage runs it: forward, loss, backward, optimizer step.
+
+The calling convention for a user's model and batch:
+- ``batch`` a tensor: ``model(batch)``; a tuple or list: ``model(*batch)``; a dict: ``model(**batch)``.
+- ``loss_fn(output, batch) -> scalar``. Without one: the output itself when it is a scalar, its
+  ``.loss`` when it has one (transformers models given labels), else the mean of the output.
+
+``preserved(model, optimizer)`` puts back everything a measuring run changes (weights, buffers such
+as BatchNorm statistics, gradients, optimizer state, RNG state), so that profiling or verifying a
+model never alters what the user gave.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = [
+    "Batch",
+    "LossFn",
+    "batch_bytes",
+    "batch_shape",
+    "forward_loss",
+    "optimizer_bytes",
+    "param_bytes",
+    "preserved",
+    "storage_bytes",
+    "sync",
+    "train_step",
+]
+
+Batch = Any
+LossFn = Callable[[Any, Any], torch.Tensor]
+
+
+def call_model(model: Callable[..., Any], batch: Batch) -> Any:
+    if isinstance(batch, Mapping):
+        return model(**batch)
+    if isinstance(batch, (tuple, list)):
+        return model(*batch)
+    return model(batch)
+
+
+def default_loss(output: Any, batch: Batch) -> torch.Tensor:
+    loss = getattr(output, "loss", None)
+    if isinstance(loss, torch.Tensor):
+        return loss
+    if isinstance(output, (tuple, list)) and output:
+        output = output[0]
+    if isinstance(output, Mapping):
+        output = next(iter(output.values()))
+    if not isinstance(output, torch.Tensor):
+        raise TypeError(
+            f"cannot make a loss from a model output of type {type(output).__name__}; "
+            "pass loss_fn=lambda output, batch: ... that returns a scalar tensor"
+        )
+    return output if output.dim() == 0 else output.float().mean()
+
+
+def forward_loss(model: Callable[..., Any], batch: Batch, loss_fn: LossFn | None) -> torch.Tensor:
+    output = call_model(model, batch)
+    loss = (loss_fn or default_loss)(output, batch)
+    if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+        raise TypeError(
+            f"loss_fn must return a scalar tensor, got "
+            f"{tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__}"
+        )
+    return loss
+
+
+def train_step(
+    model: nn.Module,
+    batch: Batch,
+    loss_fn: LossFn | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    mark: Callable[[str], None] | None = None,
+) -> float:
+    """One step; ``mark(phase)`` is called at each phase boundary. Returns the loss."""
+    mark = mark or (lambda _: None)
+    if optimizer is not None:
+        optimizer.zero_grad(set_to_none=True)
+    else:
+        model.zero_grad(set_to_none=True)
+    mark("forward")
+    loss = forward_loss(model, batch, loss_fn)
+    mark("backward")
+    loss.backward()
+    value = loss.detach()
+    del loss
+    mark("optimizer")
+    if optimizer is not None:
+        optimizer.step()
+    mark("end")
+    return float(value)
+
+
+def sync(device: torch.device | str) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed_steps(
+    model: nn.Module,
+    batch: Batch,
+    loss_fn: LossFn | None,
+    optimizer: torch.optim.Optimizer | None,
+    *,
+    repeats: int,
+    device: torch.device,
+) -> list[float]:
+    """Milliseconds of ``repeats`` steps (the caller warms up first)."""
+    times = []
+    for _ in range(repeats):
+        sync(device)
+        t0 = time.perf_counter()
+        train_step(model, batch, loss_fn, optimizer)
+        sync(device)
+        times.append((time.perf_counter() - t0) * 1e3)
+    return times
+
+
+# --- bytes ---------------------------------------------------------------------------------------
+
+
+def storage_bytes(tensors: Any, *, seen: set[int] | None = None) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (any nesting); each storage counted once."""
+    seen = set() if seen is None else seen
+    total = 0
+    for t in _tensors(tensors):
+        storage = t.untyped_storage()
+        key = storage.data_ptr() if storage.data_ptr() else id(storage)
+        if key in seen:
+            continue
+        seen.add(key)
+        total += storage.nbytes()
+    return total
+
+
+def _tensors(obj: Any) -> Iterator[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, Mapping):
+        for v in obj.values():
+            yield from _tensors(v)
+    elif isinstance(obj, (tuple, list)):
+        for v in obj:
+            yield from _tensors(v)
+
+
+def param_bytes(model: nn.Module) -> int:
+    return storage_bytes(list(model.parameters()))
+
+
+def trainable_bytes(model: nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+
+
+def optimizer_bytes(optimizer: torch.optim.Optimizer | None) -> int:
+    if optimizer is None:
+        return 0
+    return storage_bytes([dict(s) for s in optimizer.state.values()])
+
+
+def batch_bytes(batch: Batch) -> int:
+    return storage_bytes(batch)
+
+
+def batch_shape(batch: Batch) -> list[int]:
+    first = next(_tensors(batch), None)
+    return list(first.shape) if first is not None else []
+
+
+def batch_device(model: nn.Module, batch: Batch) -> torch.device:
+    first = next(_tensors(batch), None)
+    if first is not None:
+        return first.device
+    param = next(model.parameters(), None)
+    return param.device if param is not None else torch.device("cpu")
+
+
+# --- leaving the user's objects as they were -----------------------------------------------------
+
+
+@contextlib.contextmanager
+def preserved(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> Iterator[None]:
+    """Run measuring steps, then put back weights, buffers, grads, optimizer state and RNG state."""
+    tensors = {name: t for name, t in _named_state(model)}
+    saved = {name: t.detach().to("cpu", copy=True) for name, t in tensors.items()}
+    grads = {
+        name: (p.grad.detach().to("cpu", copy=True) if p.grad is not None else None)
+        for name, p in model.named_parameters()
+    }
+    opt_state = _copy_to_cpu(optimizer.state_dict()) if optimizer is not None else None
+    cpu_rng = torch.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    training = {m: m.training for m in model.modules()}
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for name, t in tensors.items():
+                t.copy_(saved[name])
+            for name, p in model.named_parameters():
+                g = grads.get(name)
+                p.grad = g.to(p.device) if g is not None else None
+        if optimizer is not None and opt_state is not None:
+            optimizer.load_state_dict(opt_state)
+            if not opt_state["state"]:
+                optimizer.state.clear()
+        torch.set_rng_state(cpu_rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state_all(cuda_rng)
+        for m, flag in training.items():
+            m.training = flag
+
+
+def _named_state(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    seen: set[int] = set()
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        if t is None or id(t) in seen:
+            continue
+        seen.add(id(t))
+        yield name, t
+
+
+def _copy_to_cpu(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: _copy_to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_copy_to_cpu(v) for v in obj]
+    return obj

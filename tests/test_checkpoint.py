@@ -1,0 +1,315 @@
+"""The manual tool against plain PyTorch: every output and gradient compared, bit for bit on CPU."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint as torch_checkpoint
+
+import remat
+from remat._checkpoint import checkpoint_call, checkpoint_module, is_checkpointed, uncheckpoint_module
+
+
+def _grads(module: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.grad.clone() for n, p in module.named_parameters() if p.grad is not None}
+
+
+def _assert_same_grads(a: nn.Module, b: nn.Module) -> None:
+    ga, gb = _grads(a), _grads(b)
+    assert ga.keys() == gb.keys() and ga
+    for name in ga:
+        assert torch.equal(ga[name], gb[name]), name
+
+
+class Layer(nn.Module):
+    def __init__(self, d: int = 16, p: float = 0.0) -> None:
+        super().__init__()
+        self.lin = nn.Linear(d, d)
+        self.drop = nn.Dropout(p)
+
+    def forward(self, x: torch.Tensor, *, scale: float = 1.0) -> torch.Tensor:
+        return self.drop(torch.tanh(self.lin(x))) * scale
+
+
+def test_pseudocode_from_the_seed_runs_as_written() -> None:
+    torch.manual_seed(0)
+    layers = nn.ModuleList([Layer(p=0.1) for _ in range(5)])
+    plain = copy.deepcopy(layers)
+    x = torch.randn(4, 16)
+
+    def run(ls: nn.ModuleList, ckpt: bool) -> torch.Tensor:
+        x1 = ls[0](x)
+        x2 = ls[1](x1)
+        x3 = remat.checkpoint(ls[2], x2) if ckpt else ls[2](x2)
+        x4 = ls[3](x3)
+        return ls[4](x4).square().mean()
+
+    torch.manual_seed(1)
+    loss_a = run(layers, True)
+    loss_a.backward()
+    torch.manual_seed(1)
+    loss_b = run(plain, False)
+    loss_b.backward()
+    assert torch.equal(loss_a, loss_b)
+    _assert_same_grads(layers, plain)
+
+
+def test_dropout_recompute_sees_the_same_random_numbers() -> None:
+    torch.manual_seed(0)
+    layer = Layer(p=0.5)
+    ref = copy.deepcopy(layer)
+    x = torch.randn(32, 16, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_()
+    torch.manual_seed(7)
+    remat.checkpoint(layer, x).sum().backward()
+    torch.manual_seed(7)
+    ref(x_ref).sum().backward()
+    assert torch.equal(x.grad, x_ref.grad)
+    _assert_same_grads(layer, ref)
+
+
+def test_batchnorm_running_stats_updated_once() -> None:
+    torch.manual_seed(0)
+    block = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU())
+    ref = copy.deepcopy(block)
+    x = torch.randn(8, 3, 6, 6)
+    for _ in range(3):
+        remat.checkpoint(block, x).sum().backward()
+        ref(x).sum().backward()
+    bn, bn_ref = block[1], ref[1]
+    assert int(bn.num_batches_tracked) == int(bn_ref.num_batches_tracked) == 3
+    assert torch.equal(bn.running_mean, bn_ref.running_mean)
+    assert torch.equal(bn.running_var, bn_ref.running_var)
+    _assert_same_grads(block, ref)
+    # and the flag is back on after the recompute
+    assert bn.track_running_stats
+
+
+def test_plain_torch_checkpoint_updates_batchnorm_twice() -> None:
+    # The bug remat fixes (pytorch issue 96136): if torch ever fixes it, this test tells us.
+    bn = nn.BatchNorm1d(4)
+    x = torch.randn(8, 4)
+    torch_checkpoint(bn, x, use_reentrant=False).sum().backward()
+    assert int(bn.num_batches_tracked) == 2
+
+
+def test_autocast_bf16() -> None:
+    torch.manual_seed(0)
+    layer = Layer()
+    ref = copy.deepcopy(layer)
+    x = torch.randn(8, 16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = remat.checkpoint(layer, x)
+        out_ref = ref(x)
+    assert out.dtype == torch.bfloat16
+    assert torch.equal(out, out_ref)
+    out.float().sum().backward()
+    out_ref.float().sum().backward()
+    _assert_same_grads(layer, ref)
+
+
+def test_bf16_parameters() -> None:
+    torch.manual_seed(0)
+    layer = Layer().to(torch.bfloat16)
+    ref = copy.deepcopy(layer)
+    x = torch.randn(8, 16, dtype=torch.bfloat16)
+    remat.checkpoint(layer, x).float().sum().backward()
+    ref(x).float().sum().backward()
+    _assert_same_grads(layer, ref)
+
+
+def test_keyword_arguments_reach_the_function() -> None:
+    torch.manual_seed(0)
+    layer = Layer()
+    ref = copy.deepcopy(layer)
+    x = torch.randn(4, 16)
+    out = remat.checkpoint(layer, x, scale=3.0)
+    assert torch.equal(out, ref(x, scale=3.0))
+    out.sum().backward()
+    ref(x, scale=3.0).sum().backward()
+    _assert_same_grads(layer, ref)
+
+
+def test_nested_and_non_tensor_arguments_and_outputs() -> None:
+    torch.manual_seed(0)
+    lin = nn.Linear(8, 8)
+    ref = copy.deepcopy(lin)
+
+    def fn(m: nn.Module, inputs: dict, pair: tuple, tag: str, k: int) -> dict:
+        h = m(inputs["x"]) + pair[0] * k
+        return {"h": h, "parts": (h.sum(), tag), "count": k}
+
+    x, y = torch.randn(3, 8), torch.randn(3, 8, requires_grad=True)
+    y_ref = y.detach().clone().requires_grad_()
+    out = remat.checkpoint(fn, lin, {"x": x}, (y, None), "tag", 2)
+    out_ref = fn(ref, {"x": x}, (y_ref, None), "tag", 2)
+    assert out["parts"][1] == "tag" and out["count"] == 2
+    assert torch.equal(out["h"], out_ref["h"])
+    (out["h"].square().sum() + out["parts"][0]).backward()
+    (out_ref["h"].square().sum() + out_ref["parts"][0]).backward()
+    assert torch.equal(y.grad, y_ref.grad)
+    _assert_same_grads(lin, ref)
+
+
+def test_frozen_input_trainable_parameters() -> None:
+    # LoRA-style: the input comes from a frozen embedding (no grad), the layer's weights train.
+    torch.manual_seed(0)
+    emb = nn.Embedding(10, 16).requires_grad_(False)
+    layer = Layer()
+    ref = copy.deepcopy(layer)
+    ids = torch.randint(0, 10, (4, 5))
+    h = emb(ids)
+    assert not h.requires_grad
+    out = remat.checkpoint(layer, h)
+    assert out.requires_grad
+    out.sum().backward()
+    ref(h).sum().backward()
+    _assert_same_grads(layer, ref)
+
+
+def test_double_backward() -> None:
+    torch.manual_seed(0)
+    layer = Layer()
+    ref = copy.deepcopy(layer)
+    x = torch.randn(4, 16, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_()
+    (g,) = torch.autograd.grad(remat.checkpoint(layer, x).sum(), x, create_graph=True)
+    (g_ref,) = torch.autograd.grad(ref(x_ref).sum(), x_ref, create_graph=True)
+    assert torch.equal(g, g_ref)
+    g.square().sum().backward()
+    g_ref.square().sum().backward()
+    assert torch.equal(x.grad, x_ref.grad)
+    _assert_same_grads(layer, ref)
+
+
+@pytest.mark.parametrize("context", ["no_grad", "inference_mode", "eval"])
+def test_no_grad_inference_and_eval_run_plainly(context: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = []
+    import remat._checkpoint as ck
+
+    monkeypatch.setattr(ck, "_torch_checkpoint", lambda *a, **k: calls.append(1))
+    layer = Layer()
+    x = torch.randn(2, 16)
+    if context == "no_grad":
+        with torch.no_grad():
+            out = remat.checkpoint(layer, x)
+    elif context == "inference_mode":
+        with torch.inference_mode():
+            out = remat.checkpoint(layer, x)
+    else:
+        layer.eval()
+        out = remat.checkpoint(layer, x)
+    assert calls == []
+    assert torch.equal(out, layer(x))
+    layer.train()
+    remat.checkpoint(layer, x)
+    assert calls == [1]
+
+
+def test_selective_mode_keeps_matmul_outputs_and_matches() -> None:
+    torch.manual_seed(0)
+    layer = Layer(p=0.2)
+    ref = copy.deepcopy(layer)
+    x = torch.randn(8, 16, requires_grad=True)
+    torch.manual_seed(3)
+    checkpoint_call(layer, (x,), mode="selective").sum().backward()
+    torch.manual_seed(3)
+    x_ref = x.detach().clone().requires_grad_()
+    ref(x_ref).sum().backward()
+    assert torch.equal(x.grad, x_ref.grad)
+    _assert_same_grads(layer, ref)
+
+
+def test_offload_modes_match_on_cpu() -> None:
+    torch.manual_seed(0)
+    for mode in ("offload", "recompute_offload"):
+        layer = Layer()
+        ref = copy.deepcopy(layer)
+        x = torch.randn(8, 16)
+        checkpoint_call(layer, (x,), mode=mode).sum().backward()
+        ref(x).sum().backward()
+        _assert_same_grads(layer, ref)
+
+
+def test_checkpoint_sequential_matches_and_checks_segments() -> None:
+    torch.manual_seed(0)
+    seq = nn.Sequential(*[Layer(p=0.1) for _ in range(6)])
+    ref = copy.deepcopy(seq)
+    x = torch.randn(4, 16)
+    torch.manual_seed(5)
+    remat.checkpoint_sequential(seq, x, segments=3).sum().backward()
+    torch.manual_seed(5)
+    ref(x).sum().backward()
+    _assert_same_grads(seq, ref)
+    with pytest.raises(ValueError, match="between 1 and the number of blocks \\(6\\), got 7"):
+        remat.checkpoint_sequential(seq, x, segments=7)
+    with pytest.raises(ValueError, match="got 0"):
+        remat.checkpoint_sequential(seq, x, segments=0)
+    with pytest.raises(ValueError, match="no blocks"):
+        remat.checkpoint_sequential([], x, segments=1)
+
+
+def test_checkpoint_sequential_keeps_only_segment_inputs() -> None:
+    from remat.measure import measure_step
+
+    torch.manual_seed(0)
+    seq = nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.ReLU()) for _ in range(8)])
+    x = torch.randn(32, 64)
+
+    class Wrap(nn.Module):
+        def __init__(self, segments: int | None) -> None:
+            super().__init__()
+            self.seq, self.segments = seq, segments
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if self.segments is None:
+                return self.seq(x)
+            return remat.checkpoint_sequential(self.seq, x, segments=self.segments)
+
+    act = 32 * 64 * 4
+    plain = measure_step(Wrap(None), x, loss_fn=lambda o, b: o.sum(), repeats=0)
+    seg = measure_step(Wrap(2), x, loss_fn=lambda o, b: o.sum(), repeats=0)
+    assert plain.kept_bytes == 8 * act + 4  # each ReLU output, plus the loss
+    # two segments: the second one's input, the RNG states stashed for replay, and the loss
+    rng = torch.get_rng_state().numel()
+    assert seg.kept_bytes == act + 2 * rng + 4
+
+
+def test_misuse_errors() -> None:
+    with pytest.raises(TypeError, match="not remat.checkpoint\\(x, layer\\)"):
+        remat.checkpoint(torch.randn(2), Layer())
+    with pytest.raises(ValueError, match="expected one of recompute, selective"):
+        checkpoint_call(Layer(), (torch.randn(2, 16),), mode="fast")
+    with pytest.raises(ValueError, match="policy= applies to mode='selective' only"):
+        checkpoint_call(Layer(), (torch.randn(2, 16),), policy=[])
+    with pytest.raises(TypeError, match="expects an nn.Module"):
+        checkpoint_module(lambda x: x)  # type: ignore[arg-type]
+
+
+def test_module_form_keeps_names_and_round_trips() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(Layer(p=0.1), nn.BatchNorm1d(16), Layer())
+    ref = copy.deepcopy(model)
+    keys = list(model.state_dict())
+    names = [n for n, _ in model.named_modules()]
+    for m in model:
+        checkpoint_module(m)
+    assert list(model.state_dict()) == keys
+    assert [n for n, _ in model.named_modules()] == names
+    assert is_checkpointed(model[0]) == "recompute"
+    x = torch.randn(8, 16)
+    for _ in range(2):
+        torch.manual_seed(2)
+        model(x).sum().backward()
+        torch.manual_seed(2)
+        ref(x).sum().backward()
+    _assert_same_grads(model, ref)
+    assert torch.equal(model[1].running_mean, ref[1].running_mean)
+    assert int(model[1].num_batches_tracked) == 2
+    for m in model:
+        uncheckpoint_module(m)
+        assert is_checkpointed(m) is None
+        assert "forward" not in m.__dict__
