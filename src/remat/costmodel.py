@@ -86,7 +86,11 @@ def _phases(profile: Profile, costs: Sequence[OptionCost]) -> list[_Phase]:
             f"{block.name}'s forward working memory",
         )
         acts += cost.kept_bytes
-    at("forward of the head", post.fwd_peak_bytes, "the head's forward working memory (logits, loss)")
+    at(
+        "forward of the head",
+        post.fwd_peak_bytes,
+        "the head's forward working memory (logits, loss)",
+    )
     acts += post.kept_bytes
     at("backward of the head", post.bwd_peak_bytes, "the head's backward working memory")
     acts -= post.kept_bytes
@@ -256,9 +260,7 @@ def chain_constraints(profile: Profile, options: Sequence[str] | None = None) ->
         kept_rows.append(tuple(c.kept_bytes for c in costs))
         need_rows.append(
             tuple(
-                lead
-                + gather
-                + max(c.fwd_peak_bytes, grads_after + c.kept_bytes + c.bwd_peak_bytes)
+                lead + gather + max(c.fwd_peak_bytes, grads_after + c.kept_bytes + c.bwd_peak_bytes)
                 for c in costs
             )
         )
@@ -314,7 +316,10 @@ def _dominant(profile: Profile, phase: _Phase) -> str:
             min(state, phase.base_bytes),
         ),
         ("the batch takes", profile.batch_bytes),
-        ("other memory live through the step takes", phase.base_bytes - state - profile.batch_bytes),
+        (
+            "other memory live through the step takes",
+            phase.base_bytes - state - profile.batch_bytes,
+        ),
         ("activations kept for the backward take", phase.activation_bytes),
         ("gradients take", phase.grad_bytes),
         (f"{phase.transient} takes", phase.transient_bytes),

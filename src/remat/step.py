@@ -80,8 +80,8 @@ def train_step(
     optimizer: torch.optim.Optimizer | None = None,
     *,
     mark: Callable[[str], None] | None = None,
-) -> float:
-    """One step; ``mark(phase)`` is called at each phase boundary. Returns the loss."""
+) -> torch.Tensor:
+    """One step; ``mark(phase)`` is called at each phase boundary. Returns the loss, detached."""
     mark = mark or (lambda _: None)
     if optimizer is not None:
         optimizer.zero_grad(set_to_none=True)
@@ -97,7 +97,7 @@ def train_step(
     if optimizer is not None:
         optimizer.step()
     mark("end")
-    return float(value)
+    return value
 
 
 def sync(device: torch.device | str) -> None:
@@ -134,7 +134,7 @@ def storage_bytes(tensors: Any, *, seen: set[int] | None = None) -> int:
     total = 0
     for t in _tensors(tensors):
         storage = t.untyped_storage()
-        key = storage.data_ptr() if storage.data_ptr() else id(storage)
+        key = int(storage._cdata)  # the StorageImpl's address: works for fake tensors too
         if key in seen:
             continue
         seen.add(key)

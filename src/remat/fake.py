@@ -1,0 +1,141 @@
+"""Estimated mode: the step runs on fake tensors; bytes are exact, times come from a roofline.
+
+# NOTE [ Fake tensors on the CPU device ]
+The model is built and run inside ``FakeTensorMode`` on the *CPU* device: every op computes only
+shapes, dtypes and strides, nothing is allocated, so a 7B model "runs" on a laptop. Two traps:
+fake *CUDA* tensors abort the process on a CPU build once autograd touches them, and the *meta*
+device takes the math SDPA path (it materialises the S x S attention matrix) and overstates
+attention memory about 4x. On fake CPU, SDPA takes the flash-attention-for-CPU kernel, whose saved
+tensors (output, logsumexp) match the GPU flash/cuDNN kernels'.
+
+Bytes: a dispatch mode sees every op's outputs; a new storage is counted when it appears and
+uncounted when it is freed (a weakref on the storage, as torch's own MemTracker does), each
+storage once. Kernel workspaces are invisible here (they are not tensors), which is why estimated
+and measured CPU bytes can differ by a kernel's scratch space.
+
+Time: each kernel costs max(FLOPs / peak FLOP/s, bytes moved / bandwidth) + a launch overhead, with
+FLOPs from torch's FlopCounterMode registry and the peaks derated by ``ROOFLINE_EFFICIENCY``. Views
+cost nothing.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
+
+from remat.devices import ROOFLINE_EFFICIENCY, DeviceSpec
+from remat.measure import Mark, Trace
+
+__all__ = ["FakeMeter", "storage_key"]
+
+aten = torch.ops.aten
+
+
+def storage_key(t: torch.Tensor) -> int:
+    """Identity of a tensor's storage, for real and fake tensors alike."""
+    return int(t.untyped_storage()._cdata)
+
+
+def _cpu_flash_flops(query: Any, key: Any, value: Any, *args: Any, **kwargs: Any) -> int:
+    return int(sdpa_flop_count(query.shape, key.shape, value.shape))
+
+
+def _cpu_flash_bwd_flops(grad_out: Any, query: Any, key: Any, value: Any, *args: Any, **kw: Any) -> int:
+    return int(sdpa_backward_flop_count(grad_out.shape, query.shape, key.shape, value.shape))
+
+
+# The CPU flash kernel is what fake CPU tensors take; count it as the GPU kernels are counted.
+_EXTRA_FLOPS: dict[Any, Callable[..., int]] = {}
+if hasattr(aten, "_scaled_dot_product_flash_attention_for_cpu"):
+    _EXTRA_FLOPS[aten._scaled_dot_product_flash_attention_for_cpu] = _cpu_flash_flops
+    _EXTRA_FLOPS[aten._scaled_dot_product_flash_attention_for_cpu_backward] = _cpu_flash_bwd_flops
+
+
+class FakeMeter(TorchDispatchMode):
+    """Live bytes and a roofline clock through code that runs on fake tensors.
+
+    Enter it inside ``FakeTensorMode``. ``mark(label)`` records the live bytes, the peak since the
+    previous mark and the clock; ``trace`` has the marks; ``clock_ms`` is the time so far.
+    """
+
+    def __init__(self, spec: DeviceSpec) -> None:
+        super().__init__()
+        self.spec = spec
+        self.live = 0
+        self.peak = 0
+        self._peak_since = 0
+        self.clock_ms = 0.0
+        self.marks: list[Mark] = []
+        self._storages: dict[int, int] = {}
+        self._refs: dict[int, Any] = {}
+
+    # -- bytes ------------------------------------------------------------------------------------
+
+    def _track(self, t: torch.Tensor) -> int:
+        storage = t.untyped_storage()
+        key = int(storage._cdata)
+        if key in self._storages:
+            return 0
+        nbytes = int(storage.nbytes())
+        self._storages[key] = nbytes
+        self._refs[key] = weakref.ref(storage, lambda _, k=key: self._free(k))
+        self.live += nbytes
+        self.peak = max(self.peak, self.live)
+        self._peak_since = max(self._peak_since, self.live)
+        return nbytes
+
+    def _free(self, key: int) -> None:
+        nbytes = self._storages.pop(key, 0)
+        self._refs.pop(key, None)
+        self.live -= nbytes
+
+    def mark(self, label: str) -> None:
+        self.marks.append(
+            Mark(label=label, live_bytes=self.live, peak_bytes=self._peak_since, t_ms=self.clock_ms)
+        )
+        self._peak_since = self.live
+
+    @property
+    def trace(self) -> Trace:
+        points = [(m.t_ms, m.live_bytes) for m in self.marks]
+        return Trace(marks=list(self.marks), points=points, peak_bytes=self.peak)
+
+    # -- dispatch ---------------------------------------------------------------------------------
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        in_keys = {storage_key(t) for t in inputs}
+        written = 0
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and storage_key(t) not in in_keys:
+                written += self._track(t)
+        if written or func in _EXTRA_FLOPS or func._overloadpacket in flop_registry:
+            self.clock_ms += self._kernel_ms(func, args, kwargs, out, inputs, written)
+        return out
+
+    def _kernel_ms(
+        self, func: Any, args: Any, kwargs: Any, out: Any, inputs: list[torch.Tensor], written: int
+    ) -> float:
+        flops = 0
+        count = _EXTRA_FLOPS.get(func)
+        try:
+            if count is not None:
+                flops = count(*args, **kwargs)
+            elif func._overloadpacket in flop_registry:
+                flops = int(flop_registry[func._overloadpacket](*args, **kwargs, out_val=out))
+        except Exception:  # a flop formula that does not take this overload's arguments
+            flops = 0
+        read = sum(t.numel() * t.element_size() for t in inputs)
+        dtype = next((str(t.dtype).removeprefix("torch.") for t in inputs if t.is_floating_point()), "float32")
+        spec = self.spec
+        compute_s = flops / (spec.peak_flops(dtype) * ROOFLINE_EFFICIENCY["flops"])
+        memory_s = (read + written) / (spec.bandwidth_bytes_per_s * ROOFLINE_EFFICIENCY["bandwidth"])
+        return max(compute_s, memory_s) * 1e3 + spec.kernel_overhead_us * 1e-3

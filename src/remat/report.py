@@ -1,0 +1,566 @@
+"""Reporting: pictures and tables for people. The only place where bytes become "1.23 GiB".
+
+Everything here is a pure function of records or plain numbers: nothing runs a model. Tables are
+``rich.table.Table`` objects (``render_text`` turns one into plain text for logs and golden tests);
+plots need the optional ``matplotlib`` (``pip install 'remat[plot]'``), imported on first use.
+
+# NOTE [ Plots without pyplot ]
+The plots build a ``matplotlib.figure.Figure`` and attach an Agg canvas to it by hand instead of
+going through ``pyplot``: no global figure registry to leak, no backend switch for the caller's
+process, safe to call from a worker thread. The figure size and dpi are fixed and the layout is
+"constrained" (not ``bbox_inches="tight"``), so a picture's pixel size is known in advance.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from io import StringIO
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from rich import box
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from remat.records import OPTIONS, Plan, Profile, Segment
+from remat.units import format_bytes
+
+if TYPE_CHECKING:
+    from remat.measure import StepMemory
+
+__all__ = [
+    "ComparisonRow",
+    "FrontierPoint",
+    "comparison_table",
+    "markdown_table",
+    "plan_table",
+    "plot_frontier",
+    "plot_timeline",
+    "profile_table",
+    "render_text",
+]
+
+#: Every plot is this size: 8 x 5 inches at 150 dpi = 1200 x 750 pixels.
+FIGSIZE_IN = (8.0, 5.0)
+DPI = 150
+
+_BASELINE_MARKERS = ("s", "^", "D", "v", "P", "X", "*", "h")
+_PHASE_COLORS = {"forward": "#4C72B0", "backward": "#DD8452", "optimizer": "#55A868"}
+_OPTION_STYLES = {
+    "keep": "green",
+    "selective": "cyan",
+    "recompute": "yellow",
+    "offload": "magenta",
+    "recompute_offload": "red",
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class FrontierPoint:
+    """One measured plan on the memory / time plane."""
+
+    label: str
+    """What the point is called on the plot, e.g. ``"remat 70%"`` or ``"every block"``."""
+    method: str
+    """``"optimal"`` for remat's plans (drawn as one curve); anything else is a baseline or a peer
+    (``"none"``, ``"all"``, ``"every_k"``, ``"torch.compile 0.5"``), drawn as its own point."""
+    peak_bytes: int
+    """Measured peak bytes of the step."""
+    overhead: float
+    """Measured step time over the plain step's, minus one (0.12 = 12% slower)."""
+    predicted_peak_bytes: int | None = None
+    """The cost model's predicted peak bytes, when there is one."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ComparisonRow:
+    """One plan checked against plain PyTorch: one row of ``comparison_table``."""
+
+    label: str
+    """What the plan is called, e.g. ``"remat 70%"`` or ``"every block"``."""
+    method: str
+    """The solver or baseline that produced it (``"optimal"`` rows are shown in bold)."""
+    budget_bytes: int | None = None
+    """The budget it was solved for (None for methods that take no budget)."""
+    predicted_peak_bytes: int | None = None
+    """The cost model's predicted peak bytes (None when not predicted)."""
+    measured_peak_bytes: int
+    """Measured peak bytes of the step."""
+    overhead: float
+    """Measured step time over the plain step's, minus one (0.12 = 12% slower)."""
+    fits: bool | None = None
+    """Whether the measured peak is within the budget (None without a budget)."""
+    grads_equal: bool | None = None
+    """Whether the gradients equal the plain step's (None when not checked)."""
+
+
+# --- tables ------------------------------------------------------------------------------------
+
+
+def render_text(table: Table, width: int = 100) -> str:
+    """``table`` as plain text, no colour, ``width`` columns, no trailing spaces."""
+    out = StringIO()
+    console = Console(
+        file=out, width=width, color_system=None, force_terminal=False, legacy_windows=False
+    )
+    console.print(table)
+    return "\n".join(line.rstrip() for line in out.getvalue().splitlines()) + "\n"
+
+
+def plan_table(plan: Plan, profile: Profile | None = None) -> Table:
+    """One row per block: its option, and with ``profile`` the bytes it keeps and the time it adds.
+
+    The footer holds the plan's prediction (peak and where it falls, budget, step time and
+    overhead) and, with a profile, the blocks' total kept bytes and extra milliseconds.
+    """
+    blocks = {}
+    if profile is not None:
+        if profile.fingerprint != plan.fingerprint:
+            raise ValueError(
+                f"the plan was made for model {plan.model} (fingerprint {plan.fingerprint}) but the "
+                f"profile is of {profile.model} (fingerprint {profile.fingerprint}); pass the "
+                "profile the plan was solved from"
+            )
+        blocks = {b.name: b for b in profile.blocks}
+    est = plan.estimate
+    budget = "none" if plan.budget_bytes is None else format_bytes(plan.budget_bytes)
+    names = ["predicted peak", "peak falls in", "budget", "predicted step"]
+    values = [
+        format_bytes(est.peak_bytes),
+        est.peak_phase,
+        budget,
+        f"{est.step_ms:.1f} ms ({_percent(est.overhead)})",
+    ]
+    table = Table(
+        title=f"plan for {plan.model}: {plan.method}, {len(plan.choices)} blocks",
+        box=box.SIMPLE_HEAD,
+        collapse_padding=True,
+        show_footer=True,
+    )
+    rows: list[list[str | Text]] = []
+    kept_total, extra_total = 0, 0.0
+    for name, option in plan.choices.items():
+        row: list[str | Text] = [name, Text(option, style=_OPTION_STYLES.get(option, ""))]
+        if profile is not None:
+            cost = blocks[name].options.get(option) if name in blocks else None
+            if cost is None:
+                row += ["—", "—"]
+            else:
+                kept_total += cost.kept_bytes
+                extra_total += cost.extra_ms
+                row += [format_bytes(cost.kept_bytes), f"{cost.extra_ms:.2f}"]
+        rows.append(row)
+    if profile is not None:
+        names.insert(0, "total")
+        values.insert(0, "")
+    table.add_column("block", footer="\n".join(names), no_wrap=True)
+    table.add_column("option", footer="\n".join(values))
+    if profile is not None:
+        pad = "\n" * (len(names) - 1)
+        table.add_column("kept", justify="right", footer=format_bytes(kept_total) + pad)
+        table.add_column("extra ms", justify="right", footer=f"{extra_total:.2f}" + pad)
+    for row in rows:
+        table.add_row(*row)
+    return table
+
+
+def profile_table(profile: Profile) -> Table:
+    """Per block: parameter and input bytes, kept bytes under each option, fwd and bwd ms.
+
+    The blocks' kind is a column when they differ, else part of the title. Bytes share one unit
+    (in the caption) so the columns compare at a glance. The part before the
+    blocks and the part after them are rows of their own; their kept bytes do not depend on the
+    option.
+    """
+    options = [o for o in OPTIONS if any(o in b.options for b in profile.blocks)]
+    sizes = [profile.pre.kept_bytes, profile.post.kept_bytes]
+    for b in profile.blocks:
+        sizes += [b.param_bytes, b.input_bytes, *(c.kept_bytes for c in b.options.values())]
+    unit, scale = _unit(max(sizes))
+
+    def num(n: int) -> str:
+        return f"{n / scale:.2f}"
+
+    shape = "×".join(str(d) for d in profile.batch_shape)
+    kinds = {b.kind for b in profile.blocks}
+    mixed = len(kinds) > 1  # one kind goes in the title, several get a column
+    of_kind = "" if mixed or not kinds else f" of {kinds.pop()}"
+    ranks = f" · fsdp × {profile.world_size}" if profile.fsdp else ""
+    if not profile.fsdp and profile.world_size > 1:
+        ranks = f" · {profile.world_size} ranks"
+    table = Table(
+        title="\n".join(
+            [
+                f"{profile.model} · {profile.device} · {profile.mode} · {profile.dtype} · "
+                f"batch {shape}{ranks}",
+                f"{len(profile.blocks)} blocks{of_kind} · plain step: peak "
+                f"{format_bytes(profile.plain_peak_bytes)}, {profile.plain_step_ms:.1f} ms",
+                f"base {format_bytes(profile.base_bytes)} (params {format_bytes(profile.param_bytes)}"
+                f", optimizer {format_bytes(profile.optimizer_bytes)}, batch "
+                f"{format_bytes(profile.batch_bytes)})",
+            ]
+        ),
+        caption=f"bytes in {unit} · kept = held from a block's forward to its backward",
+        box=box.SIMPLE_HEAD,
+        collapse_padding=True,
+        min_width=80,
+    )
+    # numbers and their headers never fold; when space runs out, the kind column gives way first
+    table.add_column("block", no_wrap=True)
+    if mixed:
+        table.add_column("kind", overflow="ellipsis")
+    headers = ["params", "input", *("kept\n" + o.replace("_", "\n") for o in options)]
+    for header in [*headers, "fwd ms", "bwd ms"]:
+        table.add_column(header, justify="right", no_wrap=True)
+
+    def segment_row(name: str, seg: Segment) -> list[str]:
+        kept = [num(seg.kept_bytes)] * len(options)
+        return [name, *[""] * (2 + mixed), *kept, f"{seg.fwd_ms:.2f}", f"{seg.bwd_ms:.2f}"]
+
+    table.add_row(*segment_row("(before blocks)", profile.pre), end_section=True)
+    for b in profile.blocks:
+        kept = [num(b.options[o].kept_bytes) if o in b.options else "—" for o in options]
+        table.add_row(
+            b.name,
+            *([b.kind] if mixed else []),
+            num(b.param_bytes),
+            num(b.input_bytes),
+            *kept,
+            f"{b.fwd_ms:.2f}",
+            f"{b.bwd_ms:.2f}",
+            end_section=b is profile.blocks[-1],
+        )
+    table.add_row(*segment_row("(after blocks)", profile.post))
+    return table
+
+
+def comparison_table(rows: Sequence[ComparisonRow]) -> Table:
+    """Plans side by side: budget, predicted and measured peak, error, overhead, fit, gradients."""
+    table = Table(box=box.SIMPLE_HEAD, collapse_padding=True)
+    table.add_column("plan")
+    for header in ("budget", "predicted peak", "measured peak", "error", "overhead"):
+        table.add_column(header, justify="right")
+    table.add_column("fits", justify="center")
+    table.add_column("gradients", justify="center")
+    for r in rows:
+        if r.predicted_peak_bytes:
+            error = _percent(r.measured_peak_bytes / r.predicted_peak_bytes - 1)
+        else:
+            error = "—"
+        table.add_row(
+            r.label,
+            "—" if r.budget_bytes is None else format_bytes(r.budget_bytes),
+            "—" if r.predicted_peak_bytes is None else format_bytes(r.predicted_peak_bytes),
+            format_bytes(r.measured_peak_bytes),
+            error,
+            _percent(r.overhead),
+            _mark(r.fits, "✓", "✗"),
+            _mark(r.grads_equal, "=", "≠"),
+            style="bold" if r.method == "optimal" else None,
+        )
+    table.caption = "error = measured vs predicted peak · overhead = step time vs the plain step"
+    return table
+
+
+def _percent(ratio: float) -> str:
+    return f"{ratio * 100:+.1f}%"
+
+
+def _mark(value: bool | None, yes: str, no: str) -> Text:
+    if value is None:
+        return Text("—", style="dim")
+    return Text(yes, style="green") if value else Text(no, style="bold red")
+
+
+def markdown_table(
+    headers: Sequence[str], rows: Sequence[Sequence[str]], *, align: Sequence[str] | None = None
+) -> str:
+    """A GitHub-markdown table, columns padded so the source reads as a table too.
+
+    ``align`` gives one of ``"left"``, ``"right"``, ``"center"`` per column (default all left).
+    """
+    n = len(headers)
+    if n == 0:
+        raise ValueError("a markdown table needs at least one column; got no headers")
+    for i, row in enumerate(rows):
+        if len(row) != n:
+            raise ValueError(
+                f"row {i} has {len(row)} cells but there are {n} headers: {list(row)!r}"
+            )
+    align = ["left"] * n if align is None else list(align)
+    bad = [a for a in align if a not in ("left", "right", "center")]
+    if len(align) != n or bad:
+        raise ValueError(
+            f"align takes one of 'left', 'right', 'center' per column ({n} columns), got {align!r}"
+        )
+    cells = [[_md_cell(c) for c in headers], *[[_md_cell(c) for c in row] for row in rows]]
+    widths = [max(3, *(len(r[i]) for r in cells)) for i in range(n)]
+    rules = {
+        "left": lambda w: "-" * w,
+        "right": lambda w: "-" * (w - 1) + ":",
+        "center": lambda w: ":" + "-" * (w - 2) + ":",
+    }
+
+    def line(row: Sequence[str]) -> str:
+        padded = [
+            c.rjust(w) if a == "right" else c.center(w) if a == "center" else c.ljust(w)
+            for c, w, a in zip(row, widths, align)
+        ]
+        return "| " + " | ".join(padded) + " |"
+
+    rule = "| " + " | ".join(rules[a](w) for a, w in zip(align, widths)) + " |"
+    return "\n".join([line(cells[0]), rule, *(line(r) for r in cells[1:])]) + "\n"
+
+
+def _md_cell(value: object) -> str:
+    return str(value).replace("|", "\\|").replace("\n", " ")
+
+
+# --- plots -------------------------------------------------------------------------------------
+
+
+def plot_frontier(
+    points: Sequence[FrontierPoint],
+    *,
+    path: str | Path,
+    title: str | None = None,
+    budget_bytes: int | None = None,
+) -> Path:
+    """Peak memory against step-time overhead: remat's plans as a curve, baselines as points.
+
+    Predicted peaks, where given, are drawn as hollow markers joined to the measured ones. Writes a
+    1200 x 750 PNG to ``path`` and returns it.
+    """
+    if not points:
+        raise ValueError("plot_frontier needs at least one FrontierPoint; got none")
+    fig, ax = _figure()
+    every = [p.peak_bytes for p in points] + [p.predicted_peak_bytes or 0 for p in points]
+    unit, scale = _unit(max([*every, budget_bytes or 0]))
+    optimal = sorted((p for p in points if p.method == "optimal"), key=lambda p: p.peak_bytes)
+    others = [p for p in points if p.method != "optimal"]
+    texts = []
+    if optimal:
+        ax.plot(
+            [p.overhead * 100 for p in optimal],
+            [p.peak_bytes / scale for p in optimal],
+            "-o", color="C0", lw=2, ms=6, zorder=3, label="remat (optimal plans)",
+        )  # fmt: skip
+        for p in optimal:
+            texts.append(
+                _label(ax, p.label, p.overhead * 100, p.peak_bytes / scale, "C0", small=True)
+            )
+    for i, p in enumerate(others):
+        color = f"C{i % 9 + 1}"
+        x, y = p.overhead * 100, p.peak_bytes / scale
+        ax.plot([x], [y], ls="none", marker=_BASELINE_MARKERS[i % len(_BASELINE_MARKERS)],
+                ms=9, color=color, zorder=4, label=p.label)  # fmt: skip
+        texts.append(_label(ax, p.label, x, y, color, small=False))
+    predicted = [p for p in points if p.predicted_peak_bytes is not None]
+    for p in predicted:
+        x, measured, pred = p.overhead * 100, p.peak_bytes / scale, p.predicted_peak_bytes / scale  # type: ignore[operator]
+        ax.plot([x, x], [measured, pred], ":", color="0.55", lw=1, zorder=2)
+        ax.plot([x], [pred], ls="none", marker="o", ms=7, mfc="none", mec="0.35", zorder=2)
+    if predicted:
+        ax.plot([], [], ls="none", marker="o", ms=7, mfc="none", mec="0.35", label="predicted peak")
+    if budget_bytes is not None:
+        ax.axhline(budget_bytes / scale, ls="--", color="crimson", lw=1.3, zorder=1,
+                   label=f"budget {format_bytes(budget_bytes)}")  # fmt: skip
+    ax.set_xlabel("step-time overhead vs. the plain step (%)")
+    ax.set_ylabel(f"measured peak memory ({unit})")
+    ax.set_title(title or "Peak memory against step time")
+    ax.set_ylim(bottom=0, top=ax.get_ylim()[1] * 1.08)
+    ax.margins(x=0.1)
+    ax.legend(loc="upper right", fontsize=8, framealpha=0.9)
+    _declutter(fig, texts)
+    return _save(fig, path)
+
+
+def plot_timeline(
+    series: Sequence[tuple[str, StepMemory]],
+    *,
+    path: str | Path,
+    budget_bytes: int | None = None,
+    title: str | None = None,
+) -> Path:
+    """Live bytes through one training step for each series, on a 0..1 time axis.
+
+    Time is normalised to each step's length because profiled time (on CPU especially) is slower
+    and uneven; the phases (forward, backward, optimizer) of the first series are shaded. Each
+    series' peak is marked with its value. Writes a 1200 x 750 PNG to ``path`` and returns it.
+    """
+    if not series:
+        raise ValueError("plot_timeline needs at least one (name, StepMemory) pair; got none")
+    empty = [name for name, mem in series if not mem.timeline]
+    if empty:
+        raise ValueError(
+            f"series {empty} have no timeline; measure them with remat.measure_step, which records one"
+        )
+    fig, ax = _figure()
+    top = max(max(pt.live_bytes for pt in mem.timeline) for _, mem in series)
+    unit, scale = _unit(max(top, budget_bytes or 0))
+    _shade_phases(ax, series[0][1])
+    texts = []
+    for i, (name, mem) in enumerate(series):
+        t0, t1 = mem.timeline[0].t_ms, mem.timeline[-1].t_ms
+        span = (t1 - t0) or 1.0
+        xs = [(pt.t_ms - t0) / span for pt in mem.timeline]
+        ys = [pt.live_bytes / scale for pt in mem.timeline]
+        color = f"C{i}"
+        ax.plot(xs, ys, drawstyle="steps-post", color=color, lw=1.6, label=name, zorder=3)
+        k = max(range(len(ys)), key=ys.__getitem__)
+        ax.plot([xs[k]], [ys[k]], "o", color=color, ms=6, zorder=4)
+        peak = format_bytes(mem.timeline[k].live_bytes)
+        texts.append(_label(ax, f"peak {peak}", xs[k], ys[k], color, small=False))
+    fixed = []
+    if budget_bytes is not None:
+        y = budget_bytes / scale
+        ax.axhline(y, ls="--", color="crimson", lw=1.3, zorder=2)
+        budget_text = ax.annotate(f"budget {format_bytes(budget_bytes)}", (1.0, y), xycoords=("axes fraction", "data"),
+                    xytext=(-4, 3), textcoords="offset points", ha="right", va="bottom",
+                    color="crimson", fontsize=9)  # fmt: skip
+        fixed.append(budget_text)
+    ax.set_xlim(0, 1)
+    ax.set_ylim(bottom=0, top=max(top, budget_bytes or 0) / scale * 1.15)
+    ax.set_xlabel("progress through the step (0 = start, 1 = end; profiled time, normalised)")
+    ax.set_ylabel(f"live memory ({unit})")
+    ax.set_title(title or "Memory through one training step")
+    ax.legend(loc="upper left", fontsize=9, framealpha=0.9)
+    _declutter(fig, texts, fixed=fixed)
+    return _save(fig, path)
+
+
+def _shade_phases(ax: Any, mem: StepMemory) -> None:
+    t0, t1 = mem.timeline[0].t_ms, mem.timeline[-1].t_ms
+    span = (t1 - t0) or 1.0
+    runs: list[tuple[str, float, float]] = []
+    for pt in mem.timeline:
+        x = (pt.t_ms - t0) / span
+        if runs and runs[-1][0] == pt.phase:
+            runs[-1] = (pt.phase, runs[-1][1], x)
+        else:
+            if runs:  # the previous phase ends where this one starts
+                runs[-1] = (runs[-1][0], runs[-1][1], x)
+            runs.append((pt.phase, x, x))
+    for phase, start, stop in runs:
+        ax.axvspan(start, stop, color=_PHASE_COLORS.get(phase, "0.7"), alpha=0.08, lw=0, zorder=0)
+        if stop - start > 0.04:
+            ax.text((start + stop) / 2, 0.02, phase, transform=ax.get_xaxis_transform(),
+                    ha="center", va="bottom", fontsize=9, color="0.3", zorder=1)  # fmt: skip
+
+
+def _unit(max_bytes: float) -> tuple[str, float]:
+    """The axis unit for values up to ``max_bytes``: GiB from 2 GiB up, else MiB (KiB if tiny)."""
+    if max_bytes >= 2 * 2**30:
+        return "GiB", float(2**30)
+    if max_bytes >= 2 * 2**20:
+        return "MiB", float(2**20)
+    return "KiB", float(2**10)
+
+
+def _label(ax: Any, text: str, x: float, y: float, color: str, *, small: bool) -> Any:
+    return ax.annotate(
+        text, (x, y), xytext=(7, 6), textcoords="offset points", ha="left", va="bottom",
+        fontsize=7.5 if small else 9, color=color, zorder=5,
+        bbox={"boxstyle": "round,pad=0.15", "fc": "white", "ec": "none", "alpha": 0.75},
+    )  # fmt: skip
+
+
+_PLACES = (  # where a label may sit around its point: offset in points, alignment
+    (7, 4, "left", "bottom"),
+    (7, -4, "left", "top"),
+    (-7, 4, "right", "bottom"),
+    (-7, -4, "right", "top"),
+    (0, 9, "center", "bottom"),
+    (0, -9, "center", "top"),
+    (12, 16, "left", "bottom"),
+    (12, -16, "left", "top"),
+    (-12, 16, "right", "bottom"),
+    (-12, -16, "right", "top"),
+    (0, 24, "center", "bottom"),
+    (0, -24, "center", "top"),
+)
+
+
+def _declutter(fig: Any, texts: list[Any], *, fixed: Sequence[Any] = ()) -> None:
+    """Place each annotation where it covers no line, marker, legend or earlier label.
+
+    Greedy: labels in order, each at the first of ``_PLACES`` that is free, else the least bad one.
+    ``fixed`` are other artists (texts) that stay where they are and must not be covered.
+    """
+    if not texts:
+        return
+    import numpy as np
+    from matplotlib.cbook import pts_to_poststep
+
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    ax = texts[0].axes
+    frame = ax.get_window_extent(renderer)
+    samples = [np.zeros((0, 2))]
+    for line in ax.lines:  # every line and marker, as a point every ~3 pixels along it
+        xy = line.get_transform().transform(np.asarray(line.get_xydata(), dtype=float))
+        if len(xy) == 0:
+            continue
+        if line.get_drawstyle() == "steps-post" and len(xy) > 1:
+            xy = np.asarray(pts_to_poststep(xy[:, 0], xy[:, 1])).T
+        along = np.concatenate([[0.0], np.cumsum(np.hypot(*np.diff(xy, axis=0).T))])
+        at = np.arange(0.0, along[-1] + 3.0, 3.0)
+        samples.append(
+            np.column_stack([np.interp(at, along, xy[:, 0]), np.interp(at, along, xy[:, 1])])
+        )
+    points = np.concatenate(samples)
+    legend = ax.get_legend()
+    placed = [a.get_window_extent(renderer) for a in [legend, *fixed] if a is not None]
+    for text in texts:
+        best: tuple[float, tuple[int, int, str, str]] | None = None
+        for place in _PLACES:
+            dx, dy, ha, va = place
+            text.set_position((dx, dy))
+            text.set_ha(ha)
+            text.set_va(va)
+            bb = text.get_window_extent(renderer).padded(3)
+            out = bb.x0 < frame.x0 or bb.x1 > frame.x1 or bb.y0 < frame.y0 or bb.y1 > frame.y1
+            hits = np.count_nonzero(
+                (points[:, 0] > bb.x0) & (points[:, 0] < bb.x1)
+                & (points[:, 1] > bb.y0) & (points[:, 1] < bb.y1)
+            )  # fmt: skip
+            cost = 1000.0 * out + 100.0 * sum(bb.overlaps(p) for p in placed) + hits
+            if best is None or cost < best[0]:
+                best = (cost, place)
+            if cost == 0:
+                break
+        assert best is not None
+        dx, dy, ha, va = best[1]
+        text.set_position((dx, dy))
+        text.set_ha(ha)
+        text.set_va(va)
+        placed.append(text.get_window_extent(renderer).padded(2))
+
+
+def _figure() -> tuple[Any, Any]:
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError as e:
+        raise ImportError(
+            f"remat's plots need matplotlib, which is not installed ({e}); "
+            "install it with: pip install 'remat[plot]'"
+        ) from None
+    fig = Figure(figsize=FIGSIZE_IN, dpi=DPI, layout="constrained")
+    FigureCanvasAgg(fig)  # see NOTE [ Plots without pyplot ]
+    ax = fig.add_subplot()
+    ax.grid(True, color="0.88", lw=0.8, zorder=0)
+    ax.set_axisbelow(True)
+    for side in ("top", "right"):
+        ax.spines[side].set_visible(False)
+    return fig, ax
+
+
+def _save(fig: Any, path: str | Path) -> Path:
+    path = Path(path)
+    if not path.parent.is_dir():
+        raise FileNotFoundError(f"cannot write {path}: the folder {path.parent} does not exist")
+    fig.savefig(path, dpi=DPI)
+    return path

@@ -1,0 +1,164 @@
+"""Hand-built profiles for the cost model and solver tests, and a brute force to check them by."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+from hypothesis import strategies as st
+
+from remat.costmodel import chain_constraints
+from remat.records import OPTIONS, BlockProfile, OptionCost, Profile, Segment
+
+
+def cost(kept: int, *, fwd: int = 0, bwd: int = 0, ms: float = 0.0) -> OptionCost:
+    return OptionCost(kept_bytes=kept, fwd_peak_bytes=fwd, bwd_peak_bytes=bwd, extra_ms=ms)
+
+
+def block(name: str, grad: int = 0, **options: OptionCost) -> BlockProfile:
+    return BlockProfile(
+        name=name,
+        kind="Block",
+        param_bytes=grad,
+        grad_bytes=grad,
+        input_bytes=1,
+        fwd_ms=1.0,
+        bwd_ms=2.0,
+        options=dict(options),
+    )
+
+
+def segment(kept: int = 0, *, fwd: int = 0, bwd: int = 0, grad: int = 0) -> Segment:
+    return Segment(
+        kept_bytes=kept, fwd_peak_bytes=fwd, bwd_peak_bytes=bwd, grad_bytes=grad, fwd_ms=1.0, bwd_ms=1.0
+    )
+
+
+def profile(
+    blocks: Sequence[BlockProfile],
+    *,
+    base: int = 0,
+    params: int = 0,
+    optimizer: int = 0,
+    batch: int = 0,
+    pre: Segment | None = None,
+    post: Segment | None = None,
+    optimizer_peak: int = 0,
+    gather: int = 0,
+    plain_step_ms: float = 100.0,
+    plain_peak: int = 1000,
+    device: str = "cuda",
+) -> Profile:
+    return Profile(
+        model="Chain",
+        fingerprint="f" * 16,
+        device=device,
+        mode="measured",
+        dtype="float32",
+        batch_shape=[2, 8],
+        base_bytes=base,
+        param_bytes=params,
+        optimizer_bytes=optimizer,
+        batch_bytes=batch,
+        optimizer_peak_bytes=optimizer_peak,
+        pre=pre or segment(),
+        post=post or segment(),
+        blocks=list(blocks),
+        plain_peak_bytes=plain_peak,
+        plain_step_ms=plain_step_ms,
+        gather_bytes=gather,
+    )
+
+
+@dataclass(frozen=True)
+class Brute:
+    """Every assignment of the profile's common options: option indices, peaks, extra times."""
+
+    options: tuple[str, ...]
+    picks: np.ndarray  # (assignments, blocks)
+    peak_bytes: np.ndarray  # (assignments,)
+    extra_ms: np.ndarray  # (assignments,), summed in block order
+
+    def fastest_within(self, budget: int) -> tuple[float, int] | None:
+        """(least extra time, lowest peak at that time) over assignments that fit, or None."""
+        fits = self.peak_bytes <= budget
+        if not fits.any():
+            return None
+        best = self.extra_ms[fits].min()
+        return float(best), int(self.peak_bytes[fits & (self.extra_ms == best)].min())
+
+    def pareto(self) -> set[tuple[int, float]]:
+        """The (peak, extra time) pairs no other assignment beats in both."""
+        points = sorted(set(zip(self.peak_bytes.tolist(), self.extra_ms.tolist())))
+        front, best_ms = set(), float("inf")
+        for peak, ms in points:
+            if ms < best_ms:
+                front.add((peak, ms))
+                best_ms = ms
+        return front
+
+
+def brute_force(p: Profile) -> Brute:
+    """All assignments, vectorised; the peak comes from the prefix-sum form, which
+    test_costmodel checks against ``estimate``."""
+    chain = chain_constraints(p)
+    n, width = len(p.blocks), len(chain.options)
+    rows = list(itertools.product(range(width), repeat=n))
+    picks = np.array(rows, dtype=np.int64).reshape(len(rows), n)
+    kept = np.array(chain.kept_bytes, dtype=np.int64).reshape(n, width)
+    need = np.array(chain.need_bytes, dtype=np.int64).reshape(n, width)
+    ms = np.array(chain.extra_ms, dtype=np.float64).reshape(n, width)
+    cols = np.arange(n)
+    k = kept[cols, picks]
+    before = np.cumsum(k, axis=1) - k
+    peak = np.maximum((before + need[cols, picks]).max(axis=1, initial=chain.fixed_bytes),
+                      k.sum(axis=1) + chain.tail_bytes)
+    extra = np.zeros(len(picks))
+    for i in range(n):
+        extra = extra + ms[i, picks[:, i]]
+    return Brute(options=chain.options, picks=picks, peak_bytes=peak, extra_ms=extra)
+
+
+# --- random chains -----------------------------------------------------------------------------
+
+
+@st.composite
+def chains(draw: st.DrawFn, max_blocks: int = 6, max_blocks_3: int | None = None) -> Profile:
+    """Random chains with 3 options (up to ``max_blocks_3`` blocks) or all 5 (up to ``max_blocks``).
+
+    Bytes are small numbers times a scale (1 byte or about a MiB), so that budgets near a peak
+    and exact ties are both common, and large byte counts exercise the solvers' rounding.
+    Times are multiples of 1/4 ms, exact in floating point, so equal times are exactly equal."""
+    options = draw(st.sampled_from([("keep", "selective", "recompute"), OPTIONS]))
+    top = max_blocks if len(options) == 5 or max_blocks_3 is None else max_blocks_3
+    scale = draw(st.sampled_from([1, 1, 2**20 + 3]))
+    size = st.integers(0, 64).map(lambda b: b * scale)
+    fuzz = st.integers(0, scale - 1)
+
+    def nbytes() -> int:
+        return draw(size) + draw(fuzz)
+
+    def seg() -> Segment:
+        return segment(nbytes(), fwd=nbytes(), bwd=nbytes(), grad=nbytes())
+
+    blocks = [
+        block(
+            f"layers.{i}",
+            grad=nbytes(),
+            **{
+                o: cost(nbytes(), fwd=nbytes(), bwd=nbytes(), ms=draw(st.integers(0, 40)) / 4)
+                for o in options
+            },
+        )
+        for i in range(draw(st.integers(0, top)))
+    ]
+    return profile(
+        blocks,
+        base=draw(st.integers(1, 200)) * scale,
+        pre=seg(),
+        post=seg(),
+        optimizer_peak=nbytes(),
+        gather=draw(st.integers(0, 8)) * scale,
+    )

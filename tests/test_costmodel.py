@@ -1,0 +1,172 @@
+"""The cost model on hand-worked tables, its prefix-sum form against the simulation, and its floor
+against brute force."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+from _tables import block, brute_force, chains, cost, profile, segment
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from remat.costmodel import chain_constraints, estimate, smallest_feasible
+from remat.records import Profile
+
+
+def two_blocks() -> Profile:
+    # base 100 = params 60 + optimizer 30 + batch 10; the head and embeddings cost nothing.
+    # keep: 10 B kept, 4 B forward transient, 6 B backward transient.
+    # recompute: 2 B kept (the input), its 8 B of activations come back in the backward: 14 B.
+    return profile(
+        [
+            block("a", keep=cost(10, fwd=4, bwd=6), recompute=cost(2, fwd=4, bwd=14, ms=5.0)),
+            block("b", keep=cost(10, fwd=4, bwd=6), recompute=cost(2, fwd=4, bwd=14, ms=3.0)),
+        ],
+        base=100,
+        params=60,
+        optimizer=30,
+        batch=10,
+    )
+
+
+@pytest.mark.parametrize(
+    ("a", "b", "peak", "phase", "extra_ms"),
+    [
+        # live 100 | fwd a 104, +10 | fwd b 114, +10 | head 120 | bwd b 120+6 = 126 <- peak
+        ("keep", "keep", 126, "backward of b", 0.0),
+        # fwd a 104, +2 | fwd b 106, +10 | head 112 | bwd b 112+6 = 118 <- peak | bwd a 102+14 = 116
+        ("recompute", "keep", 118, "backward of b", 5.0),
+        # recomputing the last block buys nothing: its activations come back right away,
+        # fwd b 114 | live 112 | bwd b 112+14 = 126 <- peak
+        ("keep", "recompute", 126, "backward of b", 3.0),
+        # live 104 after the forward | bwd b 104+14 = 118 <- peak | bwd a 102+14 = 116
+        ("recompute", "recompute", 118, "backward of b", 8.0),
+    ],
+)
+def test_hand_table_two_blocks(a: str, b: str, peak: int, phase: str, extra_ms: float) -> None:
+    est = estimate(two_blocks(), {"a": a, "b": b})
+    assert est.peak_bytes == peak
+    assert est.peak_phase == phase
+    assert est.step_ms == 100.0 + extra_ms
+    assert est.overhead == pytest.approx(extra_ms / 100.0)
+
+
+def test_hand_table_every_phase() -> None:
+    # One block; every segment and the optimizer have their own numbers so each phase is visible.
+    p = profile(
+        [block("x", grad=7, keep=cost(20, fwd=5, bwd=9))],
+        base=50,
+        pre=segment(3, fwd=11, bwd=2, grad=4),
+        post=segment(6, fwd=30, bwd=8, grad=1),
+        optimizer_peak=40,
+        gather=2,
+    )
+    # fwd embeddings 50+11 = 61 | live 53
+    # fwd x 53+5+2 = 60 | live 73
+    # fwd head 73+30 = 103 | live 79 | bwd head 79+8 = 87 | live 73+1 = 74
+    # bwd x 74+9+2 = 85 | live 74+7-20 = 61
+    # bwd embeddings 61+2 = 63 | live 61+4-3 = 62 | optimizer 62+40 = 102
+    est = estimate(p, {"x": "keep"})
+    assert (est.peak_bytes, est.peak_phase) == (103, "forward of the head")
+    p2 = profile(
+        [block("x", grad=7, keep=cost(20, fwd=5, bwd=9))],
+        base=50,
+        pre=segment(3, fwd=11, bwd=2, grad=4),
+        post=segment(6, fwd=30, bwd=8, grad=1),
+        optimizer_peak=45,
+        gather=2,
+    )
+    assert (estimate(p2, {"x": "keep"}).peak_bytes, estimate(p2, {"x": "keep"}).peak_phase) == (
+        107,
+        "optimizer step",
+    )
+
+
+def test_peak_phase_is_the_first_to_reach_the_peak() -> None:
+    # forward of the head and backward of the head both reach 120; the first one is named.
+    p = profile([block("a", keep=cost(20))], base=100)
+    est = estimate(p, {"a": "keep"})
+    assert (est.peak_bytes, est.peak_phase) == (120, "forward of the head")
+
+
+def test_overhead_is_zero_without_a_plain_time() -> None:
+    p = profile([block("a", keep=cost(1), recompute=cost(0, ms=2.0))], plain_step_ms=0.0)
+    est = estimate(p, {"a": "recompute"})
+    assert (est.step_ms, est.overhead) == (2.0, 0.0)
+
+
+def test_unknown_block_suggests_the_closest_name() -> None:
+    with pytest.raises(ValueError, match=r"block 'c'.*expected one of its 2 blocks \('a', 'b'\)"):
+        estimate(two_blocks(), {"a": "keep", "b": "keep", "c": "keep"})
+    p = profile([block("layers.0", keep=cost(1)), block("layers.1", keep=cost(1))])
+    with pytest.raises(ValueError, match=r"did you mean 'layers.1'\?"):
+        estimate(p, {"layers.0": "keep", "layer.1": "keep"})
+
+
+def test_missing_block_is_named() -> None:
+    with pytest.raises(ValueError, match=r"no option for 1 of 2 blocks \('b'\).*\{'b': 'keep'\}"):
+        estimate(two_blocks(), {"a": "keep"})
+
+
+def test_option_not_offered_lists_the_allowed_ones() -> None:
+    with pytest.raises(ValueError, match=r"'a' does not offer option 'offload' on device 'cuda'"):
+        estimate(two_blocks(), {"a": "offload", "b": "keep"})
+    with pytest.raises(ValueError, match=r"\['keep', 'recompute'\]; did you mean 'recompute'\?"):
+        estimate(two_blocks(), {"a": "recompte", "b": "keep"})
+
+
+def test_choices_must_be_a_mapping() -> None:
+    with pytest.raises(TypeError, match="expected choices as a mapping"):
+        estimate(two_blocks(), ["keep", "keep"])  # type: ignore[arg-type]
+
+
+def test_smallest_feasible_hand_table() -> None:
+    # Both plans with recompute on block a reach 118 (see above); nothing lower exists, and the
+    # 100 B of base are mostly parameters and optimizer state.
+    assert smallest_feasible(two_blocks()) == (118, "parameters and optimizer state take 90 B")
+
+
+def test_smallest_feasible_names_a_block_transient() -> None:
+    p = profile([block("big", keep=cost(1, bwd=500), recompute=cost(1, bwd=600, ms=1.0))], base=10)
+    assert smallest_feasible(p) == (511, "big's backward working memory takes 500 B")
+
+
+def test_smallest_feasible_names_the_head() -> None:
+    p = profile([block("a", keep=cost(5))], base=10, batch=10, post=segment(fwd=300))
+    assert smallest_feasible(p) == (315, "the head's forward working memory (logits, loss) takes 300 B")
+
+
+def test_no_common_option_is_refused() -> None:
+    p = profile([block("a", keep=cost(1)), block("b", recompute=cost(1))])
+    with pytest.raises(ValueError, match="no option in common"):
+        chain_constraints(p)
+
+
+# --- properties --------------------------------------------------------------------------------
+
+@settings(max_examples=200, deadline=None)
+@given(p=chains(), data=st.data())
+def test_prefix_form_equals_the_simulation(p: Profile, data: st.DataObject) -> None:
+    chain = chain_constraints(p)
+    picks = [data.draw(st.integers(0, len(chain.options) - 1)) for _ in p.blocks]
+    choices = {b.name: chain.options[o] for b, o in zip(p.blocks, picks)}
+    assert chain.peak_bytes(picks) == estimate(p, choices).peak_bytes
+
+
+@settings(max_examples=200, deadline=None)
+@given(p=chains(max_blocks=5))
+def test_smallest_feasible_is_the_brute_force_minimum(p: Profile) -> None:
+    smallest, dominant = smallest_feasible(p)
+    assert smallest == int(brute_force(p).peak_bytes.min())
+    assert dominant
+
+
+def test_brute_force_uses_the_simulation_numbers() -> None:
+    # The brute force helper itself, on the hand table: every assignment against estimate().
+    p = two_blocks()
+    brute = brute_force(p)
+    for row, peak in zip(brute.picks.tolist(), brute.peak_bytes.tolist()):
+        choices = {b.name: brute.options[o] for b, o in zip(p.blocks, row)}
+        assert estimate(p, choices).peak_bytes == peak
+    assert len(list(itertools.product(brute.options, repeat=2))) == len(brute.picks)
