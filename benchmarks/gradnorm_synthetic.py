@@ -47,18 +47,20 @@ def default_sigmas(num_tasks: int) -> list[float]:
 class SyntheticTasks:
     """The fixed task family: f_i(x) = sigma_i * tanh((B + eps_i) x)."""
 
-    def __init__(self, sigmas: Sequence[float], *, seed: int) -> None:
+    def __init__(
+        self, sigmas: Sequence[float], *, seed: int, in_dim: int = IN_DIM, out_dim: int = OUT_DIM
+    ) -> None:
         gen = torch.Generator().manual_seed(seed)
-        base = torch.randn(OUT_DIM, IN_DIM, generator=gen) * math.sqrt(10.0)
+        base = torch.randn(out_dim, in_dim, generator=gen) * math.sqrt(10.0)
         self.sigmas = torch.tensor(list(sigmas), dtype=torch.float32)
         # One stacked matrix (T, OUT, IN) so that all targets come from one einsum.
-        eps = torch.randn(len(sigmas), OUT_DIM, IN_DIM, generator=gen) * math.sqrt(3.5)
+        eps = torch.randn(len(sigmas), out_dim, in_dim, generator=gen) * math.sqrt(3.5)
         self.matrices = base + eps
         self._gen = gen
 
     def batch(self, batch_size: int) -> tuple[Tensor, Tensor]:
         """A fresh batch: x (batch, IN) and targets (T, batch, OUT)."""
-        x = torch.randn(batch_size, IN_DIM, generator=self._gen)
+        x = torch.randn(batch_size, self.matrices.shape[2], generator=self._gen)
         y = self.sigmas[:, None, None] * torch.tanh(torch.einsum("toi,bi->tbo", self.matrices, x))
         return x, y
 
@@ -66,11 +68,19 @@ class SyntheticTasks:
 class TaskNet(nn.Module):
     """Shared 4-layer ReLU trunk and one linear head per task; optionally checkpoint the trunk."""
 
-    def __init__(self, num_tasks: int, *, checkpoint_trunk: bool = False) -> None:
+    def __init__(
+        self,
+        num_tasks: int,
+        *,
+        in_dim: int = IN_DIM,
+        out_dim: int = OUT_DIM,
+        hidden: int = HIDDEN,
+        checkpoint_trunk: bool = False,
+    ) -> None:
         super().__init__()
-        dims = [IN_DIM, HIDDEN, HIDDEN, HIDDEN, HIDDEN]
+        dims = [in_dim, hidden, hidden, hidden, hidden]
         self.trunk = nn.ModuleList(nn.Linear(a, b) for a, b in zip(dims[:-1], dims[1:]))
-        self.heads = nn.ModuleList(nn.Linear(HIDDEN, OUT_DIM) for _ in range(num_tasks))
+        self.heads = nn.ModuleList(nn.Linear(hidden, out_dim) for _ in range(num_tasks))
         self.checkpoint_trunk = checkpoint_trunk
 
     def _block(self, layer: nn.Module, h: Tensor) -> Tensor:
@@ -112,6 +122,9 @@ def run(
     weight_lr: float = 0.025,
     model_lr: float = 1e-3,
     batch_size: int = 100,
+    in_dim: int = IN_DIM,
+    out_dim: int = OUT_DIM,
+    hidden: int = HIDDEN,
     seed: int = 0,
     checkpoint_trunk: bool = False,
 ) -> Run:
@@ -119,9 +132,11 @@ def run(
     if method not in ("gradnorm", "equal"):
         raise ValueError(f"method must be 'gradnorm' or 'equal', got {method!r}")
     torch.manual_seed(seed)
-    tasks = SyntheticTasks(sigmas, seed=seed)
-    model = TaskNet(len(sigmas), checkpoint_trunk=checkpoint_trunk)
-    optimizer = torch.optim.Adam(model.parameters(), lr=model_lr)
+    tasks = SyntheticTasks(sigmas, seed=seed, in_dim=in_dim, out_dim=out_dim)
+    model = TaskNet(
+        len(sigmas), in_dim=in_dim, out_dim=out_dim, hidden=hidden, checkpoint_trunk=checkpoint_trunk
+    )
+    optimizer = torch.optim.Adam(model.parameters(), lr=model_lr, foreach=True)
     gn = (
         GradNorm(len(sigmas), model.last_shared_weight(), alpha=alpha, lr=weight_lr)
         if method == "gradnorm"

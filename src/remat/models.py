@@ -19,6 +19,7 @@ A *batch* is a tuple of tensors, the forward is ``output = model(*batch)`` and t
 with it. Every batch built here holds one tensor, so ``model(*batch) == model(batch[0])``:
 
 - language models (GPT, Llama): ``(ids,)``; next-token cross-entropy (targets = ids shifted left);
+  a Llama batch may also be ``(ids, attention_mask)``, which ``model(*batch)`` passes through;
 - Bert: ``(ids,)``; masked-LM cross-entropy on every 7th position (~15%, as in BERT);
 - image models (ConvNet, ViT): ``(images,)``; the label of image ``i`` is ``i % num_classes``, a
   synthetic task with the shapes and costs of real classification, which is what planning needs.
@@ -61,6 +62,7 @@ __all__ = [
     "loss_fn_for",
     "make_batch",
     "mlm_loss",
+    "rope_cos_sin",
 ]
 
 Batch: TypeAlias = tuple[torch.Tensor, ...]
@@ -77,17 +79,17 @@ def _check(ok: bool, message: str) -> None:
 
 @dataclass(frozen=True, kw_only=True)
 class GPTConfig:
-    """A nanoGPT-style decoder. The defaults are the CPU demo size (~7M parameters)."""
+    """A nanoGPT-style decoder. The defaults are the CPU demo size (~2M parameters)."""
 
     vocab_size: int = 2048
     """Number of token ids."""
-    block_size: int = 256
+    block_size: int = 128
     """Longest sequence: the number of learned position embeddings."""
-    n_layer: int = 6
+    n_layer: int = 8
     """Number of transformer blocks."""
     n_head: int = 4
     """Attention heads per block; must divide ``n_embd``."""
-    n_embd: int = 256
+    n_embd: int = 128
     """Hidden size."""
     dropout: float = 0.1
     """Dropout on embeddings, attention probabilities and residual branches (training only)."""
@@ -166,11 +168,12 @@ class GPT(nn.Module):
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        T = idx.shape[1]
-        _check(T <= self.config.block_size,
-               f"GPT: sequence length {T} is longer than block_size={self.config.block_size} "
-               "(learned position embeddings); use a shorter sequence or a larger block_size")
-        pos = torch.arange(T, device=idx.device)
+        seq_len = idx.shape[1]
+        _check(seq_len <= self.config.block_size,
+               f"GPT: sequence length {seq_len} is longer than block_size="
+               f"{self.config.block_size} (learned position embeddings); use a shorter sequence "
+               "or a larger block_size")
+        pos = torch.arange(seq_len, device=idx.device)
         x = self.drop(self.wte(idx) + self.wpe(pos))
         for block in self.blocks:
             x = block(x)
@@ -191,21 +194,21 @@ def _init_normal(model: nn.Module) -> None:
 
 @dataclass(frozen=True, kw_only=True)
 class LlamaConfig:
-    """A Llama-style decoder. The defaults are the CPU demo size (~7M parameters)."""
+    """A Llama-style decoder. The defaults are the CPU demo size (~2M parameters)."""
 
     vocab_size: int = 2048
     """Number of token ids."""
-    max_seq: int = 256
+    max_seq: int = 128
     """Context length the model was trained for; longer sequences still run (rotary positions)."""
-    n_layer: int = 6
+    n_layer: int = 8
     """Number of decoder layers."""
     n_head: int = 4
     """Query heads; must divide ``dim``."""
     n_kv_head: int = 2
     """Key/value heads (grouped-query attention); must divide ``n_head``."""
-    dim: int = 256
+    dim: int = 128
     """Hidden size."""
-    ffn_dim: int = 688
+    ffn_dim: int = 344
     """Intermediate size of the SwiGLU MLP."""
     rope_theta: float = 10000.0
     """Base of the rotary frequencies."""
@@ -487,11 +490,11 @@ class Bert(nn.Module):
         _init_normal(self)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        T = ids.shape[1]
-        _check(T <= self.config.max_seq,
-               f"Bert: sequence length {T} is longer than max_seq={self.config.max_seq} "
+        seq_len = ids.shape[1]
+        _check(seq_len <= self.config.max_seq,
+               f"Bert: sequence length {seq_len} is longer than max_seq={self.config.max_seq} "
                "(learned position embeddings); use a shorter sequence")
-        pos = torch.arange(T, device=ids.device)
+        pos = torch.arange(seq_len, device=ids.device)
         x = self.word_embeddings(ids) + self.position_embeddings(pos)
         x = self.drop(self.emb_norm(x + self.token_type_embeddings.weight[0]))
         x = self.encoder(x)
@@ -552,7 +555,7 @@ class ViT(nn.Module):
                f"ViT: images are {tuple(images.shape[-2:])} but the position embeddings are for "
                f"{size}x{size}; build a ViTConfig with image_size={images.shape[-1]}")
         x = self.patch_embed(images).flatten(2).transpose(1, 2)
-        x = torch.cat((self.cls_token.expand(x.shape[0], -1, -1).to(x.dtype), x), dim=1)
+        x = torch.cat((self.cls_token.expand(x.shape[0], -1, -1), x), dim=1)
         x = self.drop(x + self.pos_embed)
         return self.head(self.norm(self.encoder(x))[:, 0])
 
@@ -593,9 +596,10 @@ def build_model(config: ModelConfig, *, dtype: torch.dtype = torch.float32,
 def _config_of(model_or_config: nn.Module | ModelConfig) -> ModelConfig:
     if isinstance(model_or_config, nn.Module):
         config = getattr(model_or_config, "config", None)
-        if not isinstance(config, tuple(_MODELS)):
-            raise TypeError(f"{type(model_or_config).__name__} is not one of remat's built-in models")
-        return config  # type: ignore[return-value]
+        if not isinstance(config, GPTConfig | LlamaConfig | ConvNetConfig | BertConfig | ViTConfig):
+            raise TypeError(f"{type(model_or_config).__name__} is not one of remat's built-in "
+                            "models (GPT, Llama, ConvNet, Bert, ViT)")
+        return config
     return model_or_config
 
 

@@ -497,7 +497,14 @@ def _estimated(
         fake_batch = batch() if callable(batch) else _to_fake(fake_mode, batch)
         opt = optimizer(model.parameters()) if optimizer is not None else None
         named = find_blocks(model, blocks)
-        _step.train_step(model, fake_batch, loss_fn, opt)  # creates the optimizer's state
+        if opt is not None:
+            # The optimizer creates its state on its first step; a step on zero gradients does
+            # that without a forward and backward (fake tensors: nothing is computed anyway).
+            for p in model.parameters():
+                if p.requires_grad:
+                    p.grad = torch.zeros_like(p)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
         keys = _base_keys(model, opt, fake_batch)
         for option in _RUN_OPTIONS:
             with _every_block(named, option):

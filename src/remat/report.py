@@ -170,9 +170,8 @@ def profile_table(profile: Profile) -> Table:
     """Per block: parameter and input bytes, kept bytes under each option, fwd and bwd ms.
 
     The blocks' kind is a column when they differ, else part of the title. Bytes share one unit
-    (in the caption) so the columns compare at a glance. The part before the
-    blocks and the part after them are rows of their own; their kept bytes do not depend on the
-    option.
+    (named in the caption) so the columns compare at a glance. The parts before and after the
+    blocks are rows of their own; their kept bytes do not depend on the option.
     """
     options = [o for o in OPTIONS if any(o in b.options for b in profile.blocks)]
     sizes = [profile.pre.kept_bytes, profile.post.kept_bytes]
@@ -347,10 +346,11 @@ def plot_frontier(
             [p.peak_bytes / scale for p in optimal],
             "-o", color="C0", lw=2, ms=6, zorder=3, label="remat (optimal plans)",
         )  # fmt: skip
-        for p in optimal:
-            texts.append(
-                _label(ax, p.label, p.overhead * 100, p.peak_bytes / scale, "C0", small=True)
-            )
+        every_nth = -(-len(optimal) // 10)  # at most ~10 labels on the curve, ends included
+        for i, p in enumerate(optimal):
+            if i % every_nth == 0 or i == len(optimal) - 1:
+                x, y = p.overhead * 100, p.peak_bytes / scale
+                texts.append(_label(ax, p.label, x, y, "C0", small=True))
     for i, p in enumerate(others):
         color = f"C{i % 9 + 1}"
         x, y = p.overhead * 100, p.peak_bytes / scale
@@ -359,7 +359,11 @@ def plot_frontier(
         texts.append(_label(ax, p.label, x, y, color, small=False))
     predicted = [p for p in points if p.predicted_peak_bytes is not None]
     for p in predicted:
-        x, measured, pred = p.overhead * 100, p.peak_bytes / scale, p.predicted_peak_bytes / scale  # type: ignore[operator]
+        x, measured, pred = (
+            p.overhead * 100,
+            p.peak_bytes / scale,
+            (p.predicted_peak_bytes or 0) / scale,
+        )
         ax.plot([x, x], [measured, pred], ":", color="0.55", lw=1, zorder=2)
         ax.plot([x], [pred], ls="none", marker="o", ms=7, mfc="none", mec="0.35", zorder=2)
     if predicted:
@@ -412,14 +416,16 @@ def plot_timeline(
         k = max(range(len(ys)), key=ys.__getitem__)
         ax.plot([xs[k]], [ys[k]], "o", color=color, ms=6, zorder=4)
         peak = format_bytes(mem.timeline[k].live_bytes)
-        texts.append(_label(ax, f"peak {peak}", xs[k], ys[k], color, small=False))
+        texts.append(_label(ax, f"{name}: peak {peak}", xs[k], ys[k], color, small=False))
     fixed = []
     if budget_bytes is not None:
         y = budget_bytes / scale
         ax.axhline(y, ls="--", color="crimson", lw=1.3, zorder=2)
-        budget_text = ax.annotate(f"budget {format_bytes(budget_bytes)}", (1.0, y), xycoords=("axes fraction", "data"),
-                    xytext=(-4, 3), textcoords="offset points", ha="right", va="bottom",
-                    color="crimson", fontsize=9)  # fmt: skip
+        budget_text = ax.annotate(
+            f"budget {format_bytes(budget_bytes)}", (1.0, y), xycoords=("axes fraction", "data"),
+            xytext=(-4, 3), textcoords="offset points", ha="right", va="bottom", color="crimson",
+            fontsize=9,
+        )  # fmt: skip
         fixed.append(budget_text)
     ax.set_xlim(0, 1)
     ax.set_ylim(bottom=0, top=max(top, budget_bytes or 0) / scale * 1.15)
@@ -467,20 +473,13 @@ def _label(ax: Any, text: str, x: float, y: float, color: str, *, small: bool) -
     )  # fmt: skip
 
 
-_PLACES = (  # where a label may sit around its point: offset in points, alignment
-    (7, 4, "left", "bottom"),
-    (7, -4, "left", "top"),
-    (-7, 4, "right", "bottom"),
-    (-7, -4, "right", "top"),
-    (0, 9, "center", "bottom"),
-    (0, -9, "center", "top"),
-    (12, 16, "left", "bottom"),
-    (12, -16, "left", "top"),
-    (-12, 16, "right", "bottom"),
-    (-12, -16, "right", "top"),
-    (0, 24, "center", "bottom"),
-    (0, -24, "center", "top"),
-)
+# where a label may sit around its point, best first: offset in points, alignment
+_PLACES = (
+    (7, 4, "left", "bottom"), (7, -4, "left", "top"), (-7, 4, "right", "bottom"),
+    (-7, -4, "right", "top"), (0, 9, "center", "bottom"), (0, -9, "center", "top"),
+    (12, 16, "left", "bottom"), (12, -16, "left", "top"), (-12, 16, "right", "bottom"),
+    (-12, -16, "right", "top"), (0, 24, "center", "bottom"), (0, -24, "center", "top"),
+)  # fmt: skip
 
 
 def _declutter(fig: Any, texts: list[Any], *, fixed: Sequence[Any] = ()) -> None:
@@ -494,7 +493,7 @@ def _declutter(fig: Any, texts: list[Any], *, fixed: Sequence[Any] = ()) -> None
     import numpy as np
     from matplotlib.cbook import pts_to_poststep
 
-    fig.canvas.draw()
+    fig.draw_without_rendering()  # runs the layout, so that extents are final
     renderer = fig.canvas.get_renderer()
     ax = texts[0].axes
     frame = ax.get_window_extent(renderer)

@@ -1,0 +1,132 @@
+"""How long ``solve(method="optimal")`` takes on long chains: 32, 128 and 512 blocks with all five
+options, made of identical blocks (repeated decoder layers), of blocks with identical bytes and
+slightly different times (what measuring repeated layers gives), or of blocks whose every number
+differs (the hard case for the search). Prints a markdown table.
+
+    .venv/bin/python benchmarks/solve_time.py [--repeats 5]
+
+Budgets are 10%, 50% and 90% of the way from the smallest feasible peak to the plain step's peak.
+Times are wall-clock medians over repeats, in one process; no torch is imported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+
+from remat.costmodel import estimate, smallest_feasible
+from remat.records import BlockProfile, OptionCost, Profile, Segment
+from remat.solver import solve
+
+MIB = 2**20
+# One decoder layer of a mid-sized model, per option: kept MiB, forward and backward transient
+# MiB, extra ms. Recompute keeps the input only and brings the activations back in the backward.
+LAYER = {
+    "keep": (400, 200, 300, 0.0),
+    "selective": (150, 200, 350, 1.2),
+    "recompute": (32, 200, 650, 6.0),
+    "offload": (0, 220, 700, 2.5),
+    "recompute_offload": (0, 200, 690, 7.0),
+}
+SHARES = (0.1, 0.5, 0.9)
+KINDS = ("identical", "noisy", "varied")
+
+
+def chain(n: int, kind: str, *, seed: int = 0) -> Profile:
+    """``identical`` blocks; ``noisy``: identical bytes, times off by up to 3% as measured times
+    are; ``varied``: every number of every block drawn from 0.7x..1.4x."""
+    rng = random.Random(seed)
+    spread = {"identical": 0.0, "noisy": 0.0, "varied": 0.35}[kind]
+    ms_spread = {"identical": 0.0, "noisy": 0.03, "varied": 0.35}[kind]
+
+    def jitter(x: float) -> float:
+        return x * rng.uniform(1 - spread, 1 + 2 * spread) if spread else x
+
+    def jitter_ms(x: float) -> float:
+        return x * rng.uniform(1 - ms_spread, 1 + ms_spread) if ms_spread else x
+
+    blocks = []
+    for i in range(n):
+        options = {
+            name: OptionCost(
+                kept_bytes=int(jitter(kept) * MIB),
+                fwd_peak_bytes=int(jitter(fwd) * MIB),
+                bwd_peak_bytes=int(jitter(bwd) * MIB),
+                extra_ms=jitter_ms(ms),
+            )
+            for name, (kept, fwd, bwd, ms) in LAYER.items()
+        }
+        blocks.append(
+            BlockProfile(
+                name=f"layers.{i}",
+                kind="Layer",
+                param_bytes=int(jitter(50) * MIB),
+                grad_bytes=int(jitter(50) * MIB),
+                input_bytes=32 * MIB,
+                fwd_ms=jitter(6.0),
+                bwd_ms=jitter(12.0),
+                options=options,
+            )
+        )
+    segment = Segment(
+        kept_bytes=200 * MIB,
+        fwd_peak_bytes=800 * MIB,
+        bwd_peak_bytes=900 * MIB,
+        grad_bytes=100 * MIB,
+        fwd_ms=3.0,
+        bwd_ms=6.0,
+    )
+    return Profile(
+        model="Synthetic",
+        fingerprint="0" * 16,
+        device="cuda",
+        mode="estimated",
+        dtype="bfloat16",
+        batch_shape=[8, 2048],
+        base_bytes=n * 150 * MIB,
+        param_bytes=n * 50 * MIB,
+        optimizer_bytes=n * 100 * MIB,
+        batch_bytes=1 * MIB,
+        optimizer_peak_bytes=0,
+        pre=segment,
+        post=segment,
+        blocks=blocks,
+        plain_peak_bytes=0,
+        plain_step_ms=n * 18.0,
+    )
+
+
+def median_ms(profile: Profile, budget: int, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        solve(profile, budget)
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--blocks", type=int, nargs="+", default=[32, 128, 512])
+    args = parser.parse_args()
+    header = " | ".join(f"{int(s * 100)}% budget" for s in SHARES)
+    print(f"| blocks x options | chain | {header} |")
+    print("| --- | --- |" + " --- |" * len(SHARES))
+    for n in args.blocks:
+        for kind in KINDS:
+            profile = chain(n, kind)
+            low, _ = smallest_feasible(profile)
+            high = estimate(profile, {b.name: "keep" for b in profile.blocks}).peak_bytes
+            cells = []
+            for share in SHARES:
+                budget = int(low + share * (high - low))
+                solve(profile, budget)  # warm-up
+                cells.append(f"{median_ms(profile, budget, args.repeats):.1f} ms")
+            print(f"| {n} x 5 | {kind} | " + " | ".join(cells) + " |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
