@@ -26,11 +26,11 @@ _EXPORTS = {
     "estimate": "remat.costmodel",
     "solve": "remat.solver",
     "InfeasibleBudget": "remat.solver",
-    "apply": "remat.apply",
-    "remove": "remat.apply",
-    "verify": "remat.verify",
-    "Report": "remat.verify",
-    "auto": "remat.auto",
+    "apply": "remat.applier",
+    "remove": "remat.applier",
+    "verify": "remat.verifier",
+    "Report": "remat.verifier",
+    "auto": "remat.autoplan",
     "GradNorm": "remat.gradnorm",
 }
 

@@ -36,7 +36,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from remat import _checkpoint
 from remat import step as _step
 from remat.blocks import find_blocks, fingerprint
 from remat.devices import ROOFLINE_EFFICIENCY, DeviceSpec, get_device
@@ -159,19 +158,16 @@ def _storage_key(t: torch.Tensor) -> int:
 
 @contextmanager
 def _every_block(named: list[tuple[str, nn.Module]], option: str) -> Iterator[None]:
-    previous = [_checkpoint.is_checkpointed(m) for _, m in named]
+    from remat.applier import _set, mode_of
+
+    previous = [mode_of(m) for _, m in named]
     try:
         for _, m in named:
-            if option == "keep":
-                _checkpoint.uncheckpoint_module(m)
-            else:
-                _checkpoint.checkpoint_module(m, mode=option)
+            _set(m, option)
         yield
     finally:
         for (_, m), mode in zip(named, previous):
-            _checkpoint.uncheckpoint_module(m)
-            if mode is not None:
-                _checkpoint.checkpoint_module(m, mode=mode)
+            _set(m, mode)
 
 
 def _base_keys(model: nn.Module, optimizer: Any, batch: Any) -> set[int]:

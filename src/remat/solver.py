@@ -34,6 +34,7 @@ _NO_LIMIT_TICKS = 2**62
 _PLAIN_LIMIT = 1024  # partial plans per block beyond which the search turns to bounds
 _CELLS = 4096  # resolution of the bound on the time still to add
 _ROUGH_WIDTH = 64  # partial plans per block in the search for a first, good plan
+_DROPPED = 2**63 - 1  # the rank of a partial plan that is out
 
 
 class InfeasibleBudget(ValueError):
@@ -207,13 +208,10 @@ def _optimal_picks(
 
 @dataclass(frozen=True)
 class _Table:
-    """One search's numbers: int64 arrays indexed [block, option], and bounds per block."""
+    """One search's numbers: per block, the useful options' int64 columns, and bounds."""
 
-    kept: np.ndarray
-    need: np.ndarray
-    ticks: np.ndarray
-    useful: np.ndarray
-    """[block, option]: False where another option of the block beats it (``_undominated``)."""
+    columns: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]
+    """Per block: the option indices ``_undominated`` keeps, and their kept, need, ticks."""
     room: np.ndarray
     """[i], i = 0..n: the largest K before block i from which some finish fits the budget."""
     fixed_bytes: int
@@ -230,11 +228,13 @@ class _Table:
         need = np.array(chain.need_bytes, dtype=np.int64).reshape(n, width)
         ms = np.array(chain.extra_ms, dtype=np.float64).reshape(n, width)
         ticks = np.rint(ms * _TICKS_PER_MS).astype(np.int64)
+        useful = _undominated(kept, need, ticks)
+        columns = []
+        for i in range(n):
+            cols = np.flatnonzero(useful[i])
+            columns.append((cols, kept[i, cols], need[i, cols], ticks[i, cols]))
         return cls(
-            kept=kept,
-            need=need,
-            ticks=ticks,
-            useful=_undominated(kept, need, ticks),
+            columns=columns,
             room=budget - np.array(floors, dtype=np.int64),
             fixed_bytes=chain.fixed_bytes,
             tail_bytes=chain.tail_bytes,
@@ -242,22 +242,24 @@ class _Table:
         )
 
     def bounded(self) -> _Table:
-        """This table with ``rest`` filled in, backward from the head."""
-        n = self.kept.shape[0]
+        """This table with ``rest`` filled in, backward from the head: from the low end of cell c
+        an option's kept bytes lead exactly to the low end of cell c + kept // cell_bytes, and
+        the option fits from cells c with c * cell_bytes + need <= budget."""
+        n = len(self.columns)
         cell = int(self.room.max()) // _CELLS + 1
         rest = np.full((n + 1, _CELLS), _NO_LIMIT_TICKS, dtype=np.int64)
         rest[n, : max(0, min(_CELLS, int(self.room[n]) // cell + 1))] = 0
+        # rest[i + 1] followed by "past the end": a window at offset s is rest[i + 1] from cell s.
+        padded = np.full(2 * _CELLS, _NO_LIMIT_TICKS, dtype=np.int64)
+        windows = np.lib.stride_tricks.sliding_window_view(padded, _CELLS)
+        cells = np.arange(_CELLS, dtype=np.int64)
         for i in range(n - 1, -1, -1):
-            for o in np.flatnonzero(self.useful[i]):
-                # From the low end of cell c, the block's kept bytes lead exactly to the low end of
-                # cell c + shift; the option fits from cells c < fits.
-                shift = int(self.kept[i, o]) // cell
-                fits = (self.budget_bytes - int(self.need[i, o])) // cell + 1
-                stop = min(_CELLS - shift, fits)
-                if stop > 0:
-                    after = rest[i + 1, shift : shift + stop] + self.ticks[i, o]
-                    np.minimum(rest[i, :stop], after, out=rest[i, :stop])
-            rest[i, rest[i] >= _NO_LIMIT_TICKS // 2] = _NO_LIMIT_TICKS
+            _, kept, need, ticks = self.columns[i]
+            padded[:_CELLS] = rest[i + 1]
+            shifts = np.minimum(kept // cell, _CELLS)
+            fits = cells[None, :] * cell + need[:, None] <= self.budget_bytes
+            after = np.where(fits, windows[shifts] + ticks[:, None], _NO_LIMIT_TICKS).min(axis=0)
+            rest[i] = np.where(after >= _NO_LIMIT_TICKS // 2, _NO_LIMIT_TICKS, after)
         return dataclasses.replace(self, cell_bytes=cell, rest=rest)
 
 
@@ -269,29 +271,27 @@ def _search(
 
     ``bound_ticks`` drops partial plans that ``table.rest`` says cannot end within it; ``width``
     keeps only that many per block, the most promising by ``rest``: fast, not always the best."""
-    n = table.kept.shape[0]
     K = np.zeros(1, dtype=np.int64)
     T = np.zeros(1, dtype=np.int64)
     P = np.full(1, table.fixed_bytes, dtype=np.int64)
     parents: list[np.ndarray] = []
     chosen: list[np.ndarray] = []
-    for i in range(n):
-        cols = np.flatnonzero(table.useful[i])
-        cK = (K[:, None] + table.kept[i, cols]).ravel()
-        cT = (T[:, None] + table.ticks[i, cols]).ravel()
-        cP = np.maximum(P[:, None], K[:, None] + table.need[i, cols]).ravel()
-        alive = np.flatnonzero((cP <= table.budget_bytes) & (cK <= table.room[i + 1]))
+    for i, (cols, kept, need, ticks) in enumerate(table.columns):
+        cK = (K[:, None] + kept).ravel()
+        cT = (T[:, None] + ticks).ravel()
+        cP = np.maximum(P[:, None], K[:, None] + need).ravel()
+        drop = (cP > table.budget_bytes) | (cK > table.room[i + 1])
         hope = None
         if table.rest is not None:
-            hope = cT[alive] + table.rest[i + 1, cK[alive] // table.cell_bytes]
+            cell = np.minimum(cK // table.cell_bytes, _CELLS - 1)  # beyond room: dropped anyway
+            hope = cT + table.rest[i + 1, cell]
             if bound_ticks is not None:
-                alive, hope = alive[hope <= bound_ticks], hope[hope <= bound_ticks]
+                drop |= hope > bound_ticks
+        alive = _front(cK, cT, cP, drop)
         assert alive.size, "room and rest only drop partial plans that cannot fit or win"
-        front = _front(cK[alive], cT[alive], cP[alive])
-        if width is not None and front.size > width:
+        if width is not None and alive.size > width:
             assert hope is not None, "a beam needs the bounds to rank by"
-            front = front[np.argsort(hope[front], kind="stable")[:width]]
-        alive = alive[front]
+            alive = alive[np.argsort(hope[alive], kind="stable")[:width]]
         if give_up is not None and alive.size > give_up:
             return None
         parents.append(alive // cols.size)
@@ -300,12 +300,12 @@ def _search(
 
     final = np.maximum(P, K + table.tail_bytes)
     at = int(np.lexsort((K, final, T))[0])
-    ticks = int(T[at])
-    picks = [0] * n
-    for i in range(n - 1, -1, -1):
+    ticks_total = int(T[at])
+    picks = [0] * len(table.columns)
+    for i in range(len(table.columns) - 1, -1, -1):
         picks[i] = int(chosen[i][at])
         at = int(parents[i][at])
-    return picks, ticks
+    return picks, ticks_total
 
 
 def _undominated(kept: np.ndarray, need: np.ndarray, ticks: np.ndarray) -> np.ndarray:
@@ -321,12 +321,12 @@ def _undominated(kept: np.ndarray, need: np.ndarray, ticks: np.ndarray) -> np.nd
     return np.logical_not(beaten.any(axis=1))
 
 
-def _front(K: np.ndarray, T: np.ndarray, P: np.ndarray) -> np.ndarray:
-    """Indices of the states no other dominates (NOTE [ Pareto DP over prefix kept bytes ]),
-    ordered by K."""
+def _front(K: np.ndarray, T: np.ndarray, P: np.ndarray, drop: np.ndarray) -> np.ndarray:
+    """Indices of the states that are not dropped and that no other dominates (NOTE [ Pareto DP
+    over prefix kept bytes ]), ordered by K."""
     t_low, p_low = int(T.min()), int(P.min())
     p_span = int(P.max()) - p_low + 1
-    if (int(T.max()) - t_low + 1) * p_span < 2**63:
+    if (int(T.max()) - t_low + 1) * p_span < _DROPPED:
         # (T, P) packed into one int64 that orders like the pair: one sort less.
         rank = (T - t_low) * p_span + (P - p_low)
     else:
@@ -337,6 +337,7 @@ def _front(K: np.ndarray, T: np.ndarray, P: np.ndarray) -> np.ndarray:
         step[1:] = (Ts[1:] != Ts[:-1]) | (Ps[1:] != Ps[:-1])
         rank = np.empty(by_tp.size, dtype=np.int64)
         rank[by_tp] = np.cumsum(step)
+    rank[drop] = _DROPPED
     by_k = np.lexsort((rank, K))
     r = rank[by_k]
     keep = np.empty(by_k.size, dtype=bool)

@@ -1,0 +1,132 @@
+"""apply(): make each block of a model behave as a plan says; remove() gives the original back.
+
+# NOTE [ Applying without replacing modules ]
+remat never swaps a block for a wrapper module: it replaces the block's ``forward`` on the
+instance (``remat._checkpoint.checkpoint_module``), or, for transformers layers that have their own
+checkpointing hook (``GradientCheckpointingLayer``), it sets that hook. Parameter names,
+``state_dict`` keys and values, ``named_modules``, hooks and ``train()/eval()`` stay exactly those
+of the user's model, so optimizers, FSDP, ``save_pretrained`` and checkpoint files are unaffected.
+"""
+
+from __future__ import annotations
+
+import difflib
+import functools
+import logging
+from typing import Any
+
+from torch import nn
+
+from remat import _checkpoint
+from remat.blocks import fingerprint
+from remat.records import OPTIONS, Plan
+
+__all__ = ["PlanMismatch", "apply", "applied_plan", "remove"]
+
+log = logging.getLogger(__name__)
+
+_PLAN_ATTR = "_remat_plan"
+
+
+class PlanMismatch(ValueError):
+    """The plan was made for another model."""
+
+
+def apply(model: nn.Module, plan: Plan, *, strict: bool = True) -> nn.Module:
+    """Apply ``plan`` to ``model`` in place and return the model. Applying again replaces it.
+
+    With ``strict`` (the default) the model's structure must be the one the plan was made for
+    (same fingerprint); ``strict=False`` only requires the plan's block names to exist.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"apply expects an nn.Module, got {type(model).__name__}")
+    if not isinstance(plan, Plan):
+        raise TypeError(f"apply expects a remat Plan, got {type(plan).__name__}; load one with Plan.load(path)")
+    modules = dict(model.named_modules())
+    for name, option in plan.choices.items():
+        if name not in modules:
+            close = difflib.get_close_matches(name, [n for n in modules if n], n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise PlanMismatch(
+                f"the plan was made for a {plan.model}; its block {name!r} is not in this "
+                f"{type(model).__name__}{hint}"
+            )
+        if option not in OPTIONS:
+            raise PlanMismatch(f"the plan asks for option {option!r} on {name!r}; expected one of {OPTIONS}")
+    if strict and plan.fingerprint != fingerprint(model):
+        raise PlanMismatch(
+            f"the plan was made for a {plan.model} of another shape (fingerprint {plan.fingerprint}, "
+            f"this {type(model).__name__} has {fingerprint(model)}): its block names match, but its "
+            "layers' sizes or dtypes do not. Make a plan for this model, or pass strict=False."
+        )
+    remove(model)
+    for name, option in plan.choices.items():
+        _set(modules[name], option)
+    object.__setattr__(model, _PLAN_ATTR, plan)
+    log.info("applied %s plan: %s", plan.method, _summary(plan))
+    return model
+
+
+def remove(model: nn.Module) -> nn.Module:
+    """Undo ``apply``: every block runs its own forward again. A no-op on a plain model."""
+    for module in model.modules():
+        _set(module, "keep")
+    model.__dict__.pop(_PLAN_ATTR, None)
+    return model
+
+
+def applied_plan(model: nn.Module) -> Plan | None:
+    """The plan applied to ``model``, or None."""
+    return model.__dict__.get(_PLAN_ATTR)
+
+
+def _set(module: nn.Module, option: str) -> None:
+    if _is_hf_layer(module):
+        _set_hf(module, option)
+        return
+    if option == "keep":
+        _checkpoint.uncheckpoint_module(module)
+    else:
+        _checkpoint.checkpoint_module(module, mode=option)
+
+
+# NOTE [ transformers layers ]
+# transformers (>= 4.50) makes each decoder layer a GradientCheckpointingLayer whose __call__
+# routes through ``self._gradient_checkpointing_func`` when ``self.gradient_checkpointing`` is set
+# and the model is training. remat sets that function to its own checkpoint with the chosen mode,
+# so transformers keeps doing what it does around it (it passes cache objects and other non-tensor
+# positional arguments, and turns use_cache off while checkpointing).
+
+
+def _is_hf_layer(module: nn.Module) -> bool:
+    return any(c.__name__ == "GradientCheckpointingLayer" for c in type(module).__mro__)
+
+
+def _set_hf(module: nn.Module, option: str) -> None:
+    if option == "keep":
+        if getattr(module, "_remat_mode", None) is not None:
+            module.gradient_checkpointing = False
+            module.__dict__.pop("_gradient_checkpointing_func", None)
+            module.__dict__.pop("_remat_mode", None)
+        return
+    module.gradient_checkpointing = True
+    object.__setattr__(module, "_gradient_checkpointing_func", functools.partial(_hf_call, option))
+    object.__setattr__(module, "_remat_mode", option)
+
+
+def _hf_call(option: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
+    return _checkpoint.checkpoint_call(fn, args, kwargs, mode=option)
+
+
+def mode_of(module: nn.Module) -> str:
+    """The option a module runs with: ``keep`` unless remat wrapped it."""
+    if _is_hf_layer(module):
+        return getattr(module, "_remat_mode", None) or "keep"
+    return _checkpoint.is_checkpointed(module) or "keep"
+
+
+def _summary(plan: Plan) -> str:
+    counts: dict[str, int] = {}
+    for option in plan.choices.values():
+        counts[option] = counts.get(option, 0) + 1
+    return ", ".join(f"{n} {o}" for o, n in counts.items())
