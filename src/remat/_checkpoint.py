@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils.checkpoint import (
     CheckpointPolicy,
     checkpoint as _torch_checkpoint,
@@ -103,7 +104,10 @@ class _RestoreRunningStats:
             for name in ("running_mean", "running_var", "num_batches_tracked"):
                 buf = getattr(module, name, None)
                 if isinstance(buf, torch.Tensor):
-                    self._saved.append((buf, buf.detach().clone()))
+                    # Outside any dispatch mode: selective checkpointing's recompute mode would
+                    # take this clone for an op of the block and refuse it.
+                    with _disable_current_modes():
+                        self._saved.append((buf, buf.detach().clone()))
 
     def __enter__(self) -> None:
         if self._root is not None:
@@ -113,7 +117,7 @@ class _RestoreRunningStats:
 
     def __exit__(self, *exc: Any) -> None:
         self._handle.remove()
-        with torch.no_grad():
+        with torch.no_grad(), _disable_current_modes():
             for buf, value in reversed(self._saved):
                 buf.copy_(value)
         self._saved.clear()

@@ -1,0 +1,129 @@
+"""remat.auto / apply / verify on the built-in models: fits, predicted = measured, same gradients."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import remat
+from remat import models
+from remat.applier import PlanMismatch, applied_plan
+from remat.profiler import profile
+from remat.records import Plan
+from remat.solver import InfeasibleBudget, solve
+
+
+def build(kind: str, **kw: object) -> tuple[nn.Module, tuple[torch.Tensor, ...], object]:
+    torch.manual_seed(0)
+    if kind == "gpt":
+        cfg = models.GPTConfig(n_layer=4, n_embd=64, n_head=2, block_size=64, vocab_size=256, dropout=0.1, **kw)
+    elif kind == "llama":
+        cfg = models.LlamaConfig(n_layer=4, dim=64, n_head=4, n_kv_head=2, ffn_dim=160, vocab_size=256, max_seq=64, **kw)
+    else:
+        cfg = models.ConvNetConfig(image_size=32, **kw)
+    model = models.build_model(cfg)
+    batch_kw = {"image_size": 32} if kind == "cnn" else {"seq_len": 64}
+    return model, models.make_batch(model, batch_size=4, **batch_kw), models.loss_fn_for(model)
+
+
+@pytest.mark.parametrize("kind", ["gpt", "llama"])
+def test_budgets_fit_and_match_prediction(kind: str) -> None:
+    model, batch, loss_fn = build(kind)
+    prof = profile(model, batch, loss_fn=loss_fn, repeats=1)
+    checked = 0
+    for share in (0.9, 0.7, 0.5, 0.4):
+        budget = int(prof.plain_peak_bytes * share)
+        try:
+            plan = solve(prof, budget)
+        except InfeasibleBudget:
+            assert share < 0.5, f"{share:.0%} of the plain peak should be feasible for {kind}"
+            continue
+        report = remat.verify(model, batch, plan, loss_fn=loss_fn, repeats=1)
+        assert report.measured_peak_bytes <= budget, (share, report)
+        assert abs(report.peak_error) <= 0.05, (share, report.peak_error)
+        assert report.grads_equal, (share, report.max_grad_diff)
+        assert report.passed
+        checked += 1
+    assert checked >= 3
+
+
+def test_auto_applies_and_reapplies() -> None:
+    model, batch, loss_fn = build("gpt")
+    plan = remat.auto(model, batch, "60%", loss_fn=loss_fn, repeats=1)
+    assert applied_plan(model) is plan
+    assert any(o != "keep" for o in plan.choices.values())
+    plan2, report = remat.auto(model, batch, "80%", loss_fn=loss_fn, repeats=1, verify=True)
+    assert applied_plan(model) is plan2
+    assert report.passed and report.budget_bytes == plan2.budget_bytes
+    # the second profile saw the plain model, not the first plan
+    assert plan2.estimate.peak_bytes <= plan2.budget_bytes
+
+
+def test_auto_infeasible_leaves_the_model_alone() -> None:
+    model, batch, loss_fn = build("gpt")
+    keys = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(InfeasibleBudget, match="below the smallest feasible"):
+        remat.auto(model, batch, "1MiB", loss_fn=loss_fn, repeats=1)
+    assert applied_plan(model) is None
+    assert all(torch.equal(keys[k], v) for k, v in model.state_dict().items())
+    assert all("forward" not in m.__dict__ for m in model.modules())
+
+
+def test_apply_remove_round_trip_is_invisible() -> None:
+    model, batch, loss_fn = build("cnn")
+    ref = copy.deepcopy(model)
+    prof = profile(model, batch, loss_fn=loss_fn, repeats=1)
+    plan = solve(prof, method="all", budget=None)
+    names = [n for n, _ in model.named_modules()]
+    params = [n for n, _ in model.named_parameters()]
+    remat.apply(model, plan)
+    assert [n for n, _ in model.named_modules()] == names
+    assert [n for n, _ in model.named_parameters()] == params
+    assert list(model.state_dict()) == list(ref.state_dict())
+    # a few training steps: same loss, same BatchNorm statistics as the plain copy
+    for _ in range(2):
+        torch.manual_seed(1)
+        loss = loss_fn(model(*batch), batch)
+        loss.backward()
+        torch.manual_seed(1)
+        loss_ref = loss_fn(ref(*batch), batch)
+        loss_ref.backward()
+        assert torch.equal(loss, loss_ref)
+    for (k, v), (k2, v2) in zip(model.state_dict().items(), ref.state_dict().items()):
+        assert k == k2 and torch.equal(v, v2), k
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(p.grad, q.grad)
+    model.eval()
+    with torch.no_grad():
+        assert torch.equal(model(*batch), ref.eval()(*batch))
+    remat.remove(model)
+    assert all("forward" not in m.__dict__ for m in model.modules())
+
+
+def test_plan_file_applies_to_a_fresh_instance_and_refuses_another(tmp_path: Path) -> None:
+    model, batch, loss_fn = build("llama")
+    prof = profile(model, batch, loss_fn=loss_fn, repeats=1)
+    plan = solve(prof, "70%")
+    path = tmp_path / "plan.json"
+    plan.save(path)
+    text = path.read_text()
+    loaded = Plan.load(path)
+    assert loaded == plan
+    fresh, _, _ = build("llama")
+    remat.apply(fresh, loaded)
+    assert applied_plan(fresh) == plan
+    # a model of another shape: same names, other widths
+    other, _, _ = build("llama", rope_theta=500000.0)  # same structure: accepted
+    remat.apply(other, loaded)
+    wider = models.build_model(models.LlamaConfig(n_layer=4, dim=128, n_head=4, n_kv_head=2, ffn_dim=160, vocab_size=256, max_seq=64))
+    with pytest.raises(PlanMismatch, match="of another shape"):
+        remat.apply(wider, loaded)
+    gpt, _, _ = build("gpt")
+    with pytest.raises(PlanMismatch, match="its block 'layers.0' is not in this GPT"):
+        remat.apply(gpt, loaded)
+    assert applied_plan(gpt) is None
+    assert path.read_text() == text  # the user's plan file is never touched
