@@ -25,7 +25,7 @@ lint: $(STAMP)
 	$(BIN)/mypy src
 
 test: lint
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n 2
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/frontier.py

@@ -10,7 +10,12 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 import remat
-from remat._checkpoint import checkpoint_call, checkpoint_module, is_checkpointed, uncheckpoint_module
+from remat._checkpoint import (
+    checkpoint_call,
+    checkpoint_module,
+    is_checkpointed,
+    uncheckpoint_module,
+)
 
 
 def _grads(module: nn.Module) -> dict[str, torch.Tensor]:

@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import logging
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -25,8 +26,10 @@ from torch import nn
 from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils.checkpoint import (
     CheckpointPolicy,
-    checkpoint as _torch_checkpoint,
     create_selective_checkpoint_contexts,
+)
+from torch.utils.checkpoint import (
+    checkpoint as _torch_checkpoint,
 )
 
 __all__ = [
@@ -49,7 +52,7 @@ MODES = ("recompute", "selective", "offload", "recompute_offload")
 
 def _aten_ops(*names: str) -> frozenset[Any]:
     # Some kernels exist only in some builds (flash/cudnn attention): take the ones this torch has.
-    ops = set()
+    ops: set[Any] = set()
     for name in names:
         packet = getattr(torch.ops.aten, name, None)
         if packet is not None:
@@ -280,7 +283,7 @@ def checkpoint_sequential(
             inp = item(inp)
         return inp
 
-    for start, stop in zip(bounds[:-1], bounds[1:]):
+    for start, stop in itertools.pairwise(bounds):
         seg = functools.partial(run_segment, start, stop)
         x = checkpoint_call(seg, (x,), mode=mode) if _any_training(items[start:stop]) else seg(x)
     return x

@@ -21,7 +21,7 @@ from remat import _checkpoint
 from remat.blocks import fingerprint
 from remat.records import OPTIONS, Plan
 
-__all__ = ["PlanMismatch", "apply", "applied_plan", "remove"]
+__all__ = ["PlanMismatch", "applied_plan", "apply", "remove"]
 
 log = logging.getLogger(__name__)
 
@@ -105,11 +105,11 @@ def _is_hf_layer(module: nn.Module) -> bool:
 def _set_hf(module: nn.Module, option: str) -> None:
     if option == "keep":
         if getattr(module, "_remat_mode", None) is not None:
-            module.gradient_checkpointing = False
+            object.__setattr__(module, "gradient_checkpointing", False)
             module.__dict__.pop("_gradient_checkpointing_func", None)
             module.__dict__.pop("_remat_mode", None)
         return
-    module.gradient_checkpointing = True
+    object.__setattr__(module, "gradient_checkpointing", True)
     object.__setattr__(module, "_gradient_checkpointing_func", functools.partial(_hf_call, option))
     object.__setattr__(module, "_remat_mode", option)
 

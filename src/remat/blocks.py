@@ -29,7 +29,7 @@ def _param_count(module: nn.Module) -> int:
 
 def _candidates(model: nn.Module) -> list[tuple[str, nn.Module, int]]:
     """Containers of >= 2 children where one class repeats, with how many params they hold."""
-    found = []
+    found: list[tuple[str, nn.Module, int]] = []
     for name, module in model.named_modules():
         if not isinstance(module, (nn.ModuleList, nn.Sequential)):
             continue
@@ -58,6 +58,7 @@ def find_blocks(
     elif all(isinstance(b, nn.Module) for b in blocks):
         found = []
         for b in blocks:
+            assert isinstance(b, nn.Module)
             if id(b) not in names:
                 raise BlockError(f"a {type(b).__name__} passed in blocks= is not a submodule of the model")
             found.append((names[id(b)], b))

@@ -20,6 +20,7 @@ cost nothing.
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -84,11 +85,14 @@ class FakeMeter(TorchDispatchMode):
             return 0
         nbytes = int(storage.nbytes())
         self._storages[key] = nbytes
-        self._refs[key] = weakref.ref(storage, lambda _, k=key: self._free(k))
+        self._refs[key] = weakref.ref(storage, functools.partial(self._free_ref, key))
         self.live += nbytes
         self.peak = max(self.peak, self.live)
         self._peak_since = max(self._peak_since, self.live)
         return nbytes
+
+    def _free_ref(self, key: int, ref: Any) -> None:
+        self._free(key)
 
     def _free(self, key: int) -> None:
         nbytes = self._storages.pop(key, 0)
