@@ -20,6 +20,7 @@ way tanh saturates, so the targets are close to sigma_i * sign(.) and the readin
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 import time
 from collections.abc import Sequence
@@ -32,7 +33,7 @@ from torch.utils.checkpoint import checkpoint
 
 from remat.gradnorm import GradNorm
 
-__all__ = ["Run", "SyntheticTasks", "TaskNet", "normalised_spread", "run", "default_sigmas"]
+__all__ = ["Run", "SyntheticTasks", "TaskNet", "default_sigmas", "normalised_spread", "run"]
 
 IN_DIM = 250
 OUT_DIM = 100
@@ -79,7 +80,7 @@ class TaskNet(nn.Module):
     ) -> None:
         super().__init__()
         dims = [in_dim, hidden, hidden, hidden, hidden]
-        self.trunk = nn.ModuleList(nn.Linear(a, b) for a, b in zip(dims[:-1], dims[1:]))
+        self.trunk = nn.ModuleList(nn.Linear(a, b) for a, b in itertools.pairwise(dims))
         self.heads = nn.ModuleList(nn.Linear(hidden, out_dim) for _ in range(num_tasks))
         self.checkpoint_trunk = checkpoint_trunk
 
@@ -134,7 +135,11 @@ def run(
     torch.manual_seed(seed)
     tasks = SyntheticTasks(sigmas, seed=seed, in_dim=in_dim, out_dim=out_dim)
     model = TaskNet(
-        len(sigmas), in_dim=in_dim, out_dim=out_dim, hidden=hidden, checkpoint_trunk=checkpoint_trunk
+        len(sigmas),
+        in_dim=in_dim,
+        out_dim=out_dim,
+        hidden=hidden,
+        checkpoint_trunk=checkpoint_trunk,
     )
     optimizer = torch.optim.Adam(model.parameters(), lr=model_lr, foreach=True)
     gn = (
@@ -180,41 +185,64 @@ def _plot(gradnorm: Run, equal: Run, sigmas: Sequence[float], alpha: float, path
     steps = torch.arange(1, gradnorm.weights.shape[0] + 1)
     cmap = plt.get_cmap("viridis")
     colours = [cmap(i / max(len(sigmas) - 1, 1)) for i in range(len(sigmas))]
-    fig, (ax_w, ax_l) = plt.subplots(1, 2, figsize=(13, 5.2))
+    fig, (ax_w, ax_l) = plt.subplots(
+        1, 2, figsize=(14.5, 5.4), gridspec_kw={"width_ratios": [1.0, 1.0], "wspace": 0.45}
+    )
     for i, sigma in enumerate(sigmas):
-        ax_w.plot(steps, gradnorm.weights[:, i], color=colours[i], label=f"σ = {sigma:.3g}")
+        # Adam on an L1 loss takes near-constant-size steps, so small weights jitter on a log axis:
+        # raw values faint, a moving average on top.
+        ax_w.plot(steps, gradnorm.weights[:, i], color=colours[i], lw=0.6, alpha=0.3)
+        ax_w.plot(
+            steps,
+            _smooth(gradnorm.weights[:, i]),
+            color=colours[i],
+            lw=1.8,
+            label=f"σ = {sigma:.3g}",
+        )
     ax_w.set_yscale("log")
     ax_w.set_xlabel("training step")
-    ax_w.set_ylabel("task weight w_i (log scale)")
-    ax_w.set_title(f"GradNorm task weights (α = {alpha:g}); weights sum to {len(sigmas)}")
-    ax_w.legend(title="task scale", fontsize=8, ncol=2)
+    ax_w.set_ylabel("task weight w_i (log scale; faint = raw, bold = smoothed)")
+    ax_w.set_title(f"GradNorm task weights (α = {alpha:g}, sum = {len(sigmas)})")
+    ax_w.legend(title="task scale σ_i", fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     ax_w.grid(alpha=0.3, which="both")
 
     for i in range(len(sigmas)):
         ax_l.plot(steps, _smooth(gradnorm.normalised_losses[:, i]), color=colours[i], lw=1.2)
         ax_l.plot(steps, _smooth(equal.normalised_losses[:, i]), color=colours[i], lw=1.2, ls="--")
     last = max(1, gradnorm.weights.shape[0] // 10)
-    ax_l.plot([], [], color="black", lw=1.2,
-              label=f"GradNorm (spread {normalised_spread(gradnorm.normalised_losses, last=last):.3f})")
-    ax_l.plot([], [], color="black", lw=1.2, ls="--",
-              label=f"equal weights (spread {normalised_spread(equal.normalised_losses, last=last):.3f})")
-    ax_l.set_yscale("log")
+    ax_l.plot(
+        [],
+        [],
+        color="black",
+        lw=1.2,
+        label=f"GradNorm (spread {normalised_spread(gradnorm.normalised_losses, last=last):.3f})",
+    )
+    ax_l.plot(
+        [],
+        [],
+        color="black",
+        lw=1.2,
+        ls="--",
+        label=f"equal weights (spread {normalised_spread(equal.normalised_losses, last=last):.3f})",
+    )
+    ax_l.axhline(1.0, color="grey", lw=0.8, ls=":")
     ax_l.set_xlabel("training step")
-    ax_l.set_ylabel("normalised loss L_i(t) / L_i(0) (log scale, smoothed)")
-    ax_l.set_title("Normalised task losses (colour = task, as left)")
-    ax_l.legend(fontsize=9, title="spread = std across tasks, last 10% of steps")
+    ax_l.set_ylabel("normalised loss L_i(t) / L_i(0) (smoothed)")
+    ax_l.set_title("Normalised task losses (colour = task σ, as on the left)")
+    ax_l.legend(fontsize=9, title="spread = std across tasks, last 10% of steps", title_fontsize=9)
     ax_l.grid(alpha=0.3, which="both")
     fig.suptitle(
         f"GradNorm on the synthetic multi-task regression of Chen et al. 2018 (T = {len(sigmas)})"
     )
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
 
 
 def _smooth(values: Tensor, window: int = 25) -> Tensor:
-    kernel = torch.ones(1, 1, window) / window
-    padded = torch.cat([values[:1].repeat(window - 1), values])
+    """Centred moving average; the ends repeat the first and last values."""
+    half = window // 2
+    padded = torch.cat([values[:1].repeat(half), values, values[-1:].repeat(half)])
+    kernel = torch.ones(1, 1, 2 * half + 1) / (2 * half + 1)
     return torch.nn.functional.conv1d(padded[None, None], kernel)[0, 0]
 
 
@@ -237,7 +265,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     final_gn = gradnorm.normalised_losses[-last:].mean(dim=0)
     final_eq = equal.normalised_losses[-last:].mean(dim=0)
     for i, sigma in enumerate(sigmas):
-        print(f"{sigma:7.3g}   {gradnorm.weights[-1, i]:12.4f}   {final_gn[i]:13.4f}   {final_eq[i]:10.4f}")
+        print(
+            f"{sigma:7.3g}   {gradnorm.weights[-1, i]:12.4f}   {final_gn[i]:13.4f}   {final_eq[i]:10.4f}"
+        )
     print(
         f"spread of L/L0 across tasks (std, last {last} steps): "
         f"GradNorm {normalised_spread(gradnorm.normalised_losses, last=last):.4f}, "

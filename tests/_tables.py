@@ -31,7 +31,12 @@ def block(name: str, grad: int = 0, **options: OptionCost) -> BlockProfile:
 
 def segment(kept: int = 0, *, fwd: int = 0, bwd: int = 0, grad: int = 0) -> Segment:
     return Segment(
-        kept_bytes=kept, fwd_peak_bytes=fwd, bwd_peak_bytes=bwd, grad_bytes=grad, fwd_ms=1.0, bwd_ms=1.0
+        kept_bytes=kept,
+        fwd_peak_bytes=fwd,
+        bwd_peak_bytes=bwd,
+        grad_bytes=grad,
+        fwd_ms=1.0,
+        bwd_ms=1.0,
     )
 
 
@@ -113,8 +118,10 @@ def brute_force(p: Profile) -> Brute:
     cols = np.arange(n)
     k = kept[cols, picks]
     before = np.cumsum(k, axis=1) - k
-    peak = np.maximum((before + need[cols, picks]).max(axis=1, initial=chain.fixed_bytes),
-                      k.sum(axis=1) + chain.tail_bytes)
+    peak = np.maximum(
+        (before + need[cols, picks]).max(axis=1, initial=chain.fixed_bytes),
+        k.sum(axis=1) + chain.tail_bytes,
+    )
     extra = np.zeros(len(picks))
     for i in range(n):
         extra = extra + ms[i, picks[:, i]]

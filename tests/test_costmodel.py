@@ -134,7 +134,10 @@ def test_smallest_feasible_names_a_block_transient() -> None:
 
 def test_smallest_feasible_names_the_head() -> None:
     p = profile([block("a", keep=cost(5))], base=10, batch=10, post=segment(fwd=300))
-    assert smallest_feasible(p) == (315, "the head's forward working memory (logits, loss) takes 300 B")
+    assert smallest_feasible(p) == (
+        315,
+        "the head's forward working memory (logits, loss) takes 300 B",
+    )
 
 
 def test_no_common_option_is_refused() -> None:
@@ -144,6 +147,7 @@ def test_no_common_option_is_refused() -> None:
 
 
 # --- properties --------------------------------------------------------------------------------
+
 
 @settings(max_examples=200, deadline=None)
 @given(p=chains(), data=st.data())

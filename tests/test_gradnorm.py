@@ -9,6 +9,7 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import pytest
 import torch
@@ -49,7 +50,7 @@ def _task_losses(model: nn.Module, x: Tensor, y: Tensor) -> list[Tensor]:
     return [nn.functional.mse_loss(out, target) for out, target in zip(model(x), y)]
 
 
-def _make(seed: int = 0, *, checkpoint_trunk: bool = False) -> tuple[nn.Module, object]:
+def _make(seed: int = 0, *, checkpoint_trunk: bool = False) -> tuple[Any, Any]:
     torch.manual_seed(seed)
     model = bench.TaskNet(len(SIGMAS), checkpoint_trunk=checkpoint_trunk, **DIMS)
     tasks = bench.SyntheticTasks(SIGMAS, seed=seed, in_dim=DIMS["in_dim"], out_dim=DIMS["out_dim"])
@@ -57,13 +58,13 @@ def _make(seed: int = 0, *, checkpoint_trunk: bool = False) -> tuple[nn.Module, 
 
 
 def _train(
-    model: nn.Module, tasks: object, gn: GradNorm, steps: int, *, lr: float = 1e-2
+    model: nn.Module, tasks: Any, gn: GradNorm, steps: int, *, lr: float = 1e-2
 ) -> list[Tensor]:
     """``steps`` steps of SGD + GradNorm; the weights after each step."""
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
     history = []
     for _ in range(steps):
-        x, y = tasks.batch(32)  # type: ignore[attr-defined]
+        x, y = tasks.batch(32)
         gn.backward(_task_losses(model, x, y))
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -72,22 +73,23 @@ def _train(
     return history
 
 
-def _literal_weight_grad(gn: GradNorm, losses: list[Tensor], shared: list[Tensor]) -> Tensor:
+def _literal_step(
+    weights: Tensor, initial: Tensor, alpha: float, losses: list[Tensor], shared: list[Tensor]
+) -> tuple[Tensor, Tensor]:
     """The paper's formulation, written out: G_i = ||grad_W (w_i L_i)|| with create_graph=True
-    (a double backward through the trunk), L_grad = sum |G_i - const target_i|, grad wrt w only."""
-    w = gn.weights.requires_grad_(True)
+    (a double backward through the trunk), L_grad = sum |G_i - const target_i|, grad wrt w only.
+    Returns (L_grad, dL_grad/dw)."""
+    w = weights.clone().requires_grad_(True)
     norms = []
     for i, loss in enumerate(losses):
         grads = torch.autograd.grad(w[i] * loss, shared, retain_graph=True, create_graph=True)
         norms.append(torch.sqrt(sum((g * g).sum() for g in grads)))  # type: ignore[arg-type]
     grad_norms = torch.stack(norms)
-    initial = gn.initial_losses
-    assert initial is not None
     ratios = torch.stack(losses).detach() / initial
-    target = (grad_norms.mean() * (ratios / ratios.mean()) ** gn.alpha).detach()
+    target = (grad_norms.mean() * (ratios / ratios.mean()) ** alpha).detach()
     grad_loss = (grad_norms - target).abs().sum()
     (weight_grad,) = torch.autograd.grad(grad_loss, [w])
-    return weight_grad
+    return grad_loss.detach(), weight_grad
 
 
 # --- the step, against plain PyTorch ---------------------------------------------------------
@@ -99,7 +101,7 @@ def test_model_grads_are_those_of_the_weighted_sum() -> None:
     _train(model, tasks, gn, steps=5)  # weights away from 1
     weights = gn.weights
     assert not torch.allclose(weights, torch.ones_like(weights))
-    x, y = tasks.batch(32)  # type: ignore[attr-defined]
+    x, y = tasks.batch(32)
 
     total = gn.backward(_task_losses(model, x, y))
     got = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
@@ -117,22 +119,33 @@ def test_model_grads_are_those_of_the_weighted_sum() -> None:
 
 @pytest.mark.parametrize("checkpoint_trunk", [False, True], ids=["plain", "checkpointed"])
 @pytest.mark.parametrize("shared", ["last_layer", "whole_trunk"])
-def test_weight_grad_matches_the_papers_double_backward(checkpoint_trunk: bool, shared: str) -> None:
+def test_weight_grad_matches_the_papers_double_backward(
+    checkpoint_trunk: bool, shared: str
+) -> None:
     model, tasks = _make(checkpoint_trunk=checkpoint_trunk)
     params = (
         [model.last_shared_weight()] if shared == "last_layer" else list(model.trunk.parameters())
     )
-    gn = GradNorm(len(SIGMAS), params, alpha=0.7)
-    _train(model, tasks, gn, steps=5)  # unequal weights and L_i(t) != L_i(0)
-    x, y = tasks.batch(32)  # type: ignore[attr-defined]
+    alpha = 0.7
+    gn = GradNorm(len(SIGMAS), params, alpha=alpha)
+    data_state = tasks._gen.get_state()
+    x0, y0 = tasks.batch(32)
+    initial = torch.stack(_task_losses(model, x0, y0)).detach()  # L_i(0), by hand
+    tasks._gen.set_state(data_state)  # replay the same first batch inside _train
+    _train(model, tasks, gn, steps=6)  # unequal weights, and L_i(t) != L_i(0)
+    x, y = tasks.batch(32)
 
-    expected = _literal_weight_grad(gn, _task_losses(model, x, y), params)
+    expected_loss, expected_grad = _literal_step(
+        gn.weights, initial, alpha, _task_losses(model, x, y), params
+    )
     gn.backward(_task_losses(model, x, y))
     got = gn._weights.grad  # private: the one place the weights' gradient is visible
 
     assert got is not None
-    assert (expected != 0).all()
-    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    assert (expected_grad != 0).all()
+    torch.testing.assert_close(got, expected_grad, rtol=1e-5, atol=1e-6)
+    # L_grad itself depends smoothly on alpha and on L_i(0), which the gradient's signs may hide
+    torch.testing.assert_close(gn.grad_loss, expected_loss, rtol=1e-5, atol=1e-6)
 
 
 def test_first_step_by_hand() -> None:
@@ -141,10 +154,10 @@ def test_first_step_by_hand() -> None:
     model, tasks = _make()
     lr = 0.05
     gn = GradNorm(len(SIGMAS), model.last_shared_weight(), alpha=1.5, lr=lr)
-    x, y = tasks.batch(32)  # type: ignore[attr-defined]
+    x, y = tasks.batch(32)
     norms = torch.stack(
         [
-            torch.autograd.grad(loss, model.last_shared_weight())[0].norm()
+            torch.autograd.grad(loss, model.last_shared_weight(), retain_graph=True)[0].norm()
             for loss in _task_losses(model, x, y)
         ]
     )
@@ -163,10 +176,10 @@ def test_weights_stay_positive_and_sum_to_num_tasks() -> None:
     model, tasks = _make()
     # A huge learning rate drives the small weights through zero: the floor must catch them.
     gn = GradNorm(len(SIGMAS), model.last_shared_weight(), lr=5.0)
-    for weights in _train(model, tasks, gn, steps=10):
-        assert (weights > 0).all(), weights
-        torch.testing.assert_close(weights.sum(), torch.tensor(float(len(SIGMAS))))
-    assert weights.min() < 1e-2  # the floor was actually reached, or the test proves nothing
+    history = torch.stack(_train(model, tasks, gn, steps=10))
+    assert (history > 0).all(), history
+    torch.testing.assert_close(history.sum(dim=1), torch.full((10,), float(len(SIGMAS))))
+    assert history.min() < 1e-2  # the floor was actually reached, or the test proves nothing
 
 
 # --- checkpointing ----------------------------------------------------------------------------
@@ -178,7 +191,9 @@ def test_checkpointed_trunk_gives_the_same_trajectory(shared: str) -> None:
     for checkpoint_trunk in (False, True):
         model, tasks = _make(seed=3, checkpoint_trunk=checkpoint_trunk)
         params = (
-            [model.last_shared_weight()] if shared == "last_layer" else list(model.trunk.parameters())
+            [model.last_shared_weight()]
+            if shared == "last_layer"
+            else list(model.trunk.parameters())
         )
         gn = GradNorm(len(SIGMAS), params, alpha=1.5, lr=0.05)
         runs.append((torch.stack(_train(model, tasks, gn, steps=25)), model))
@@ -212,15 +227,17 @@ def test_state_dict_round_trip() -> None:
 
     # Both continue identically: same data stream, same Adam moments.
     tasks2 = bench.SyntheticTasks(SIGMAS, seed=0, in_dim=DIMS["in_dim"], out_dim=DIMS["out_dim"])
-    tasks2._gen.set_state(tasks._gen.get_state())  # type: ignore[attr-defined]
+    tasks2._gen.set_state(tasks._gen.get_state())
     after = torch.stack(_train(model, tasks, gn, steps=4))
     after2 = torch.stack(_train(model2, tasks2, gn2, steps=4))
     torch.testing.assert_close(after2, after)
     # a fresh GradNorm (no Adam moments, no L_i(0)) would not follow the same path
     model3, _ = _make(seed=1)
     model3.load_state_dict(saved["model"])
-    tasks2._gen.set_state(tasks._gen.get_state())  # type: ignore[attr-defined]
-    fresh = torch.stack(_train(model3, tasks2, GradNorm(len(SIGMAS), model3.last_shared_weight()), 4))
+    tasks2._gen.set_state(tasks._gen.get_state())
+    fresh = torch.stack(
+        _train(model3, tasks2, GradNorm(len(SIGMAS), model3.last_shared_weight()), 4)
+    )
     assert not torch.allclose(fresh, after)
 
 
@@ -239,7 +256,11 @@ def _param() -> nn.Parameter:
         (dict(alpha=-0.1), ValueError, r"alpha must be .* >= 0.*got -0.1"),
         (dict(lr=0.0), ValueError, r"lr must be .* > 0.*got 0.0"),
         (dict(shared_params=[]), ValueError, r"shared_params is empty; pass"),
-        (dict(shared_params=torch.ones(3)), ValueError, r"shared_params\[0\] \(shape \(3,\)\) does not require grad"),
+        (
+            dict(shared_params=torch.ones(3)),
+            ValueError,
+            r"shared_params\[0\] \(shape \(3,\)\) does not require grad",
+        ),
         (dict(shared_params=["w"]), TypeError, r"shared_params\[0\] must be a tensor, got str"),
     ],
 )
@@ -257,8 +278,10 @@ def test_backward_errors() -> None:
     with pytest.raises(ValueError, match=r"expected 2 task losses \(num_tasks=2\), got 3"):
         gn.backward([loss, loss, loss])
     with pytest.raises(TypeError, match=r"sequence .* of 2 scalar tensors, got Tensor"):
-        gn.backward(torch.stack([loss, loss]))
-    with pytest.raises(ValueError, match=r"loss 1 must be a scalar \(0-dim\) tensor, got shape \(3,\); .*mean\(\)"):
+        gn.backward(torch.stack([loss, loss]))  # type: ignore[arg-type]
+    with pytest.raises(
+        ValueError, match=r"loss 1 must be a scalar \(0-dim\) tensor, got shape \(3,\); .*mean\(\)"
+    ):
         gn.backward([loss, w * 2])
     with pytest.raises(ValueError, match=r"loss 0 does not require grad"):
         gn.backward([loss.detach(), loss])
@@ -269,11 +292,15 @@ def test_backward_errors() -> None:
         gn.backward([loss, (w * 0).sum()])
     with pytest.raises(RuntimeError, match=r"step\(\) called before GradNorm.backward"):
         gn.step()
+    # a failed backward changes nothing: L_i(0) is still to be recorded, no weight gradient
+    assert gn.initial_losses is None and gn.grad_loss is None and w.grad is None
 
 
 def test_load_state_dict_errors() -> None:
     state = GradNorm(2, _param()).state_dict()
-    with pytest.raises(ValueError, match=r"state is for 2 tasks, this GradNorm has 3; .*num_tasks=2"):
+    with pytest.raises(
+        ValueError, match=r"state is for 2 tasks, this GradNorm has 3; .*num_tasks=2"
+    ):
         GradNorm(3, _param()).load_state_dict(state)
     with pytest.raises(ValueError, match=r"version 99, this remat reads version 1"):
         GradNorm(2, _param()).load_state_dict(state | {"version": 99})

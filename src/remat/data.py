@@ -1,0 +1,116 @@
+"""Text for ``remat train``: byte-level tokens from a file or the standard library, nothing downloaded.
+
+Tokens are the text's UTF-8 bytes (a vocabulary of 256). The last 10% of the bytes are held out
+for evaluation. ``Sampler`` draws training windows at random offsets from its own generator, so its
+position in the data is a small state (the generator's state and a count) that a checkpoint can
+carry; ``eval_windows`` are fixed, evenly spaced windows of the held-out part.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["VOCAB_SIZE", "Sampler", "TextData", "eval_windows", "load_text"]
+
+#: Byte-level tokens: every id is one byte of the UTF-8 text.
+VOCAB_SIZE = 256
+_HELD_OUT = 0.1
+_STATE_VERSION = 1
+
+
+@dataclass(frozen=True, kw_only=True)
+class TextData:
+    """A text as byte tokens, split into a training part and a held-out part."""
+
+    source: str
+    """Where the text came from: a file path, or ``"pydoc_data.topics"``."""
+    sha256: str
+    """Hash of the text's bytes: a checkpoint is refused on other text."""
+    train: torch.Tensor
+    """The first 90% of the bytes, uint8 (ids 0..255)."""
+    held_out: torch.Tensor
+    """The last 10% of the bytes, uint8, for evaluation."""
+
+
+def load_text(path: str | Path | None = None) -> TextData:
+    """The text of ``path`` (UTF-8 or any bytes), or by default the topic help texts that ship with
+    Python (``pydoc_data.topics``, ~470 kB of English and code)."""
+    if path is None:
+        from pydoc_data.topics import topics
+
+        raw = "\n\n".join(topics[k] for k in sorted(topics)).encode("utf-8")
+        source = "pydoc_data.topics"
+    else:
+        p = Path(path)
+        try:
+            raw = p.read_bytes()
+        except FileNotFoundError:
+            raise FileNotFoundError(f"no such text file: {p}") from None
+        except IsADirectoryError:
+            raise IsADirectoryError(f"{p} is a folder; pass one text file") from None
+        source = str(p)
+    tokens = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    split = int(len(tokens) * (1 - _HELD_OUT))
+    return TextData(
+        source=source,
+        sha256=hashlib.sha256(raw).hexdigest(),
+        train=tokens[:split].clone(),
+        held_out=tokens[split:].clone(),
+    )
+
+
+def _check_length(tokens: torch.Tensor, seq_len: int, part: str, source: str) -> None:
+    if len(tokens) < seq_len + 1:
+        raise ValueError(
+            f"the {part} part of {source} has {len(tokens)} bytes, fewer than one sequence of "
+            f"seq_len={seq_len} (+1); use a longer text or a shorter --seq"
+        )
+
+
+class Sampler:
+    """Random training windows: each call draws ``batch_size`` offsets from its own generator.
+
+    ``state_dict()`` / ``load_state_dict()`` hold its position (the generator's state and the
+    number of batches drawn), so a resumed run draws the very batches the first run would have.
+    """
+
+    def __init__(self, data: TextData, *, seq_len: int, seed: int) -> None:
+        _check_length(data.train, seq_len, "training", data.source)
+        self.tokens = data.train
+        self.seq_len = seq_len
+        self.generator = torch.Generator().manual_seed(seed)
+        self.drawn = 0
+        """Batches drawn so far."""
+
+    def next(self, batch_size: int, device: torch.device | str = "cpu") -> torch.Tensor:
+        """``(batch_size, seq_len)`` int64 token ids on ``device``."""
+        high = len(self.tokens) - self.seq_len + 1
+        starts = torch.randint(high, (batch_size,), generator=self.generator)
+        rows = starts[:, None] + torch.arange(self.seq_len)[None, :]
+        self.drawn += 1
+        return self.tokens[rows].long().to(device)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"version": _STATE_VERSION, "generator": self.generator.get_state(), "drawn": self.drawn}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("version") != _STATE_VERSION:
+            raise ValueError(f"sampler state of version {state.get('version')!r}, expected {_STATE_VERSION}")
+        self.generator.set_state(state["generator"])
+        self.drawn = int(state["drawn"])
+
+
+def eval_windows(data: TextData, *, seq_len: int, max_windows: int = 32) -> torch.Tensor:
+    """Up to ``max_windows`` evenly spaced, non-overlapping windows of the held-out part, as a
+    ``(windows, seq_len)`` int64 tensor: the same windows at every evaluation."""
+    _check_length(data.held_out, seq_len, "held-out", data.source)
+    count = min(max_windows, len(data.held_out) // seq_len)
+    stride = len(data.held_out) // count
+    starts = torch.arange(count) * stride
+    rows = starts[:, None] + torch.arange(seq_len)[None, :]
+    return data.held_out[rows].long()

@@ -1,0 +1,328 @@
+"""The demo behind ``remat demo``: the whole pipeline on a built-in GPT, on this machine's CPU.
+
+One profile; the optimal plan at budgets from the plain step's peak down to the smallest feasible
+one; every plan, and the baselines (no checkpointing, every 2nd block, every block), applied and
+measured against plain PyTorch (peak, step time, gradients). It writes ``profile.json``,
+``plan.json`` (the plan at about 60% of the plain peak), ``frontier.png``, ``timeline.png`` and
+``results.json`` into one folder and returns what it measured; the CLI prints it.
+
+``full()`` and ``quick()`` build the demo's ``(model, batch, loss_fn)``, so that
+``remat verify --model remat.demo:full --plan remat-out/plan.json`` checks the plan again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from remat import zoo
+from remat.costmodel import smallest_feasible
+from remat.models import Batch, GPTConfig, LossFn
+from remat.profiler import profile
+from remat.records import Plan, Profile
+from remat.report import ComparisonRow, FrontierPoint, plot_frontier, plot_timeline
+from remat.solver import solve
+from remat.units import format_bytes
+from remat.verifier import Report, verify
+
+__all__ = [
+    "FULL",
+    "QUICK",
+    "DemoResult",
+    "DemoRow",
+    "DemoSetup",
+    "comparison_rows",
+    "full",
+    "quick",
+    "results_dict",
+    "run_demo",
+]
+
+RESULTS_SCHEMA = 1
+
+#: ``progress(what is happening now, stages done, stages in all)``; the total grows once known.
+ProgressFn = Callable[[str, int, int], None]
+
+
+@dataclass(frozen=True, kw_only=True)
+class DemoSetup:
+    """What the demo runs on and how far it sweeps."""
+
+    model: str | GPTConfig
+    """A zoo name or a GPT config."""
+    batch_size: int
+    """Sequences per batch."""
+    seq_len: int
+    """Tokens per sequence."""
+    shares: tuple[float, ...]
+    """Budgets as shares of the plain step's peak, highest first; those below the smallest
+    feasible budget are skipped, and the smallest feasible budget itself is always added."""
+    plan_share: float
+    """The share whose plan goes to ``plan.json`` and ``timeline.png`` (the nearest feasible)."""
+    repeats: int
+    """Timed steps per measurement (medians)."""
+    factory: str
+    """``module:function`` that builds this setup, for the ``remat verify`` hint."""
+
+
+# The full demo: zoo's gpt-tiny (8 blocks, 2M parameters) at a batch whose steps take a few tenths
+# of a second on two cores, so that ~10 plans, each measured against plain, take about a minute.
+# Activations outweigh parameters + gradients + AdamW state about 3:1, so the sweep is long.
+FULL = DemoSetup(
+    model="gpt-tiny", batch_size=4, seq_len=128,
+    shares=(1.0, 0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2, 0.1), plan_share=0.6, repeats=3,
+    factory="remat.demo:full",
+)  # fmt: skip
+
+# The quick demo (tests, a first look): a GPT of 4 blocks of width 64; a step takes ~0.1 s.
+QUICK = DemoSetup(
+    model=GPTConfig(vocab_size=256, block_size=64, n_layer=4, n_head=2, n_embd=64),
+    batch_size=8, seq_len=64, shares=(1.0, 0.8, 0.6, 0.4, 0.2), plan_share=0.6, repeats=2,
+    factory="remat.demo:quick",
+)  # fmt: skip
+
+# The baselines measured next to remat's plans: (method, k, label).
+_BASELINES = (("none", None, "plain (none)"), ("every_k", 2, "every 2nd block"), ("all", None, "every block"))
+
+
+def full() -> tuple[nn.Module, Batch, LossFn]:
+    """The full demo's ``(model, batch, loss_fn)``."""
+    return _build(FULL)
+
+
+def quick() -> tuple[nn.Module, Batch, LossFn]:
+    """The quick demo's ``(model, batch, loss_fn)``."""
+    return _build(QUICK)
+
+
+def _build(setup: DemoSetup) -> tuple[nn.Module, Batch, LossFn]:
+    return zoo.build(setup.model, batch_size=setup.batch_size, seq_len=setup.seq_len)
+
+
+def _optimizer(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+
+@dataclass(frozen=True, kw_only=True)
+class DemoRow:
+    """One plan the demo measured."""
+
+    label: str
+    """What the plan is called, e.g. ``"remat 60%"`` or ``"every block"``."""
+    share: float | None
+    """Its budget as a share of the plain peak (None for baselines)."""
+    plan: Plan
+    """The plan."""
+    report: Report
+    """What measuring it gave (shared between rows whose plans are the same)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class DemoResult:
+    """Everything the demo measured and wrote."""
+
+    setup: DemoSetup
+    """What it ran."""
+    profile: Profile
+    """The one profile every plan was solved from."""
+    smallest_feasible_bytes: int
+    """The lowest peak any plan reaches."""
+    smallest_feasible_reason: str
+    """What dominates that peak."""
+    rows: list[DemoRow]
+    """Plans in table order: the plain baseline, remat's by decreasing budget, other baselines."""
+    chosen: DemoRow
+    """The row whose plan is in ``plan.json`` and ``timeline.png``."""
+    files: dict[str, Path]
+    """What was written, by kind: profile, plan, frontier, timeline, results."""
+    seconds: float
+    """Wall time of the whole run."""
+
+
+def run_demo(
+    out: str | Path, *, quick: bool = False, progress: ProgressFn | None = None
+) -> DemoResult:
+    """Run the demo (``QUICK`` with ``quick``, else ``FULL``) and write its files into ``out``."""
+    started = time.perf_counter()
+    setup = QUICK if quick else FULL
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    report_progress = progress or (lambda what, done, total: None)
+
+    model, batch, loss_fn = _build(setup)
+    optimizer = _optimizer(model)
+    name = setup.model if isinstance(setup.model, str) else "a small GPT"
+    report_progress(f"profiling {name} on the CPU", 0, 1)
+    prof = profile(model, batch, loss_fn=loss_fn, optimizer=optimizer, repeats=setup.repeats)
+    low, reason = smallest_feasible(prof)
+
+    planned = _plans(prof, setup, low)
+    unique: dict[tuple[str, ...], Plan] = {}
+    for _, _, plan in planned:
+        unique.setdefault(tuple(plan.choices.values()), plan)
+    total = 1 + len(unique) + 1
+    reports: dict[tuple[str, ...], Report] = {}
+    for i, (key, plan) in enumerate(unique.items()):
+        label = next(lbl for lbl, _, p in planned if tuple(p.choices.values()) == key)
+        report_progress(f"measuring {label} against plain ({i + 1}/{len(unique)})", 1 + i, total)
+        reports[key] = verify(
+            model, batch, plan, loss_fn=loss_fn, optimizer=optimizer, repeats=setup.repeats
+        )
+    rows = []
+    for label, share, plan in planned:
+        report = reports[tuple(plan.choices.values())]
+        # A plan shared by several budgets was measured once; its fit is judged per budget.
+        report = dataclasses.replace(report, budget_bytes=plan.budget_bytes, method=plan.method)
+        rows.append(DemoRow(label=label, share=share, plan=plan, report=report))
+
+    report_progress("writing plots and results", total - 1, total)
+    remat_rows = [r for r in rows if r.share is not None]
+    chosen = min(remat_rows, key=lambda r: (abs((r.share or 0.0) - setup.plan_share), r.share))
+    files = {
+        "profile": out / "profile.json",
+        "plan": out / "plan.json",
+        "frontier": out / "frontier.png",
+        "timeline": out / "timeline.png",
+        "results": out / "results.json",
+    }
+    prof.save(files["profile"])
+    chosen.plan.save(files["plan"])
+    _plot_frontier(rows, prof, files["frontier"], name)
+    assert chosen.report.plain is not None and chosen.report.planned is not None
+    plot_timeline(
+        [("plain step", chosen.report.plain), (chosen.label, chosen.report.planned)],
+        path=files["timeline"],
+        budget_bytes=chosen.plan.budget_bytes,
+        title=f"Memory through one training step of {name}: plain vs {chosen.label}",
+    )
+    result = DemoResult(
+        setup=setup,
+        profile=prof,
+        smallest_feasible_bytes=low,
+        smallest_feasible_reason=reason,
+        rows=rows,
+        chosen=chosen,
+        files=files,
+        seconds=time.perf_counter() - started,
+    )
+    files["results"].write_text(json.dumps(results_dict(result), indent=2) + "\n")
+    report_progress("done", total, total)
+    return result
+
+
+def _plans(prof: Profile, setup: DemoSetup, low: int) -> list[tuple[str, float | None, Plan]]:
+    """(label, share, plan) in table order: plain, remat's sweep, the other baselines."""
+    plain = prof.plain_peak_bytes
+    out: list[tuple[str, float | None, Plan]] = []
+    method, k, label = _BASELINES[0]
+    out.append((label, None, solve(prof, method=method, k=k)))
+    budgets = [(f"remat {s:.0%}", s, int(plain * s)) for s in setup.shares if plain * s >= low]
+    if not budgets or budgets[-1][2] > low:
+        budgets.append((f"remat {low / plain:.0%} (min)", low / plain, low))
+    for label, share, budget in budgets:
+        out.append((label, share, solve(prof, budget, method="optimal")))
+    for method, k, label in _BASELINES[1:]:
+        out.append((label, None, solve(prof, method=method, k=k)))
+    return out
+
+
+def _plot_frontier(rows: list[DemoRow], prof: Profile, path: Path, name: str) -> None:
+    points = [
+        FrontierPoint(
+            label=r.label.removeprefix("remat ") if r.share is not None else r.label,
+            method="optimal" if r.share is not None else r.plan.method,
+            peak_bytes=r.report.measured_peak_bytes,
+            overhead=r.report.measured_overhead,
+            predicted_peak_bytes=r.plan.estimate.peak_bytes,
+        )
+        for r in rows
+    ]
+    shape = "×".join(str(d) for d in prof.batch_shape)
+    plot_frontier(
+        points,
+        path=path,
+        title=f"{name}, batch {shape}, AdamW, CPU: measured peak against step time",
+    )
+
+
+def comparison_rows(result: DemoResult) -> list[ComparisonRow]:
+    """The rows of ``remat.report.comparison_table`` for the demo's plans."""
+    return [
+        ComparisonRow(
+            label=r.label,
+            method=r.plan.method,
+            budget_bytes=r.plan.budget_bytes,
+            predicted_peak_bytes=r.plan.estimate.peak_bytes,
+            measured_peak_bytes=r.report.measured_peak_bytes,
+            overhead=r.report.measured_overhead,
+            fits=None if r.plan.budget_bytes is None else r.report.fits,
+            grads_equal=r.report.grads_equal,
+        )
+        for r in result.rows
+    ]
+
+
+def results_dict(result: DemoResult) -> dict[str, Any]:
+    """``results.json``: the setup, the profile's totals, and every row's numbers (bytes, ms)."""
+    prof = result.profile
+    model = result.setup.model
+    return {
+        "kind": "demo",
+        "schema_version": RESULTS_SCHEMA,
+        "model": {
+            "name": model if isinstance(model, str) else type(model).__name__,
+            "class": prof.model,
+            "config": dataclasses.asdict(zoo.spec(model).config),
+            "batch_shape": prof.batch_shape,
+            "dtype": prof.dtype,
+            "optimizer": "AdamW",
+            "device": prof.device,
+            "factory": result.setup.factory,
+        },
+        "profile": {
+            "blocks": len(prof.blocks),
+            "plain_peak_bytes": prof.plain_peak_bytes,
+            "plain_step_ms": prof.plain_step_ms,
+            "base_bytes": prof.base_bytes,
+            "param_bytes": prof.param_bytes,
+            "optimizer_bytes": prof.optimizer_bytes,
+            "smallest_feasible_bytes": result.smallest_feasible_bytes,
+            "smallest_feasible_reason": result.smallest_feasible_reason,
+        },
+        "rows": [
+            {
+                "label": r.label,
+                "method": r.plan.method,
+                "budget_bytes": r.plan.budget_bytes,
+                "budget_share": r.share,
+                "predicted_peak_bytes": r.plan.estimate.peak_bytes,
+                "measured_peak_bytes": r.report.measured_peak_bytes,
+                "plain_peak_bytes": r.report.plain_peak_bytes,
+                "peak_error": r.report.peak_error,
+                "predicted_overhead": r.plan.estimate.overhead,
+                "measured_overhead": r.report.measured_overhead,
+                "plain_step_ms": r.report.plain_step_ms,
+                "step_ms": r.report.step_ms,
+                "fits": None if r.plan.budget_bytes is None else r.report.fits,
+                "grads_equal": r.report.grads_equal,
+                "max_grad_diff": r.report.max_grad_diff,
+                "choices": r.plan.choices,
+            }
+            for r in result.rows
+        ],
+        "plan": {
+            "label": result.chosen.label,
+            "budget_bytes": result.chosen.plan.budget_bytes,
+            "budget": format_bytes(result.chosen.plan.budget_bytes or 0),
+        },
+        "files": {k: str(v) for k, v in result.files.items()},
+        "seconds": result.seconds,
+    }
