@@ -89,6 +89,8 @@ class AccumulationPlan:
     """The chosen checkpointing plan; None without a budget (every block kept)."""
     candidates: list[Candidate]
     """Every micro-batch considered, smallest first."""
+    budget_bytes: int | None = None
+    """The budget in bytes (a ``"60%"`` budget resolved); None without one."""
 
 
 class InfeasibleTraining(InfeasibleBudget):
@@ -138,7 +140,7 @@ def plan_accumulation(
         m = sizes[-1]
         row = Candidate(micro_batch=m, accumulation_steps=global_batch // m, plan_summary="no plan",
                         chosen=True, note="no budget: every block kept")
-        return AccumulationPlan(micro_batch=m, plan=None, candidates=[row])
+        return AccumulationPlan(micro_batch=m, plan=None, candidates=[row], budget_bytes=None)
 
     device = torch.device(device)
     profiles: dict[int, Profile | None] = {}
@@ -213,7 +215,8 @@ def plan_accumulation(
             budget_bytes=budget_bytes, smallest_bytes=low, dominant=dominant, candidates=rows)
     best = max(fitting, key=lambda r: (r.tokens_per_s or 0.0, r.micro_batch))
     rows = [dataclasses.replace(r, chosen=True) if r is best else r for r in rows]
-    return AccumulationPlan(micro_batch=best.micro_batch, plan=plans[best.micro_batch], candidates=rows)
+    return AccumulationPlan(micro_batch=best.micro_batch, plan=plans[best.micro_batch],
+                            candidates=rows, budget_bytes=budget_bytes)
 
 
 def summary(plan: Plan) -> str:

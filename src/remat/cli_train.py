@@ -8,6 +8,8 @@ was saved; the message says how to resume).
 from __future__ import annotations
 
 import dataclasses
+import os
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -18,7 +20,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
-from remat.accumulation import Candidate, InfeasibleTraining
+from remat.accumulation import AccumulationPlan, Candidate, InfeasibleTraining
 from remat.models import GPTConfig, LlamaConfig
 from remat.solver import InfeasibleBudget
 from remat.train import PRECISIONS, TrainConfig, TrainInterrupted, TrainResult, train
@@ -32,10 +34,9 @@ _DEFAULT_OUT = "remat-out/train"
 
 def accumulation_table(candidates: Sequence[Candidate], *, title: str | None = None) -> Table:
     """One row per micro-batch size the planner considered, and which one it chose and why."""
-    table = Table(title=title, box=box.SIMPLE_HEAVY, title_justify="left",
-                  caption="✓: the highest predicted tokens/s of the plans that fit; peak and tokens/s "
-                  "are the cost model's, with accumulation",
-                  caption_justify="left")
+    planned = any(c.tokens_per_s is not None or c.fits is False for c in candidates)
+    table = Table(title=title, box=box.SIMPLE_HEAVY, title_justify="left", caption_justify="left",
+                  caption="✓: the plan that fits with the highest predicted tokens/s" if planned else None)
     for name in ("micro-batch", "× steps", "plan", "predicted peak", "fits", "tokens/s", ""):
         table.add_column(name, justify="left" if name == "plan" else "right")
     for c in candidates:
@@ -85,7 +86,24 @@ def accumulation_table(candidates: Sequence[Candidate], *, title: str | None = N
 @click.option("--device", help="cpu, cuda, cuda:1, ... Default: CUDA when there is one.")
 @click.pass_context
 def train_command(ctx: click.Context, **options: Any) -> None:
-    """Train a language model on text, fitting the memory budget by checkpointing + accumulation."""
+    """Train a language model on text within a memory budget.
+
+    Trains the built-in GPT (or --model) on byte-level text: Python's own pydoc_data.topics, or
+    --text FILE; the last 10% is held out for evaluation. For --budget it profiles the step at
+    each micro-batch size that divides --global-batch, solves the fastest checkpointing plan for
+    each, and runs the one with the highest predicted tokens/s that fits (the table says why).
+    AdamW, linear warm-up then cosine decay, gradient clipping, optional bf16/fp16 autocast.
+
+    Writes checkpoint.pt (every --checkpoint-every steps, at the end, and on Ctrl-C), log.json
+    and loss.png into --out. Ctrl-C finishes the current step, saves and exits with status 130;
+    --resume continues exactly where the run stopped.
+
+    \b
+    Examples:
+      remat train --budget 60% --steps 100 --global-batch 8 --seq 64
+      remat train --model llama-tiny --text notes.txt --budget 70% --precision bf16
+      remat train --out remat-out/train --resume
+    """
     console = Console(highlight=False, soft_wrap=True)
     resume = options.pop("resume")
     names = {"global_batch": "global_batch", "micro_batch": "micro_batch", "seq": "seq_len"}
@@ -104,7 +122,11 @@ def train_command(ctx: click.Context, **options: Any) -> None:
     fields["clip"] = fields["clip"] or None
     config = TrainConfig(**{k: v for k, v in fields.items() if k in _CONFIG_FIELDS})
 
+    if os.getcwd() not in sys.path:  # as `python -m` does, and as the other commands do
+        sys.path.insert(0, os.getcwd())
     bar = _Bar(console, config)
+    if resume:
+        console.print(f"Resuming the run in {config.out}: its micro-batch and plan are kept.")
     try:
         result = train(config, resume=resume, on_plan=bar.plan, on_step=bar.step)
     except TrainInterrupted as e:
@@ -121,7 +143,7 @@ def train_command(ctx: click.Context, **options: Any) -> None:
     except InfeasibleBudget as e:
         bar.stop()
         if isinstance(e, InfeasibleTraining):
-            console.print(accumulation_table(e.candidates, title=bar.title))
+            console.print(accumulation_table(e.candidates, title=bar.titled(e.budget_bytes)))
         raise click.ClickException(str(e)) from None
     except (CheckpointError, ValueError, TypeError) as e:
         bar.stop()
@@ -147,15 +169,13 @@ class _Bar:
     def __init__(self, console: Console, config: TrainConfig) -> None:
         self.console = console
         self.config = config
-        budget = config.budget if config.budget is not None else "none"
-        self.title = (f"Micro-batch × accumulation for a global batch of {config.global_batch} "
-                      f"× {config.seq_len} bytes, budget {budget}")
+
         self.progress: Progress | None = None
         self.task: Any = None
         self.peak: int | None = None
 
-    def plan(self, candidates: list[Candidate]) -> None:
-        self.console.print(accumulation_table(candidates, title=self.title))
+    def plan(self, decided: AccumulationPlan) -> None:
+        self.console.print(accumulation_table(decided.candidates, title=self.titled(decided.budget_bytes)))
         self.progress = Progress(
             TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
             TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[speed]} tok/s"),
@@ -172,6 +192,13 @@ class _Bar:
             self.peak = max(entry.peak_bytes, self.peak or 0)
         self.progress.update(self.task, completed=entry.step, loss=f"{entry.loss:.3f}",
                              speed=f"{entry.tokens_per_s:,.0f}", mem=self._mem())
+
+    def titled(self, budget_bytes: int | None) -> str:
+        budget = "none" if self.config.budget is None else str(self.config.budget)
+        if budget_bytes is not None and budget.strip().endswith("%"):
+            budget += f" = {format_bytes(budget_bytes)}"
+        return (f"Micro-batch × accumulation steps for a global batch of {self.config.global_batch}"
+                f" × {self.config.seq_len} bytes, budget {budget}")
 
     def _mem(self) -> str:
         return format_bytes(self.peak) + " measured" if self.peak is not None else "-"
@@ -196,8 +223,8 @@ def _summary(console: Console, result: TrainResult) -> None:
         mem.append(f"measured peak {format_bytes(result.measured_peak_bytes)}")
     if result.predicted_peak_bytes is not None:
         mem.append(f"predicted {format_bytes(result.predicted_peak_bytes)}")
-    if result.plan is not None and result.plan.budget_bytes is not None:
-        mem.append(f"budget {result.config.budget}")
+    if result.budget_bytes is not None:
+        mem.append(f"budget {format_bytes(result.budget_bytes)}")
     if mem:
         console.print("Memory: " + ", ".join(mem) + ".")
     if result.config.out is not None:

@@ -1,21 +1,37 @@
-"""Text for ``remat train``: byte-level tokens from a file or the standard library, nothing downloaded.
+"""Text for ``remat train``: byte-level tokens from a file or the standard library, nothing
+downloaded; and the byte-level model and loss that read them.
 
 Tokens are the text's UTF-8 bytes (a vocabulary of 256). The last 10% of the bytes are held out
 for evaluation. ``Sampler`` draws training windows at random offsets from its own generator, so its
 position in the data is a small state (the generator's state and a count) that a checkpoint can
-carry; ``eval_windows`` are fixed, evenly spaced windows of the held-out part.
+carry; ``eval_windows`` are fixed, evenly spaced windows of the held-out part. A model reads a
+``(batch, seq)`` int64 tensor of ids and gives ``(batch, seq, >= 256)`` logits; ``text_loss`` is the
+next-byte cross-entropy.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+import importlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
-__all__ = ["VOCAB_SIZE", "Sampler", "TextData", "eval_windows", "load_text"]
+from remat.models import GPTConfig, LlamaConfig, build_model, lm_loss
+
+__all__ = [
+    "VOCAB_SIZE",
+    "Sampler",
+    "TextData",
+    "build_text_model",
+    "eval_windows",
+    "load_text",
+    "text_loss",
+]
 
 #: Byte-level tokens: every id is one byte of the UTF-8 text.
 VOCAB_SIZE = 256
@@ -114,3 +130,59 @@ def eval_windows(data: TextData, *, seq_len: int, max_windows: int = 32) -> torc
     starts = torch.arange(count) * stride
     rows = starts[:, None] + torch.arange(seq_len)[None, :]
     return data.held_out[rows].long()
+
+
+# --- the model and the loss that read it ------------------------------------------------------
+
+
+def text_loss(logits: Any, batch: Any) -> torch.Tensor:
+    """``lm_loss`` with a check that the model gives one logit per byte value at each position."""
+    ids = batch[0]
+    if not isinstance(logits, torch.Tensor) or logits.dim() != 3 or logits.shape[:2] != ids.shape \
+            or logits.shape[2] < VOCAB_SIZE:
+        got = tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__
+        raise ValueError(
+            f"remat train expects the model to map ids (batch, seq) = {tuple(ids.shape)} to logits "
+            f"(batch, seq, >= {VOCAB_SIZE}), got {got}"
+        )
+    return lm_loss(logits, batch)
+
+
+def build_text_model(spec: str | GPTConfig | LlamaConfig, *, seq_len: int,
+                     device: torch.device | str = "cpu") -> nn.Module:
+    """The model of ``TrainConfig.model`` on ``device`` (see there), from the current RNG state."""
+    if isinstance(spec, str) and ":" in spec:
+        return _from_factory(spec).to(device)
+    if isinstance(spec, str):
+        from remat import zoo
+
+        config = zoo.spec(spec).config
+    else:
+        config = spec
+    if isinstance(config, GPTConfig):
+        config = dataclasses.replace(config, vocab_size=VOCAB_SIZE, block_size=seq_len)
+    elif isinstance(config, LlamaConfig):
+        config = dataclasses.replace(config, vocab_size=VOCAB_SIZE, max_seq=seq_len)
+    else:
+        raise ValueError(
+            f"remat train trains language models on text; {spec!r} is a {type(config).__name__} "
+            "model. Use gpt-tiny, llama-tiny, gpt2, llama-1b, ... or a package.module:factory"
+        )
+    return build_model(config, device=device)
+
+
+def _from_factory(spec: str) -> nn.Module:
+    module_name, _, attr = spec.partition(":")
+    try:
+        factory = getattr(importlib.import_module(module_name), attr)
+    except Exception as e:  # a user's module may fail to import in any way; say which and why
+        raise ValueError(f"cannot load the model factory {spec!r} ({type(e).__name__}: {e}); "
+                         "expected 'package.module:factory' naming a zero-argument callable") from None
+    model = factory()
+    # The other commands' factories return (model, batch, loss_fn): the text brings its own batch.
+    if isinstance(model, tuple | list) and model:
+        model = model[0]
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"the factory {spec!r} returned a {type(model).__name__}, not an nn.Module "
+                        "(or a (model, batch, loss_fn) tuple)")
+    return model

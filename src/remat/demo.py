@@ -224,11 +224,14 @@ def _plans(prof: Profile, setup: DemoSetup, low: int) -> list[tuple[str, float |
     out: list[tuple[str, float | None, Plan]] = []
     method, k, label = _BASELINES[0]
     out.append((label, None, solve(prof, method=method, k=k)))
-    budgets = [(f"remat {s:.0%}", s, int(plain * s)) for s in setup.shares if plain * s >= low]
-    if not budgets or budgets[-1][2] > low:
-        budgets.append((f"remat {low / plain:.0%} (min)", low / plain, low))
-    for label, share, budget in budgets:
-        out.append((label, share, solve(prof, budget, method="optimal")))
+    sweep: list[tuple[str, float | None, Plan]] = [
+        (f"remat {s:.0%}", s, solve(prof, int(plain * s), method="optimal"))
+        for s in setup.shares
+        if plain * s >= low
+    ]
+    if not sweep or sweep[-1][2].estimate.peak_bytes > low:
+        sweep.append((f"remat {low / plain:.0%} (min)", low / plain, solve(prof, low)))
+    out += sweep
     for method, k, label in _BASELINES[1:]:
         out.append((label, None, solve(prof, method=method, k=k)))
     return out

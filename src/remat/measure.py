@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import statistics
 from collections.abc import Callable
@@ -92,6 +93,11 @@ class MemoryTracer:
         self._trace: Trace | None = None
 
     def __enter__(self) -> MemoryTracer:
+        # Garbage from earlier work (reference cycles holding tensors) must not be collected in the
+        # middle of the step: its frees would be taken for the step's own.
+        gc.collect()
+        self._gc_was_enabled = gc.isenabled()
+        gc.disable()
         if self.cuda:
             torch.cuda.synchronize(self.device)
             self._base = torch.cuda.memory_allocated(self.device)
@@ -127,6 +133,8 @@ class MemoryTracer:
                 pass
 
     def __exit__(self, *exc: Any) -> None:
+        if self._gc_was_enabled:
+            gc.enable()
         if self.cuda:
             self.mark("__end__")
             marks = self._cuda_marks

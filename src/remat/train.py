@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import importlib
 import logging
 import math
 import random
@@ -38,12 +37,12 @@ import torch
 from torch import nn
 
 from remat import step as _step
-from remat.accumulation import Candidate, plan_accumulation
+from remat.accumulation import AccumulationPlan, Candidate, plan_accumulation
 from remat.applier import apply
 from remat.blocks import fingerprint
-from remat.data import VOCAB_SIZE, Sampler, eval_windows, load_text
+from remat.data import Sampler, build_text_model, eval_windows, load_text, text_loss
 from remat.measure import MemoryTracer
-from remat.models import GPTConfig, LlamaConfig, build_model, lm_loss
+from remat.models import GPTConfig, LlamaConfig, lm_loss
 from remat.records import Plan
 from remat.train_state import (
     CheckpointError,
@@ -52,7 +51,9 @@ from remat.train_state import (
     TrainResult,
     config_dict,
     load_checkpoint,
+    rng_state,
     save_checkpoint,
+    set_rng_state,
     write_outputs,
 )
 
@@ -85,8 +86,9 @@ class TrainConfig:
     model: str | GPTConfig | LlamaConfig = "gpt-tiny"
     """A zoo name of a language model (``gpt-tiny``, ``llama-tiny``, ``gpt2``, ...), a
     ``GPTConfig`` / ``LlamaConfig``, or ``"package.module:factory"``: a zero-argument callable that
-    returns a module mapping (batch, seq) int64 ids to (batch, seq, >= 256) logits. Built-in shapes
-    get a vocabulary of 256 (bytes) and ``seq_len`` positions."""
+    returns a module mapping (batch, seq) int64 ids to (batch, seq, >= 256) logits (or a
+    ``(model, batch, loss_fn)`` tuple, as the other commands take: the model is used). Built-in
+    shapes get a vocabulary of 256 (bytes) and ``seq_len`` positions."""
     text: str | None = None
     """A text file to train on; None: Python's own ``pydoc_data.topics``."""
     budget: int | str | None = None
@@ -137,7 +139,7 @@ def train(
     config: TrainConfig,
     *,
     resume: bool = False,
-    on_plan: Callable[[list[Candidate]], None] | None = None,
+    on_plan: Callable[[AccumulationPlan], None] | None = None,
     on_step: Callable[[StepLog], None] | None = None,
 ) -> TrainResult:
     """Train as ``config`` says; with ``resume``, continue from ``config.out``'s checkpoint.
@@ -185,12 +187,14 @@ def train(
         scheduler.load_state_dict(state["scheduler"])
         scaler.load_state_dict(state["scaler"])
         sampler.load_state_dict(state["sampler"])
-        _set_rng(state["rng"])
+        set_rng_state(state["rng"])
         plan = Plan.from_json(state["plan"]) if state["plan"] is not None else None
         micro = int(state["micro_batch"])
         history = state["history"]
         start = int(state["step"])
-        candidates = [Candidate(**c) for c in history["candidates"]]
+        decided = AccumulationPlan(
+            micro_batch=micro, plan=plan, candidates=[Candidate(**c) for c in history["candidates"]],
+            budget_bytes=history["budget_bytes"])
     else:
         decided = plan_accumulation(
             model, budget=config.budget, global_batch=config.global_batch,
@@ -198,12 +202,13 @@ def train(
             make_optimizer=lambda params: _make_optimizer(params, config), autocast=autocast,
             device=device,
         )
-        plan, micro, candidates = decided.plan, decided.micro_batch, decided.candidates
-        history = {"steps": [], "evals": [], "candidates": [dataclasses.asdict(c) for c in candidates],
-                   "measured_peak_bytes": None}
+        plan, micro = decided.plan, decided.micro_batch
+        history = {"steps": [], "evals": [], "measured_peak_bytes": None,
+                   "candidates": [dataclasses.asdict(c) for c in decided.candidates],
+                   "budget_bytes": decided.budget_bytes}
         start = 0
     if on_plan is not None:
-        on_plan(candidates)
+        on_plan(decided)
     if plan is not None:
         apply(model, plan)
 
@@ -214,7 +219,7 @@ def train(
             "config": expected, "fingerprint": fingerprint(model), "step": step,
             "model": model.state_dict(), "optimizer": optimizer.state_dict(),
             "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(),
-            "sampler": sampler.state_dict(), "rng": _get_rng(),
+            "sampler": sampler.state_dict(), "rng": rng_state(),
             "plan": plan.to_json() if plan is not None else None, "micro_batch": micro,
             "history": history,
         })
@@ -224,7 +229,8 @@ def train(
         return TrainResult(
             config=config, steps=[StepLog(**s) for s in history["steps"]],
             evals=[EvalLog(**e) for e in history["evals"]], plan=plan, micro_batch=micro,
-            accumulation_steps=config.global_batch // micro, candidates=candidates,
+            accumulation_steps=config.global_batch // micro, candidates=decided.candidates,
+            budget_bytes=decided.budget_bytes,
             measured_peak_bytes=history["measured_peak_bytes"], completed_steps=step,
             checkpoint=ckpt_path if ckpt_path is not None and ckpt_path.exists() else None,
         )
@@ -248,9 +254,11 @@ def train(
                                       autocast=autocast, scaler=scaler)
                     scaler.unscale_(optimizer)
                     norm = nn.utils.clip_grad_norm_(params, config.clip) if config.clip else None
+                    scale = scaler.get_scale()
                     scaler.step(optimizer)
                     scaler.update()
-                    scheduler.step()
+                    if scaler.get_scale() >= scale:  # a lower fp16 scale: inf grads, step skipped
+                        scheduler.step()
                 loss_value = float(loss)  # waits for the device
                 grad_norm = float(norm) if norm is not None else None
                 elapsed = time.perf_counter() - t0
@@ -342,55 +350,6 @@ def evaluate(
         model.train(was_training)
 
 
-def text_loss(logits: Any, batch: Any) -> torch.Tensor:
-    """``lm_loss`` with a check that the model gives one logit per byte value at each position."""
-    ids = batch[0]
-    if not isinstance(logits, torch.Tensor) or logits.dim() != 3 or logits.shape[:2] != ids.shape \
-            or logits.shape[2] < VOCAB_SIZE:
-        got = tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__
-        raise ValueError(
-            f"remat train expects the model to map ids (batch, seq) = {tuple(ids.shape)} to logits "
-            f"(batch, seq, >= {VOCAB_SIZE}), got {got}"
-        )
-    return lm_loss(logits, batch)
-
-
-def build_text_model(spec: str | GPTConfig | LlamaConfig, *, seq_len: int,
-                     device: torch.device | str = "cpu") -> nn.Module:
-    """The model of ``TrainConfig.model`` on ``device`` (see there), from the current RNG state."""
-    if isinstance(spec, str) and ":" in spec:
-        return _from_factory(spec).to(device)
-    if isinstance(spec, str):
-        from remat import zoo
-
-        config = zoo.spec(spec).config
-    else:
-        config = spec
-    if isinstance(config, GPTConfig):
-        config = dataclasses.replace(config, vocab_size=VOCAB_SIZE, block_size=seq_len)
-    elif isinstance(config, LlamaConfig):
-        config = dataclasses.replace(config, vocab_size=VOCAB_SIZE, max_seq=seq_len)
-    else:
-        raise ValueError(
-            f"remat train trains language models on text; {spec!r} is a {type(config).__name__} "
-            "model. Use gpt-tiny, llama-tiny, gpt2, llama-1b, ... or a package.module:factory"
-        )
-    return build_model(config, device=device)
-
-
-def _from_factory(spec: str) -> nn.Module:
-    module_name, _, attr = spec.partition(":")
-    try:
-        factory = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as e:
-        raise ValueError(f"cannot load the model factory {spec!r}: {e}; expected "
-                         "'package.module:factory' naming a zero-argument callable") from None
-    model = factory()
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"the factory {spec!r} returned a {type(model).__name__}, not an nn.Module")
-    return model
-
-
 def _validate(config: TrainConfig) -> None:
     def positive_int(name: str, value: Any, low: int = 1) -> None:
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
@@ -443,22 +402,6 @@ def _autocast(device: torch.device, precision: str) -> Callable[[], contextlib.A
 def _seed_everything(seed: int) -> None:
     random.seed(seed)
     torch.manual_seed(seed)  # seeds every CUDA device too
-
-
-def _get_rng() -> dict[str, Any]:
-    return {
-        "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
-        "python": random.getstate(),
-    }
-
-
-def _set_rng(rng: dict[str, Any]) -> None:
-    torch.set_rng_state(rng["torch"])
-    if rng["cuda"] is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(rng["cuda"])
-    version, internal, gauss = rng["python"]
-    random.setstate((version, tuple(internal), gauss))
 
 
 @dataclass

@@ -12,6 +12,7 @@ import dataclasses
 import json
 import logging
 import os
+import random
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -33,7 +34,9 @@ __all__ = [
     "load_checkpoint",
     "plot_losses",
     "read_config",
+    "rng_state",
     "save_checkpoint",
+    "set_rng_state",
     "write_outputs",
 ]
 
@@ -101,6 +104,8 @@ class TrainResult:
     """Micro-batches per optimizer step."""
     candidates: list[Candidate]
     """The micro-batch sizes the planner considered."""
+    budget_bytes: int | None
+    """The budget in bytes (a ``"60%"`` budget resolved); None without one."""
     measured_peak_bytes: int | None
     """The highest measured step peak (see ``StepLog.peak_bytes``)."""
     completed_steps: int
@@ -183,6 +188,24 @@ def _read(path: Path, *, mmap: bool) -> dict[str, Any]:
     return dict(state)
 
 
+def rng_state() -> dict[str, Any]:
+    """Every random generator a training step draws from: torch's CPU and CUDA ones, Python's."""
+    return {
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+        "python": random.getstate(),
+    }
+
+
+def set_rng_state(rng: dict[str, Any]) -> None:
+    """Restore ``rng_state()``'s generators (CUDA's only where there is CUDA)."""
+    torch.set_rng_state(rng["torch"])
+    if rng["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(rng["cuda"])
+    version, internal, gauss = rng["python"]
+    random.setstate((version, tuple(internal), gauss))  # a list after a round trip through torch.load
+
+
 def write_outputs(result: TrainResult, out: Path) -> None:
     """``log.json`` and (with matplotlib) ``loss.png`` in ``out``."""
     out.mkdir(parents=True, exist_ok=True)
@@ -195,6 +218,7 @@ def write_outputs(result: TrainResult, out: Path) -> None:
         "accumulation_steps": result.accumulation_steps,
         "plan": json.loads(result.plan.to_json()) if result.plan is not None else None,
         "candidates": [dataclasses.asdict(c) for c in result.candidates],
+        "budget_bytes": result.budget_bytes,
         "predicted_peak_bytes": result.predicted_peak_bytes,
         "measured_peak_bytes": result.measured_peak_bytes,
         "steps": [dataclasses.asdict(s) for s in result.steps],

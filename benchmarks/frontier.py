@@ -1,0 +1,564 @@
+"""remat side by side with PyTorch's own options on the memory / step-time frontier.
+
+    .venv/bin/python benchmarks/frontier.py [--models gpt,llama,cnn,hf-gpt2,hf-llama]
+        [--out bench-out] [--repeats 5] [--device cpu|cuda] [--quick]
+
+For each model, in one process and with one measurement: the plain step; torch checkpointing on
+every block and on every 2nd and 3rd block; ``checkpoint_sequential`` with sqrt(n) segments;
+``torch.compile`` with ``activation_memory_budget`` 1.0, 0.5 and 0.2; and remat's optimal plan
+(``solve`` on a remat ``profile``) at a budget equal to each of those peaks, and at budgets below
+the lowest of them, down to the smallest feasible. (The peers: NOTE [ The peers ] in _peers.py.)
+
+Peak bytes come from ``remat.measure.measure_step`` (the CPU allocator's record of every storage;
+on CUDA the caching allocator's counters). Step times are medians of ``--repeats`` steps taken in
+turns (NOTE [ Interleaved timing ]); overhead = step time / plain step time - 1.
+
+The bar, checked and printed for every model: at each peer's measured peak, remat's plan measures
+a peak within that budget and an overhead no more than 2 points above the peer's. A pair that
+misses the overhead bar is timed again, head to head, with twice the repeats, before it is called
+a loss; losses are reported with the reason, never dropped.
+
+Writes per model ``<model>.md``, ``<model>.json`` and ``<model>.png`` (the frontier) into
+``--out``, and all models' bar tables in ``README-table.md``. Exit status 0; with ``--strict``, 1
+when a model misses the bar.
+
+# NOTE [ Interleaved timing ]
+A shared CPU drifts (other processes, clocks, thermals) over the seconds a benchmark runs. Timing
+each configuration's steps in one block would charge that drift to whichever ran at a bad moment.
+So every configuration first runs one untimed step, then the timed steps go round by round, one
+step of each configuration per round, in an order rotated (and reversed every other round) from
+round to round, and each configuration's time is the median of its steps. Switching a
+configuration on or off sets or removes instance attributes only (no copies of the model).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _peers import (
+    HF_MODELS,
+    MODELS,
+    Case,
+    CompileTimeout,
+    Config,
+    build_case,
+    compiled,
+    every_k,
+    plain,
+    remat_plan,
+    sequential,
+    time_limit,
+    transformers_missing,
+)
+
+from remat import step as _step
+from remat.costmodel import smallest_feasible
+from remat.measure import measure_step
+from remat.profiler import profile
+from remat.records import Plan
+from remat.report import FrontierPoint, markdown_table, plot_frontier
+from remat.solver import InfeasibleBudget, solve
+from remat.units import format_bytes
+
+SCHEMA = 1
+NOISE = 0.02  # the bar's allowance for timing noise: 2 points of overhead
+COMPILE_BUDGETS = (1.0, 0.5, 0.2)
+BELOW = (2 / 3, 1 / 3, 0.0)  # remat-only budgets: shares of the way from the floor to the lowest peer
+LETTERS = {"keep": "K", "selective": "S", "recompute": "R", "offload": "O", "recompute_offload": "B"}
+
+
+def log(message: str) -> None:
+    print(message, flush=True)
+
+
+# --- measuring ----------------------------------------------------------------------------------
+
+
+@dataclass
+class Measured:
+    """What one configuration measured."""
+
+    peak_bytes: int = 0
+    times_ms: list[float] = field(default_factory=list)
+
+    @property
+    def step_ms(self) -> float:
+        return statistics.median(self.times_ms)
+
+
+def measure_memory(case: Case, config: Config) -> int:
+    with config.active() as runner:
+        mem = measure_step(runner, case.batch, loss_fn=case.loss_fn, optimizer=case.optimizer,
+                           repeats=0)
+    return mem.peak_bytes
+
+
+def time_interleaved(case: Case, configs: list[Config], repeats: int) -> dict[str, list[float]]:
+    """Step times of ``configs``, taken in turns (NOTE [ Interleaved timing ])."""
+    device = _step.batch_device(case.model, case.batch)
+    times: dict[str, list[float]] = {c.name: [] for c in configs}
+    n = len(configs)
+    with _step.preserved(case.model, case.optimizer):
+        for c in configs:  # one untimed step each
+            with c.active() as runner:
+                _step.train_step(runner, case.batch, case.loss_fn, case.optimizer)
+        for r in range(repeats):
+            order = configs[r % n :] + configs[: r % n]
+            for c in reversed(order) if r % 2 else order:
+                with c.active() as runner:
+                    times[c.name] += _step.timed_steps(runner, case.batch, case.loss_fn,
+                                                       case.optimizer, repeats=1, device=device)
+    return times
+
+
+def compile_now(case: Case, config: Config, timeout_s: float) -> None:
+    """Compile ``config`` with one step under a time limit; on failure set ``config.error``."""
+    t0 = time.perf_counter()
+    try:
+        with time_limit(timeout_s), _step.preserved(case.model, case.optimizer), \
+                config.active() as runner:
+            _step.train_step(runner, case.batch, case.loss_fn, case.optimizer)
+    except CompileTimeout as e:
+        config.error = f"failed: {e}"
+    except Exception as e:  # a compile failure is a result to report, not a crash
+        first = (str(e).strip().splitlines() or [""])[0][:160]
+        config.error = f"failed: {type(e).__name__}: {first}"
+    config.extra["compile_s"] = round(time.perf_counter() - t0, 1)
+
+
+def _noise(times: list[float]) -> float:
+    """Half the interquartile range over the median: a typical deviation of one step."""
+    if len(times) < 4:
+        return float("nan")
+    q1, _, q3 = statistics.quantiles(times, n=4)
+    return (q3 - q1) / 2 / statistics.median(times)
+
+
+# --- one model ----------------------------------------------------------------------------------
+
+
+def summary(plan: Plan) -> str:
+    """One letter per block: K keep, S selective, R recompute, O offload, B recompute+offload."""
+    return "".join(LETTERS.get(o, "?") for o in plan.choices.values())
+
+
+def run_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
+    t_start = time.perf_counter()
+    device = torch.device(args.device)
+    case = build_case(name, size=args.size, device=device, dtype=args.dtype)
+    n = len(case.blocks)
+    log(f"\n== {name}: {case.title} ({n} blocks) on {device}")
+    configs: list[Config] = [plain(case), every_k(case, 1), every_k(case, 2), every_k(case, 3),
+                             sequential(case)]
+    if name in args.compile:
+        for budget in COMPILE_BUDGETS:
+            c = compiled(case, budget)
+            log(f"   compiling {c.name} (limit {args.compile_timeout:g} s) ...")
+            compile_now(case, c, args.compile_timeout)
+            log(f"   ... {c.error or 'done'} in {c.extra['compile_s']} s")
+            configs.append(c)
+    else:
+        for budget in COMPILE_BUDGETS:
+            c = compiled(case, budget)
+            c.error = "not run: " + args.compile_why
+            configs.append(c)
+    peaks: dict[str, int] = {}
+    for c in configs:
+        if c.error:
+            continue
+        try:
+            peaks[c.name] = measure_memory(case, c)
+        except Exception as e:
+            c.error = f"failed: {type(e).__name__}: {str(e).strip()[:160]}"
+            log(f"   {c.name}: {c.error}")
+    ran = [c for c in configs if not c.error]
+    log("   peers' peaks: " + ", ".join(f"{c.name} {format_bytes(peaks[c.name])}" for c in ran))
+
+    prof = profile(case.model, case.batch, loss_fn=case.loss_fn, optimizer=case.optimizer,
+                   repeats=args.profile_repeats)
+    floor, dominant = smallest_feasible(prof)
+    # remat's plans: one per peer peak, then below the lowest peer; identical plans measured once.
+    plans: dict[tuple[str, ...], Config] = {}
+    for_budget: dict[str, Config | str] = {}  # peer name or "below k" -> remat config / why not
+    budget_of: dict[str, int] = {}
+
+    def plan_for(budget: int, label: str) -> None:
+        budget_of[label] = budget
+        try:
+            plan = solve(prof, budget, method="optimal")
+        except InfeasibleBudget as e:
+            for_budget[label] = f"infeasible: below remat's smallest feasible {format_bytes(e.smallest_bytes)} ({e.dominant})"
+            return
+        key = tuple(plan.choices.values())
+        if key not in plans:
+            plans[key] = remat_plan(case, plan, f"remat {summary(plan)}")
+            plans[key].extra["budgets_bytes"] = []
+        plans[key].extra["budgets_bytes"].append(budget)
+        for_budget[label] = plans[key]
+
+    for c in ran:
+        plan_for(peaks[c.name], c.name)
+    lowest = min(peaks.values())
+    below: list[str] = []
+    if floor < lowest:
+        for share in BELOW:
+            label = f"below {len(below) + 1}"
+            plan_for(floor + round(share * (lowest - floor)), label)
+            below.append(label)
+    remats = list(plans.values())
+    for c in remats:
+        peaks[c.name] = measure_memory(case, c)
+    log(f"   remat: {len(remats)} distinct plans; smallest feasible {format_bytes(floor)}")
+
+    timed = ran + remats
+    times = time_interleaved(case, timed, args.repeats)
+    base_ms = statistics.median(times[configs[0].name])
+
+    def overhead(name: str, t: dict[str, list[float]], base: float) -> float:
+        return statistics.median(t[name]) / base - 1
+
+    rows = []
+    for c in configs + remats:
+        row: dict[str, Any] = {"name": c.name, "kind": c.kind, "status": c.error or "ok", **c.extra}
+        if not c.error:
+            row.update(peak_bytes=peaks[c.name], step_ms=statistics.median(times[c.name]),
+                       overhead=overhead(c.name, times, base_ms), step_ms_all=times[c.name])
+        if c.plan is not None:
+            row.update(choices=c.plan.choices, plan=summary(c.plan),
+                       predicted_peak_bytes=c.plan.estimate.peak_bytes,
+                       predicted_overhead=c.plan.estimate.overhead)
+        rows.append(row)
+    by_name = {r["name"]: r for r in rows}
+
+    bar = []
+    for c in ran:
+        bar.append(check_pair(case, args, configs[0], c, for_budget[c.name], peaks, by_name))
+    below_rows = []
+    for label in below:
+        r = for_budget[label]
+        entry: dict[str, Any] = {"label": label, "budget_bytes": budget_of[label]}
+        if isinstance(r, str):
+            entry.update(status=r)
+        else:
+            entry.update(status="ok", remat=r.name, **{k: by_name[r.name][k] for k in
+                         ("peak_bytes", "overhead", "predicted_peak_bytes", "plan")})
+            entry["fits"] = entry["peak_bytes"] <= entry["budget_bytes"]
+        below_rows.append(entry)
+
+    result = {
+        "schema_version": SCHEMA,
+        "kind": "frontier-benchmark",
+        "model": name,
+        "title": case.title,
+        "device": str(device),
+        "dtype": str(args.dtype).removeprefix("torch."),
+        "threads": torch.get_num_threads(),
+        "repeats": args.repeats,
+        "blocks": [b for b, _ in case.blocks],
+        "batch_shape": _step.batch_shape(case.batch),
+        "plain": {"peak_bytes": peaks[configs[0].name], "step_ms": base_ms,
+                  "noise": _noise(times[configs[0].name])},
+        "smallest_feasible_bytes": floor,
+        "smallest_feasible_why": dominant,
+        "configs": rows,
+        "bar": bar,
+        "below_peers": below_rows,
+        "passed": all(b["passed"] for b in bar) and all(b.get("fits", True) for b in below_rows),
+        "elapsed_s": round(time.perf_counter() - t_start, 1),
+    }
+    return result
+
+
+def check_pair(case: Case, args: argparse.Namespace, base: Config, peer: Config,
+               remat: Config | str, peaks: dict[str, int], rows: dict[str, dict[str, Any]]
+               ) -> dict[str, Any]:
+    """The bar for one peer: remat's plan at the peer's peak fits it and is no slower (2 points)."""
+    p = rows[peer.name]
+    entry: dict[str, Any] = {"peer": peer.name, "peer_kind": peer.kind, "budget_bytes": p["peak_bytes"],
+                             "peer_peak_bytes": p["peak_bytes"], "peer_overhead": p["overhead"]}
+    if isinstance(remat, str):
+        entry.update(remat=None, passed=False, fits=False, why=remat + _compile_why(p))
+        return entry
+    r = rows[remat.name]
+    fits = r["peak_bytes"] <= p["peak_bytes"]
+    entry.update(remat=remat.name, plan=r["plan"], remat_peak_bytes=r["peak_bytes"],
+                 remat_predicted_peak_bytes=r["predicted_peak_bytes"],
+                 remat_overhead=r["overhead"], fits=fits, rerun=None)
+    diff = r["overhead"] - p["overhead"]
+    if diff > NOISE and peer.kind != "plain":
+        log(f"   {remat.name} vs {peer.name}: {diff * 100:+.1f} points; timing the pair again")
+        again = time_interleaved(case, [base, peer, remat], 2 * args.repeats)
+        b = statistics.median(again[base.name])
+        peer_ov = statistics.median(again[peer.name]) / b - 1
+        remat_ov = statistics.median(again[remat.name]) / b - 1
+        entry["rerun"] = {"peer_overhead": peer_ov, "remat_overhead": remat_ov,
+                          "repeats": 2 * args.repeats}
+        diff = remat_ov - peer_ov
+    faster = diff <= NOISE
+    entry.update(difference=diff, no_slower=faster, passed=fits and faster)
+    why = []
+    if not fits:
+        why.append(f"measured peak {format_bytes(r['peak_bytes'])} is over the budget by "
+                   f"{format_bytes(r['peak_bytes'] - p['peak_bytes'])} (predicted "
+                   f"{format_bytes(r['predicted_peak_bytes'])})")
+    if not faster:
+        why.append(f"{diff * 100:.1f} points slower than {peer.name}" + _compile_why(p) +
+                   ("" if peer.kind == "compile" else
+                    f"; remat predicted {r['predicted_overhead'] * 100:+.1f}%"))
+    elif diff > 0:
+        why.append("within the 2-point noise allowance")
+    entry["why"] = "; ".join(why)
+    return entry
+
+
+def _compile_why(peer_row: dict[str, Any]) -> str:
+    if peer_row["kind"] != "compile":
+        return ""
+    ov = peer_row["overhead"]
+    speed = (f"its step is {-ov * 100:.0f}% faster than the plain eager step" if ov < 0 else
+             "it recomputes inside fused kernels, cheaper than eager recompute")
+    return f": torch.compile fuses each block's ops ({speed}); remat plans eager steps"
+
+
+# --- reporting ----------------------------------------------------------------------------------
+
+
+def _pct(x: float | None) -> str:
+    return "—" if x is None else f"{x * 100:+.1f}%"
+
+
+def _mib(n: int | None) -> str:
+    return "—" if n is None else format_bytes(n)
+
+
+def model_markdown(res: dict[str, Any], env: str) -> str:
+    plain_peak = res["plain"]["peak_bytes"]
+    lines = [
+        f"## {res['model']}: {res['title']}",
+        "",
+        f"{env}; {res['repeats']} interleaved timed steps per configuration (medians); plain step "
+        f"{res['plain']['step_ms']:.0f} ms, peak {format_bytes(plain_peak)}; step-to-step noise "
+        f"(half IQR) {res['plain']['noise'] * 100:.1f}%. remat's smallest feasible peak: "
+        f"{format_bytes(res['smallest_feasible_bytes'])} ({res['smallest_feasible_why']}).",
+        "",
+    ]
+    table = []
+    for r in res["configs"]:
+        if r["status"] != "ok":
+            table.append([r["name"], "—", "—", "—", "—", "—", r["status"]])
+            continue
+        note = ""
+        if r["kind"] == "remat":
+            note = "budgets " + ", ".join(format_bytes(b) for b in r["budgets_bytes"])
+        elif r["kind"] == "compile":
+            note = f"compiled in {r['compile_s']} s"
+        table.append([r["name"], format_bytes(r["peak_bytes"]),
+                      f"{r['peak_bytes'] / plain_peak * 100:.0f}%",
+                      _mib(r.get("predicted_peak_bytes")), f"{r['step_ms']:.1f}",
+                      _pct(r["overhead"]), note])
+    lines.append(markdown_table(
+        ["configuration", "peak", "of plain", "predicted peak", "step ms", "overhead", "note"],
+        table, align=["left", "right", "right", "right", "right", "right", "left"]))
+    lines += ["", "remat plans: one letter per block (K keep, S selective, R recompute, O offload, "
+              "B recompute+offload).", "", "### The bar: remat at each peer's peak", "",
+              "Budget = the peer's measured peak. Passes when remat's measured peak is within it "
+              "and its overhead is at most 2 points above the peer's (a pair over that is timed "
+              "again, head to head, with twice the repeats; the rerun decides).", ""]
+    lines.append(bar_table([(res["model"], b) for b in res["bar"]], with_model=False))
+    if res["below_peers"]:
+        lines += ["", "### Below every peer (remat only)", ""]
+        lines.append(below_table([(res["model"], b) for b in res["below_peers"]], with_model=False))
+    lines += ["", f"Bar {'passed' if res['passed'] else 'MISSED'} · {res['elapsed_s']:.0f} s", ""]
+    return "\n".join(lines)
+
+
+def bar_table(entries: list[tuple[str, dict[str, Any]]], *, with_model: bool) -> str:
+    rows = []
+    for model, b in entries:
+        rerun = b.get("rerun")
+        remat_ov = _pct(b.get("remat_overhead"))
+        peer_ov = _pct(b["peer_overhead"])
+        if rerun:
+            remat_ov += f" (rerun {_pct(rerun['remat_overhead'])})"
+            peer_ov += f" (rerun {_pct(rerun['peer_overhead'])})"
+        row = [b["peer"], format_bytes(b["peer_peak_bytes"]), peer_ov,
+               _mib(b.get("remat_peak_bytes")), remat_ov, b.get("plan") or "—",
+               "✓" if b["passed"] else "✗", b.get("why") or ""]
+        rows.append(([model] if with_model else []) + row)
+    headers = ["peer", "peer peak = budget", "peer overhead", "remat peak", "remat overhead",
+               "remat plan", "bar", "why"]
+    align = ["left", "right", "right", "right", "right", "left", "center", "left"]
+    if with_model:
+        headers, align = ["model", *headers], ["left", *align]
+    return markdown_table(headers, rows, align=align)
+
+
+def below_table(entries: list[tuple[str, dict[str, Any]]], *, with_model: bool) -> str:
+    rows = []
+    for model, b in entries:
+        if b["status"] != "ok":
+            row = [format_bytes(b["budget_bytes"]), "—", "—", "—", "—", b["status"]]
+        else:
+            row = [format_bytes(b["budget_bytes"]), format_bytes(b["peak_bytes"]),
+                   _mib(b["predicted_peak_bytes"]), _pct(b["overhead"]), b["plan"],
+                   "fits" if b["fits"] else "OVER the budget"]
+        rows.append(([model] if with_model else []) + row)
+    headers = ["budget", "remat peak", "predicted peak", "remat overhead", "remat plan", "fits"]
+    align = ["right", "right", "right", "right", "left", "left"]
+    if with_model:
+        headers, align = ["model", *headers], ["left", *align]
+    return markdown_table(headers, rows, align=align)
+
+
+def plot(res: dict[str, Any], path: Path) -> None:
+    points = []
+    for r in res["configs"]:
+        if r["status"] != "ok":
+            continue
+        if r["kind"] == "remat":
+            points.append(FrontierPoint(label=f"{format_bytes(r['peak_bytes'])}", method="optimal",
+                                        peak_bytes=r["peak_bytes"], overhead=r["overhead"],
+                                        predicted_peak_bytes=r["predicted_peak_bytes"]))
+        else:
+            points.append(FrontierPoint(label=r["name"], method=r["kind"],
+                                        peak_bytes=r["peak_bytes"], overhead=r["overhead"]))
+    plot_frontier(points, path=path, title=f"{res['model']}: {res['title']}")
+
+
+def combined_markdown(results: list[dict[str, Any]], skipped: dict[str, str], env: str) -> str:
+    lines = ["# remat vs PyTorch's own options: memory / step-time frontier", "",
+             f"{env}. Generated by `benchmarks/frontier.py`; per-model tables, JSON and plots "
+             "are next to this file.", "",
+             "Budget = the peer's measured peak; remat's plan passes the bar when its measured "
+             "peak is within that budget and its overhead is at most 2 points above the peer's "
+             "(rerun head to head before a loss is called).", ""]
+    bars = [(res["model"], b) for res in results for b in res["bar"]]
+    belows = [(res["model"], b) for res in results for b in res["below_peers"]]
+    if bars:
+        lines.append(bar_table(bars, with_model=True))
+    if belows:
+        lines += ["", "## Below every peer (remat only)", "", below_table(belows, with_model=True)]
+    lines += ["", "## Summary", ""]
+    for res in results:
+        lost = [b for b in res["bar"] if not b["passed"]]
+        won = len(res["bar"]) - len(lost)
+        line = f"- **{res['model']}** ({res['title']}): remat meets the bar at {won} of {len(res['bar'])} peers"
+        if lost:
+            line += "; misses it at " + "; ".join(f"{b['peer']} ({b['why']})" for b in lost)
+        lines.append(line + f" · {res['elapsed_s']:.0f} s")
+    for name, why in skipped.items():
+        lines.append(f"- **{name}**: not run: {why}")
+    return "\n".join(lines) + "\n"
+
+
+# --- the command line ---------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default=",".join(MODELS),
+                    help=f"comma-separated, from {', '.join(MODELS)} (default: all)")
+    ap.add_argument("--out", default="bench-out", help="output folder (default: bench-out)")
+    ap.add_argument("--repeats", type=int, default=None,
+                    help="timed steps per configuration (default 5; 2 with --quick)")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--quick", action="store_true",
+                    help="tiny models, 2 repeats, no torch.compile: a smoke test in seconds")
+    ap.add_argument("--size", choices=["quick", "cpu", "gpu"], default=None,
+                    help="model sizes (default: quick with --quick, gpu on cuda, else cpu)")
+    ap.add_argument("--compile", default=None,
+                    help="models whose torch.compile peers run: comma-separated, 'all' or 'none' "
+                    "(default: none with --quick, gpt on cpu, all on cuda)")
+    ap.add_argument("--compile-timeout", type=float, default=None,
+                    help="seconds allowed per compile (default 240 on cpu, 120 on cuda)")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch.set_num_threads on cpu (default 1; see the README)")
+    ap.add_argument("--strict", action="store_true", help="exit 1 when a model misses the bar")
+    args = ap.parse_args(argv)
+    args.models = [m.strip() for m in args.models.split(",") if m.strip()]
+    unknown = [m for m in args.models if m not in MODELS]
+    if unknown:
+        ap.error(f"unknown model(s) {unknown}; expected some of {', '.join(MODELS)}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        ap.error("--device cuda, but torch.cuda.is_available() is False on this machine")
+    args.repeats = args.repeats or (2 if args.quick else 5)
+    if args.repeats < 1:
+        ap.error(f"--repeats must be >= 1, got {args.repeats}")
+    args.size = args.size or ("quick" if args.quick else "gpu" if args.device == "cuda" else "cpu")
+    args.dtype = torch.bfloat16 if args.size == "gpu" else torch.float32
+    args.profile_repeats = 1 if args.quick else 3
+    default_compile = "none" if args.quick else "all" if args.device == "cuda" else "gpt"
+    spec = (args.compile or default_compile).strip()
+    args.compile = (set(MODELS) if spec == "all" else set() if spec == "none"
+                    else {m.strip() for m in spec.split(",")})
+    args.compile_why = ("--quick skips torch.compile" if args.quick else
+                        "CPU inductor compiles take minutes per budget here; the default run "
+                        "compiles the gpt model only (--compile all for every model)")
+    if args.compile_timeout is None:
+        args.compile_timeout = 120.0 if args.device == "cuda" else 240.0
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.device == "cpu":
+        torch.set_num_threads(args.threads)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    if args.device == "cuda":
+        where = f"cuda: {torch.cuda.get_device_name()}"
+    else:
+        where = (f"cpu ({platform.machine()}), {torch.get_num_threads()} torch thread(s) "
+                 f"(torch.set_num_threads; {os.cpu_count()} cores, load average {load:.1f} at "
+                 "start: a shared machine's timings are noisy)")
+    env = f"{where}; torch {torch.__version__}; {str(args.dtype).removeprefix('torch.')}; AdamW"
+    log(f"frontier benchmark: {', '.join(args.models)} -> {out}/\n{env}")
+    t0 = time.perf_counter()
+    results: list[dict[str, Any]] = []
+    skipped: dict[str, str] = {}
+    missing = transformers_missing()
+    for name in args.models:
+        if name in HF_MODELS and missing:
+            skipped[name] = missing
+            log(f"\n== {name}: skipped: {missing}")
+            continue
+        try:
+            res = run_model(name, args)
+        except Exception as e:
+            traceback.print_exc()
+            skipped[name] = f"failed: {type(e).__name__}: {str(e).strip()[:200]}"
+            continue
+        res["environment"] = env
+        results.append(res)
+        (out / f"{name}.json").write_text(json.dumps(res, indent=2) + "\n")
+        md = model_markdown(res, env)
+        (out / f"{name}.md").write_text(md)
+        plot(res, out / f"{name}.png")
+        log("\n" + md)
+        # rewritten after every model, so that a run cut short still leaves its table
+        (out / "README-table.md").write_text(combined_markdown(results, skipped, env))
+    (out / "README-table.md").write_text(combined_markdown(results, skipped, env))
+    log(f"\nwrote {out}/README-table.md · total {time.perf_counter() - t0:.0f} s")
+    failed = [r["model"] for r in results if not r["passed"]]
+    log("bar: " + ("passed for every model" if not failed else f"missed for {', '.join(failed)}"))
+    return 1 if args.strict and (failed or skipped) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
