@@ -95,7 +95,8 @@ class Config:
     name: str
     """Its label in tables and plots."""
     kind: str
-    """``plain``, ``peer``, ``compile`` or ``remat``."""
+    """``plain``, ``peer`` (per-block torch checkpointing), ``sequential``, ``compile`` or
+    ``remat``."""
     runner: nn.Module
     """What the step calls: the model itself or a wrapper around it."""
     enter: Callable[[], None] = lambda: None
@@ -119,30 +120,30 @@ class Config:
 # --- models ---------------------------------------------------------------------------------------
 
 # NOTE [ Sizes ]
-# "cpu": a step of roughly 0.1-0.3 s on one idle core, activations a good part of the peak, eight
+# "cpu": a step of roughly 0.1-0.2 s of CPU time on one core, activations a good part of the peak, eight
 # blocks (so that every 2nd/3rd block and sqrt(n) segments differ). "quick": the test's tiny GPT.
 # "gpu": what benchmarks/gpu.sh runs on one large GPU: GPT-2 medium and large shapes and a
 # Llama-3.2-1B shape at sequence 2048, bf16 parameters.
 _GPT = {
     "quick": (GPTConfig(n_layer=4, n_embd=64, n_head=2, block_size=64, vocab_size=512), 2, 64),
-    "cpu": (GPTConfig(n_layer=8, n_embd=128, n_head=4, block_size=128, vocab_size=2048), 4, 128),
+    "cpu": (GPTConfig(n_layer=8, n_embd=128, n_head=4, block_size=128, vocab_size=2048), 2, 128),
     "gpu": (GPTConfig(n_layer=24, n_embd=1024, n_head=16, block_size=2048, vocab_size=50304), 4, 2048),
 }
 _LLAMA = {
     "quick": (LlamaConfig(n_layer=4, dim=64, n_head=2, n_kv_head=1, ffn_dim=172, vocab_size=512), 2, 64),
-    "cpu": (LlamaConfig(n_layer=8, dim=128, n_head=4, n_kv_head=2, ffn_dim=344, vocab_size=2048), 4, 128),
+    "cpu": (LlamaConfig(n_layer=8, dim=128, n_head=4, n_kv_head=2, ffn_dim=344, vocab_size=2048), 2, 128),
     "gpu": (LlamaConfig(n_layer=16, dim=2048, n_head=32, n_kv_head=8, ffn_dim=8192, vocab_size=128256,
                         max_seq=2048, rope_theta=500000.0, tie_weights=True), 4, 2048),
 }
 _CNN = {
     "quick": (ConvNetConfig(image_size=16, channels=(8, 16), blocks_per_stage=2), 4),
-    "cpu": (ConvNetConfig(image_size=32, channels=(16, 32, 64), blocks_per_stage=2), 16),
+    "cpu": (ConvNetConfig(image_size=32, channels=(16, 32, 64), blocks_per_stage=2), 8),
     "gpu": (ConvNetConfig(image_size=224, channels=(64, 128, 256, 512), blocks_per_stage=2), 64),
 }
 # transformers configs: (layers, hidden, heads, kv heads, intermediate, vocab, batch, seq)
-_HF_GPT2 = {"quick": (4, 64, 2, 2, 256, 512, 2, 64), "cpu": (8, 128, 4, 4, 512, 2048, 4, 128),
+_HF_GPT2 = {"quick": (4, 64, 2, 2, 256, 512, 2, 64), "cpu": (8, 128, 4, 4, 512, 2048, 2, 128),
             "gpu": (36, 1280, 20, 20, 5120, 50257, 4, 2048)}
-_HF_LLAMA = {"quick": (4, 64, 2, 1, 172, 512, 2, 64), "cpu": (8, 128, 4, 2, 344, 2048, 4, 128),
+_HF_LLAMA = {"quick": (4, 64, 2, 1, 172, 512, 2, 64), "cpu": (8, 128, 4, 2, 344, 2048, 2, 128),
              "gpu": (16, 2048, 32, 8, 8192, 128256, 4, 2048)}
 
 
@@ -309,12 +310,15 @@ def _check_same_forward(case: Case) -> None:
 
 
 def plain(case: Case) -> Config:
-    return Config(name="no checkpointing", kind="plain", runner=case.model)
+    return Config(name="no checkpointing", kind="plain", runner=case.model,
+                  extra={"as_plan": {name: "keep" for name, _ in case.blocks}})
 
 
 def every_k(case: Case, k: int) -> Config:
     """torch checkpointing on blocks 0, k, 2k, ... (NOTE [ The peers ])."""
     name = "every block" if k == 1 else f"every {_ordinal(k)} block"
+    # The same choice as a remat plan, for remat's cost model to estimate (frontier.py's bar).
+    as_plan = {b: "recompute" if i % k == 0 else "keep" for i, (b, _) in enumerate(case.blocks)}
     if case.hf:
         model: Any = case.model
 
@@ -328,7 +332,8 @@ def every_k(case: Case, k: int) -> Config:
                 model.disable_input_require_grads()
 
         return Config(name=name, kind="peer", runner=case.model, enter=enter, exit=exit_,
-                      extra={"how": f"model.activation_checkpointing_enable(every_n_layers={k})"})
+                      extra={"how": f"model.activation_checkpointing_enable(every_n_layers={k})",
+                             "as_plan": as_plan})
     chosen = [m for i, (_, m) in enumerate(case.blocks) if i % k == 0]
 
     def on() -> None:
@@ -342,7 +347,8 @@ def every_k(case: Case, k: int) -> Config:
 
     return Config(name=name, kind="peer", runner=case.model, enter=on, exit=off,
                   extra={"how": f"torch.utils.checkpoint.checkpoint on blocks 0, {k}, ..."
-                         if k > 1 else "torch.utils.checkpoint.checkpoint on every block"})
+                         if k > 1 else "torch.utils.checkpoint.checkpoint on every block",
+                         "as_plan": as_plan})
 
 
 def _torch_checkpointed(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
@@ -360,8 +366,9 @@ def sequential(case: Case) -> Config:
     n = len(case.blocks)
     name = f"checkpoint_sequential ({sqrt_segments(n)} segments)"
     if case.sequential is None:
-        return Config(name=name, kind="peer", runner=case.model, error=f"not run: {case.no_sequential}")
-    return Config(name=name, kind="peer", runner=case.sequential,
+        return Config(name=name, kind="sequential", runner=case.model,
+                      error=f"not run: {case.no_sequential}")
+    return Config(name=name, kind="sequential", runner=case.sequential,
                   extra={"segments": sqrt_segments(n)})
 
 

@@ -200,6 +200,9 @@ def _plot(gradnorm: Run, equal: Run, sigmas: Sequence[float], alpha: float, path
             label=f"σ = {sigma:.3g}",
         )
     ax_w.set_yscale("log")
+    # Raw dips to the weight floor would stretch the axis over decades nobody needs to read.
+    smoothed_min = min(_smooth(gradnorm.weights[:, i]).min().item() for i in range(len(sigmas)))
+    ax_w.set_ylim(bottom=smoothed_min / 3)
     ax_w.set_xlabel("training step")
     ax_w.set_ylabel("task weight w_i (log scale; faint = raw, bold = smoothed)")
     ax_w.set_title(f"GradNorm task weights (α = {alpha:g}, sum = {len(sigmas)})")

@@ -19,7 +19,8 @@ fastest plan under the budget is solved; the (m, plan) with the highest predicte
   exactly that, backward phases at most that, the optimizer step is the same. So for k > 1 the plan
   is solved for budget - gradient bytes and its predicted peak is its estimate + gradient bytes.
   The whole global batch of token ids is on the device through the step (micro-batches are views
-  of it), (G - m) * seq * 8 bytes more than the profiled batch: charged the same way.
+  of it), (G - m) * seq * 8 bytes more than the profiled batch, and with k > 1 each micro-batch
+  leaves its loss (a scalar) for the step's mean: charged the same way.
 - Pruning. If micro-batch m < G cannot fit (even with every block recomputed), no larger m < G can
   (activations grow with m; the same gradient bytes are added), so those are not profiled. G itself
   (k = 1, no gradients added) is always tried.
@@ -47,11 +48,19 @@ from remat.records import OPTIONS, Plan, Profile
 from remat.solver import InfeasibleBudget, solve
 from remat.units import format_bytes, parse_budget
 
-__all__ = ["AccumulationPlan", "Candidate", "InfeasibleTraining", "micro_batch_sizes", "plan_accumulation"]
+__all__ = [
+    "AccumulationPlan",
+    "Candidate",
+    "InfeasibleTraining",
+    "micro_batch_sizes",
+    "plan_accumulation",
+    "summary",
+]
 
 log = logging.getLogger(__name__)
 
 _ID_BYTES = 8  # token ids are int64
+_SCALAR_BYTES = 8  # a micro-batch's loss kept for the mean, and the loss / k it backpropagates
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -180,7 +189,7 @@ def plan_accumulation(
             rows.append(dataclasses.replace(base, fits=False, note="out of memory in profiling"))
             too_big = too_big or m != global_batch
             continue
-        extra = (grad_bytes if k > 1 else 0) + (global_batch - m) * seq_len * _ID_BYTES
+        extra = (grad_bytes + k * _SCALAR_BYTES if k > 1 else 0) + (global_batch - m) * seq_len * _ID_BYTES
         smallest, dominant = smallest_feasible(prof)
         if smallest + extra > budget_bytes:
             if k > 1:

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import click
 from click.core import ParameterSource
 from rich.console import Console
+from rich.table import Table
 
 from remat import __version__
 from remat.units import format_bytes, parse_budget
@@ -35,6 +36,7 @@ if TYPE_CHECKING:
     from torch import nn
 
     from remat.records import Plan, Profile
+    from remat.report import ComparisonRow
     from remat.verifier import Report
 
 __all__ = ["main"]
@@ -62,12 +64,16 @@ _DEVICE_HELP = (
 # --- output ------------------------------------------------------------------------------------
 
 
-def _console() -> Console:
-    """stdout for tables; 100 columns when it is not a terminal, so logs and tests read alike."""
+def _print_table(table: Table) -> None:
+    """A table on stdout: in colour on a terminal; else as plain text, 100 columns wide without
+    trailing spaces, so that logs and golden files read alike."""
     console = Console(highlight=False)
-    if not console.is_terminal and "COLUMNS" not in os.environ:
-        console.width = 100
-    return console
+    if console.is_terminal:
+        console.print(table)
+        return
+    from remat.report import render_text
+
+    click.echo(render_text(table, width=100), nl=False)
 
 
 def _say(text: str, *, as_json: bool = False) -> None:
@@ -191,7 +197,7 @@ def _measured_device(device: str | None) -> bool:
     return device is None or device == "cpu" or device.split(":")[0] == "cuda"
 
 
-def _model_options(*, required: bool) -> Callable[[_F], _F]:
+def _model_options(*, required: bool, blocks: bool = True) -> Callable[[_F], _F]:
     options = [
         click.option("--model", "model", required=required, metavar="NAME_OR_FACTORY",
                      help=_MODEL_HELP),
@@ -208,6 +214,8 @@ def _model_options(*, required: bool) -> Callable[[_F], _F]:
                      help="Glob of the blocks to plan, e.g. 'layers.*' (repeatable; "
                           "default: found automatically)."),
     ]  # fmt: skip
+    if not blocks:  # verify: the plan names its blocks
+        options.pop()
 
     def decorate(fn: _F) -> _F:
         for option in reversed(options):
@@ -303,6 +311,11 @@ def _zoo_target(
                        loss_fn=spec.loss_fn, optimizer=optimizer)  # fmt: skip
     if device == "cpu":
         _check_host_memory(args, dtype.itemsize)
+    elif not torch.cuda.is_available():
+        raise ValueError(
+            f"--device {device}: CUDA is not available here (torch {torch.__version__}); measure "
+            "on cpu, or estimate for a GPU by name (--device h100, rtx4090, ...)"
+        )
     return _Target(name=args.model, model=spec.make_model(), batch=spec.make_batch(),
                    loss_fn=spec.loss_fn, optimizer=optimizer)  # fmt: skip
 
@@ -425,16 +438,17 @@ def _verdict(plan: Plan, prof: Profile | None) -> tuple[bool | None, str]:
     if prof is not None and memory is not None:
         on_device = peak <= memory
         ok = on_device if ok is None else ok and on_device
-        text += f"; the {prof.device} has {format_bytes(memory)}"
-        if not on_device:
-            text += ", less than that"
+        if on_device:
+            text += f"; the {prof.device} has {format_bytes(memory)}"
+        else:
+            text += f"; more than the {prof.device}'s {format_bytes(memory)}"
     text += f"; step time {plan.estimate.overhead * 100:+.1f}% vs plain (predicted)"
     if ok is None:
         return None, text
     return ok, ("fits: " if ok else "does not fit: ") + text
 
 
-def _report_row(label: str, plan: Plan, report: Report) -> Any:
+def _report_row(label: str, plan: Plan, report: Report) -> ComparisonRow:
     from remat.report import ComparisonRow
 
     return ComparisonRow(
@@ -498,7 +512,9 @@ def main(show_traceback: bool) -> None:
 
 @main.command(short_help="Run the whole pipeline on a built-in GPT, on this CPU.")
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), default="remat-out",
-              show_default=True, help="Folder for profile.json, plan.json, the plots, results.json.")
+              metavar="DIR",
+              help="Folder for profile.json, plan.json, the plots and results.json (default: "
+                   "remat-out).")
 @click.option("--quick", is_flag=True, help="A much smaller GPT and fewer budgets (~15 s).")
 @click.option("--json", "as_json", is_flag=True, help="Print results.json instead of the table.")
 @_handle_errors
@@ -534,7 +550,7 @@ def demo(out: Path, quick: bool, as_json: bool) -> None:
         f"smallest feasible {format_bytes(result.smallest_feasible_bytes)} "
         f"({result.smallest_feasible_reason})"
     )
-    _console().print(comparison_table(comparison_rows(result)))
+    _print_table(comparison_table(comparison_rows(result)))
     report = chosen.report
     click.echo(
         f"plan.json: {chosen.label}, budget {format_bytes(chosen.plan.budget_bytes or 0)}: "
@@ -543,20 +559,19 @@ def demo(out: Path, quick: bool, as_json: bool) -> None:
         f"step time {report.measured_overhead * 100:+.1f}%, "
         f"gradients {'equal to' if report.grads_equal else 'DIFFERENT from'} plain"
     )
-    files = result.files
-    folder = files["results"].parent
-    click.echo(f"wrote {', '.join(str(p) for p in files.values())} in {result.seconds:.0f} s")
+    names = ", ".join(p.name for p in result.files.values())
+    click.echo(f"wrote {names} to {out} in {result.seconds:.0f} s")
     click.echo(
         f"check the plan again: remat verify --model {result.setup.factory} "
-        f"--plan {folder / 'plan.json'}"
+        f"--plan {result.files['plan']}"
     )
 
 
 @main.command("profile", short_help="Measure (or estimate) what each block of a model costs.")
 @_model_options(required=True)
-@click.option("--device", callback=_check_device, help=_DEVICE_HELP + " Default: cpu.")
-@click.option("--repeats", type=click.IntRange(min=1), default=3, show_default=True,
-              help="Timed steps per option when measuring (medians).")
+@click.option("--device", callback=_check_device, metavar="DEVICE", help=_DEVICE_HELP + " Default: cpu.")
+@click.option("--repeats", type=click.IntRange(min=1), default=3, metavar="N",
+              help="Timed steps per option when measuring (medians; default 3).")
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path),
               help="Save the profile here (JSON) for `remat plan --profile`.")
 @click.option("--json", "as_json", is_flag=True, help="Print the profile as JSON.")
@@ -588,7 +603,7 @@ def profile_cmd(
     else:
         from remat.report import profile_table
 
-        _console().print(profile_table(prof))
+        _print_table(profile_table(prof))
     if out is not None:
         _say(f"wrote {out}", as_json=as_json)
 
@@ -603,10 +618,11 @@ def profile_cmd(
 @click.option("--method", type=click.Choice(_METHODS), default="optimal", show_default=True,
               help="optimal: the fastest plan that fits; greedy: a quick approximation; the "
                    "baselines none, all (every block), every_k, sqrt take no budget.")
-@click.option("--k", type=click.IntRange(min=1), help="For --method every_k: every k-th block (default 2).")
-@click.option("--device", callback=_check_device, help=_DEVICE_HELP + " Default: cpu.")
-@click.option("--repeats", type=click.IntRange(min=1), default=3, show_default=True,
-              help="Timed steps per option when measuring (medians).")
+@click.option("--k", type=click.IntRange(min=1), metavar="K",
+              help="For --method every_k: recompute every k-th block (default 2).")
+@click.option("--device", callback=_check_device, metavar="DEVICE", help=_DEVICE_HELP + " Default: cpu.")
+@click.option("--repeats", type=click.IntRange(min=1), default=3, metavar="N",
+              help="Timed steps per option when measuring (medians; default 3).")
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path),
               help="Save the plan here (JSON) for `remat verify` and remat.apply.")
 @click.option("--json", "as_json", is_flag=True,
@@ -681,7 +697,7 @@ def plan_cmd(
         }
         click.echo(json.dumps(result, indent=2))
     else:
-        _console().print(plan_table(plan, prof))
+        _print_table(plan_table(plan, prof))
         for note in notes:
             click.echo(f"note: {note}")
         click.echo(verdict)
@@ -692,21 +708,20 @@ def plan_cmd(
 
 
 @main.command("verify", short_help="Measure a plan against plain PyTorch.")
-@_model_options(required=True)
+@_model_options(required=True, blocks=False)
 @click.option("--plan", "plan_path", required=True,
               type=click.Path(dir_okay=False, path_type=Path),
               help="The plan to check (remat plan --out, or the demo's plan.json).")
-@click.option("--device", default="cpu", show_default=True,
-              help="Where to measure: cpu or cuda[:N].")
-@click.option("--repeats", type=click.IntRange(min=1), default=3, show_default=True,
-              help="Timed steps of each kind, plain and planned, alternating (medians).")
+@click.option("--device", default="cpu", metavar="DEVICE",
+              help="Where to measure: cpu (default) or cuda[:N].")
+@click.option("--repeats", type=click.IntRange(min=1), default=3, metavar="N",
+              help="Timed steps of each kind, plain and planned, alternating (medians; default 3).")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @click.pass_context
 @_handle_errors
 def verify_cmd(
     ctx: click.Context, model: str, batch: int | None, seq: int | None, dtype: str | None,
-    optimizer: str, blocks: tuple[str, ...], plan_path: Path, device: str, repeats: int,
-    as_json: bool,
+    optimizer: str, plan_path: Path, device: str, repeats: int, as_json: bool,
 ) -> None:  # fmt: skip
     """Apply a plan to a fresh model and measure it against plain PyTorch.
 
@@ -735,7 +750,7 @@ def verify_cmd(
     plan = Plan.load(plan_path)
     if ":" not in model:
         batch, seq, dtype = _defaults_from_plan(model, plan, batch=batch, seq=seq, dtype=dtype)
-    args = _ModelArgs(model, batch, seq, dtype, optimizer, blocks)
+    args = _ModelArgs(model, batch, seq, dtype, optimizer, ())
     target = _load_target(args, device=device)
     apply(target.model, plan)  # a plan for another model fails here, before anything runs
     remove(target.model)
@@ -772,7 +787,7 @@ def verify_cmd(
         plain = ComparisonRow(
             label="plain", method="none", measured_peak_bytes=report.plain_peak_bytes, overhead=0.0
         )
-        _console().print(comparison_table([plain, _report_row(plan_path.name, plan, report)]))
+        _print_table(comparison_table([plain, _report_row(plan_path.name, plan, report)]))
         if plan.device != "cpu" and not plan.device.startswith("cuda"):
             click.echo(f"note: the plan was made for {plan.device} ({plan.dtype}); measured on {device}")
         click.echo(verdict)

@@ -30,6 +30,7 @@ from remat.units import format_bytes
 __all__ = ["accumulation_table", "train_command"]
 
 _DEFAULT_OUT = "remat-out/train"
+_CONFIG_FIELDS = {f.name for f in dataclasses.fields(TrainConfig)}
 
 
 def accumulation_table(candidates: Sequence[Candidate], *, title: str | None = None) -> Table:
@@ -106,7 +107,7 @@ def train_command(ctx: click.Context, **options: Any) -> None:
     """
     console = Console(highlight=False, soft_wrap=True)
     resume = options.pop("resume")
-    names = {"global_batch": "global_batch", "micro_batch": "micro_batch", "seq": "seq_len"}
+    names = {"seq": "seq_len"}  # option name -> TrainConfig field, where they differ
     given = {names.get(k, k): v for k, v in options.items()
              if ctx.get_parameter_source(k) != click.core.ParameterSource.DEFAULT}
     fields: dict[str, Any] = {names.get(k, k): v for k, v in options.items()}
@@ -150,9 +151,6 @@ def train_command(ctx: click.Context, **options: Any) -> None:
         raise click.ClickException(str(e)) from None
     bar.stop()
     _summary(console, result)
-
-
-_CONFIG_FIELDS = {f.name for f in dataclasses.fields(TrainConfig)}
 
 
 def _model_from_json(model: Any) -> str | GPTConfig | LlamaConfig:

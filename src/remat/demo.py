@@ -90,7 +90,9 @@ QUICK = DemoSetup(
 )  # fmt: skip
 
 # The baselines measured next to remat's plans: (method, k, label).
-_BASELINES = (("none", None, "plain (none)"), ("every_k", 2, "every 2nd block"), ("all", None, "every block"))
+_BASELINES = (
+    ("none", None, "none (plain)"), ("every_k", 2, "every 2nd block"), ("all", None, "all (every block)"),
+)  # fmt: skip
 
 
 def full() -> tuple[nn.Module, Batch, LossFn]:
@@ -116,7 +118,7 @@ class DemoRow:
     """One plan the demo measured."""
 
     label: str
-    """What the plan is called, e.g. ``"remat 60%"`` or ``"every block"``."""
+    """What the plan is called, e.g. ``"remat 60%"`` or ``"all (every block)"``."""
     share: float | None
     """Its budget as a share of the plain peak (None for baselines)."""
     plan: Plan

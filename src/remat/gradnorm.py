@@ -132,7 +132,7 @@ class GradNorm:
         with torch.no_grad():
             ratios = stacked.detach() / initial
             inverse_rates = ratios / ratios.mean()
-            target = grad_norms.mean() * inverse_rates**0.0
+            target = grad_norms.mean() * inverse_rates**self.alpha
         grad_loss = (grad_norms - target).abs().sum()
         (weight_grad,) = torch.autograd.grad(grad_loss, [weights])
 

@@ -319,14 +319,16 @@ def accumulate(
     if ids.shape[0] % micro_batch:
         raise ValueError(f"micro_batch={micro_batch} does not divide the batch of {ids.shape[0]}")
     chunks = ids.split(micro_batch)
-    total = torch.zeros((), device=ids.device)
+    losses = []
     for chunk in chunks:
         with autocast() if autocast is not None else contextlib.nullcontext():
             loss = _step.forward_loss(model, (chunk,), loss_fn)
-        part = loss / len(chunks)
-        (scaler.scale(part) if scaler is not None else part).backward()
-        total += loss.detach().float()
-    return total / len(chunks)
+        losses.append(loss.detach())
+        if len(chunks) > 1:  # one micro-batch: no extra tensor, the very step that was profiled
+            loss = loss / len(chunks)
+        (scaler.scale(loss) if scaler is not None else loss).backward()
+        del loss
+    return torch.stack(losses).float().mean() if len(losses) > 1 else losses[0].float()
 
 
 def evaluate(
