@@ -22,10 +22,11 @@ that configurations can take turns step by step (NOTE [ Interleaved timing ] in 
   masks, caches and position tensors that the model's own forward loop builds, so this peer is not
   run for them.
 - "torch.compile budget b": each block compiled with ``torch.compile`` (per block, the way
-  torchtitan compiles; one graph serves every identical block) while
-  ``torch._functorch.config.activation_memory_budget = b``, which makes the min-cut partitioner
-  recompute cheap ops until the block's saved activations are at most b of what the default (1.0)
-  keeps. Each budget gets a function with its own code object, so dynamo compiles it afresh
+  torchtitan compiles; one graph serves every identical block; ``dynamic=False``) while
+  ``torch._functorch.config.activation_memory_budget = b``: the min-cut partitioner then solves a
+  knapsack for the least recomputation (by a FLOP-based runtime estimate) that saves at most b of
+  the activations its default partition (1.0) saves; 0.0 is checkpointing the whole compiled
+  block. Each budget gets a function with its own code object, so dynamo compiles it afresh
   instead of reusing another budget's graph, and the budget stays set while that configuration
   runs, so a recompile (if a guard ever failed) would use it too.
 """
@@ -99,8 +100,8 @@ class Config:
     ``remat``."""
     runner: nn.Module
     """What the step calls: the model itself or a wrapper around it."""
-    enter: Callable[[], None] = lambda: None
-    exit: Callable[[], None] = lambda: None
+    enter: Callable[[], object] = lambda: None
+    exit: Callable[[], object] = lambda: None
     error: str = ""
     """Why it could not be run (set up, compiled), or empty."""
     plan: Plan | None = None
@@ -170,7 +171,8 @@ def build_case(name: str, *, size: str, device: torch.device, dtype: torch.dtype
                     model=model, batch=batch, loss_fn=loss_fn_for(model),
                     optimizer=_adamw(model), blocks=[])
     elif name in ("gpt", "llama"):
-        cfg, batch_size, seq = (_GPT if name == "gpt" else _LLAMA)[size]
+        lm: Any = _GPT if name == "gpt" else _LLAMA
+        cfg, batch_size, seq = lm[size]
         model = build_model(cfg, dtype=dtype, device=device)
         batch = make_batch(model, batch_size=batch_size, seq_len=seq, device=device)
         width = cfg.n_embd if isinstance(cfg, GPTConfig) else cfg.dim
@@ -190,27 +192,35 @@ def _adamw(model: nn.Module) -> torch.optim.Optimizer:
 
 def _hf_case(name: str, size: str, device: torch.device, dtype: torch.dtype) -> Case:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    import transformers
+    import transformers as _transformers
 
+    transformers: Any = _transformers  # its config classes take **kwargs that stubs do not list
     transformers.logging.set_verbosity_error()
     layers, hidden, heads, kv, inter, vocab, batch_size, seq = (
         _HF_GPT2 if name == "hf-gpt2" else _HF_LLAMA)[size]
     # use_cache=False: a training step has no use for a KV cache (and would keep one alive).
     if name == "hf-gpt2":
-        cfg = transformers.GPT2Config(n_layer=layers, n_embd=hidden, n_head=heads, n_inner=inter,
-                                      vocab_size=vocab, n_positions=seq, use_cache=False,
-                                      attn_implementation="sdpa")
-        model = transformers.GPT2LMHeadModel(cfg)
+        cfg: Any = transformers.GPT2Config(
+            n_layer=layers, n_embd=hidden, n_head=heads, n_inner=inter, vocab_size=vocab,
+            n_positions=seq, use_cache=False, attn_implementation="sdpa")
+        cls: Any = transformers.GPT2LMHeadModel
     else:
-        cfg = transformers.LlamaConfig(hidden_size=hidden, intermediate_size=inter,
-                                       num_hidden_layers=layers, num_attention_heads=heads,
-                                       num_key_value_heads=kv, vocab_size=vocab,
-                                       max_position_embeddings=seq, use_cache=False,
-                                       tie_word_embeddings=size == "gpu",
-                                       attn_implementation="sdpa")
-        model = transformers.LlamaForCausalLM(cfg)
-    title = f"transformers {type(model).__name__} {layers} x {hidden}"
-    model = model.to(device=device, dtype=dtype).train()
+        cfg = transformers.LlamaConfig(
+            hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
+            num_attention_heads=heads, num_key_value_heads=kv, vocab_size=vocab,
+            max_position_embeddings=seq, use_cache=False, tie_word_embeddings=size == "gpu",
+            attn_implementation="sdpa")
+        cls = transformers.LlamaForCausalLM
+    # Created in place, in its dtype on its device: a 1B model initialised on the CPU in float32
+    # and then moved would take longer than the GPU benchmark itself.
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = cls(cfg).train()
+    finally:
+        torch.set_default_dtype(old)
+    title = f"transformers {cls.__name__} {layers} x {hidden}"
     ids = torch.randint(vocab, (batch_size, seq), device=device)
     return Case(name=name, title=f"{title}, batch {batch_size} x {seq}", model=model,
                 batch={"input_ids": ids, "labels": ids}, loss_fn=None, optimizer=_adamw(model),
@@ -257,7 +267,8 @@ class _GPTSequential(nn.Module):
 
     def __init__(self, gpt: nn.Module, segments: int) -> None:
         super().__init__()
-        self.gpt, self.segments = gpt, segments
+        self.gpt: Any = gpt
+        self.segments = segments
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         g = self.gpt
@@ -273,7 +284,8 @@ class _LlamaSequential(nn.Module):
 
     def __init__(self, llama: nn.Module, segments: int) -> None:
         super().__init__()
-        self.llama, self.segments = llama, segments
+        self.llama: Any = llama
+        self.segments = segments
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         m, cfg = self.llama, self.llama.config
@@ -327,9 +339,9 @@ def every_k(case: Case, k: int) -> Config:
 
         def exit_() -> None:
             model.activation_checkpointing_disable()
-            # It also made the embedding output require grad (for PEFT); undo it like remove().
-            if getattr(model, "_require_grads_hook", None) is not None:
-                model.disable_input_require_grads()
+            # Enabling also hooked the embedding to make its output require grad (for PEFT); the
+            # plain model has no such hook, so take it off again (a no-op when there is none).
+            model.disable_input_require_grads()
 
         return Config(name=name, kind="peer", runner=case.model, enter=enter, exit=exit_,
                       extra={"how": f"model.activation_checkpointing_enable(every_n_layers={k})",

@@ -13,6 +13,7 @@ recomputed). The test asserts on that file.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import sys
 import warnings
@@ -28,16 +29,13 @@ from remat.applier import PlanMismatch, _set, apply
 from remat.blocks import find_blocks
 from remat.distributed import WrappingError, apply_distributed
 from remat.profiler import profile
-from remat.records import Plan
+from remat.records import Plan, Profile
 from remat.solver import solve
 
 STEPS = 3
 RTOL = 1e-5
 GLOBAL_BATCH = 4
 
-# gloo on CPU: DDP warns once that it found no CUDA device for its buckets' streams on some torch
-# builds; the check is about numbers, not about that notice.
-warnings.filterwarnings("ignore", message=".*No device id is provided.*")
 
 
 def build(kind: str) -> tuple[nn.Module, Callable[[Any, Any], torch.Tensor], tuple[torch.Tensor, ...]]:
@@ -52,26 +50,27 @@ def build(kind: str) -> tuple[nn.Module, Callable[[Any, Any], torch.Tensor], tup
     return model, models.loss_fn_for(model), batch
 
 
-def shared_plan(model: nn.Module, batch: Any, loss_fn: Any, how: str) -> Plan:
+@functools.cache
+def estimated(kind: str) -> Profile:
+    """The model's profile, estimated on fake tensors (deterministic, so every plan is too)."""
+    _, loss_fn, batch = build(kind)
+    return profile(lambda: build(kind)[0], batch, loss_fn=loss_fn, device="cpu")
+
+
+def shared_plan(kind: str, how: str) -> Plan:
     """Rank 0 makes the plan; every rank gets the same JSON."""
     text = [""]
     if dist.get_rank() == 0:
-        names = [n for n, _ in find_blocks(model)]
+        prof = estimated(kind)
         if how == "mixed":
             options = ["recompute", "selective", "keep"]
-            prof = profile(lambda: build(model_kind(model))[0], batch, loss_fn=loss_fn, device="cpu")
-            plan = solve(prof, method="all")
-            plan = dataclasses.replace(plan, choices=dict(zip(names, options)), method="manual")
+            choices = dict(zip((b.name for b in prof.blocks), options))
+            plan = dataclasses.replace(solve(prof, method="all"), choices=choices, method="manual")
         else:
-            prof = profile(lambda: build(model_kind(model))[0], batch, loss_fn=loss_fn, device="cpu")
             plan = solve(prof, method="all") if how == "all" else solve(prof, "75%")
         text = [plan.to_json()]
     dist.broadcast_object_list(text, src=0)
     return Plan.from_json(text[0])
-
-
-def model_kind(model: nn.Module) -> str:
-    return "gpt" if isinstance(model, models.GPT) else "llama"
 
 
 def local(batch: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
@@ -165,7 +164,7 @@ def wrap(kind: str, plan: Plan, mode: str, order: str) -> tuple[nn.Module, nn.Mo
 
 def scenario(kind: str, how: str, mode: str, opt: str, order: str) -> dict[str, Any]:
     model, loss_fn, batch = build(kind)
-    plan = shared_plan(model, batch, loss_fn, how)
+    plan = shared_plan(kind, how)
     keep = dataclasses.replace(plan, choices={n: "keep" for n in plan.choices}, method="none")
     # The single-process reference: the plain model on the whole batch.
     want_grads, want_params = train(model, batch, loss_fn, make_optimizer(opt, model.parameters()))
@@ -204,6 +203,7 @@ SCENARIOS = {
 
 
 def main(out_path: str) -> None:
+    warnings.simplefilter("error")  # as pytest's filterwarnings = error, which a subprocess escapes
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     try:

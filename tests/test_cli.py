@@ -47,10 +47,10 @@ def check_golden(name: str, text: str) -> None:
 
 
 def mask(text: str, *patterns: str) -> str:
-    """Each match of ``patterns`` with its digits as ``#``; then runs of spaces and rules
-    collapsed, since a number's width moves the columns after it."""
+    """Each match of ``patterns`` with its numbers (and their signs) as ``#``; then runs of spaces
+    and rules collapsed, since a number's width moves the columns after it."""
     for pattern in patterns:
-        text = re.sub(pattern, lambda m: re.sub(r"\d+", "#", m.group()), text, flags=re.M)
+        text = re.sub(pattern, lambda m: re.sub(r"[+-]?\d+", "#", m.group()), text, flags=re.M)
     text = re.sub(r"(#[.,]?)+#", "#", text)
     text = re.sub(r" {2,}", "  ", text)
     return re.sub(r"─+", "─", text)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import gc
 import json
 import os
 import subprocess
@@ -29,7 +30,6 @@ from torch import nn
 from remat import models
 from remat.costmodel import estimate, smallest_feasible
 from remat.distributed import (
-    MODES,
     WrappingError,
     apply_distributed,
     check_wrapping,
@@ -112,13 +112,33 @@ def ids(batch_size: int = 2) -> tuple[torch.Tensor, ...]:
     return (torch.zeros(batch_size, 32, dtype=torch.long),)
 
 
+@contextlib.contextmanager
+def no_cyclic_gc() -> Iterator[None]:
+    """Python's cyclic garbage collector off, after one collection.
+
+    Selective checkpointing leaves its cache of saved outputs in a reference cycle (remat's
+    per-call recompute context class), freed whenever the collector happens to run: a step's
+    bytes then depend on what ran before in the process (measured: 16 KiB on one Llama block's
+    selective backward). Counting with the collector off makes both sides count the same bytes.
+    """
+    gc.collect()
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
 @functools.cache
 def estimated(kind: str) -> Profile:
     """The single-device profile of ``tiny(kind)``'s step with AdamW, estimated on fake tensors."""
     from remat.profiler import profile
 
-    return profile(lambda: tiny(kind), ids, loss_fn=models.lm_loss,
-                   optimizer=lambda ps: torch.optim.AdamW(ps), device="cpu")
+    with no_cyclic_gc():
+        return profile(lambda: tiny(kind), ids, loss_fn=models.lm_loss,
+                       optimizer=lambda ps: torch.optim.AdamW(ps), device="cpu")
 
 
 def test_check_wrapping_refuses_a_sharded_model_and_unwraps_ddp() -> None:
@@ -155,14 +175,15 @@ def test_check_wrapping_refuses_a_sharded_model_and_unwraps_ddp() -> None:
         assert sharded is model
         assert type(model).__name__ == "FSDPGPT"
         assert [type(b).__name__ for b in model.blocks] == ["FSDPBlock"] * 3
-        # The plan survived the class change: the blocks' forwards are remat's.
-        from remat.applier import mode_of
+        # The plan survived the class change: the blocks' forwards are remat's; remove() still
+        # gives the blocks their own forward back.
+        from remat.applier import applied_plan, mode_of, remove
 
         assert [mode_of(b) for b in model.blocks] == ["recompute"] * 3
-
-
-def test_modes() -> None:
-    assert MODES == ("ddp", "fsdp")
+        assert applied_plan(model) is plan
+        remove(model)
+        assert [mode_of(b) for b in model.blocks] == ["keep"] * 3
+        assert all("forward" not in b.__dict__ for b in model.blocks)
 
 
 # --- per_rank_profile on hand-made profiles -----------------------------------------------------
@@ -363,7 +384,7 @@ def fsdp_step_peak(kind: str, choices: dict[str, str], world_size: int) -> int:
     with fake_process_group(world_size):
         # Outside FakeTensorMode: the mesh reads its ranks from a tensor.
         mesh = init_device_mesh("cpu", (world_size,))
-        with FakeTensorMode():
+        with FakeTensorMode(), no_cyclic_gc():
             return _fake_step_peak(kind, plan, mesh)
 
 
@@ -415,24 +436,26 @@ def test_per_rank_profile_matches_fully_shard(kind: str, world_size: int, option
     choices = dict(zip((b.name for b in single.blocks), options))
     predicted = estimate(per_rank_profile(single, world_size=world_size, fsdp=True), choices).peak_bytes
     measured = fsdp_step_peak(kind, choices, world_size)
-    print('DBG', kind, world_size, predicted, measured)
     # AdamW keeps a 4-byte step count per parameter on every rank (not sharded); the profile's
     # optimizer bytes are sharded as a whole. Nothing else differs.
     n_params = len(list(tiny(kind).parameters()))
     assert 0 <= measured - predicted <= 4 * n_params, (measured, predicted)
 
 
-def test_per_rank_profile_with_uneven_shards() -> None:
-    # 3 ranks: FSDP2 pads every parameter's first dimension to a multiple of 3, which the
-    # arithmetic leaves out; bounded by 2 rows per parameter in each of the parameter copies
-    # (shard, Adam's two states, gradient shard, and up to 3 gathered or buffered copies).
+@pytest.mark.parametrize("world_size", [3, 6])
+def test_per_rank_profile_with_uneven_shards(world_size: int) -> None:
+    # FSDP2 pads each parameter's first dimension to a multiple of the world size, which the
+    # arithmetic leaves out. Per parameter of row bytes r, at most r more in each of the four
+    # shard-sized copies (parameter, gradient, Adam's two states) and (W - 1) r more in each of
+    # the three full-size copies of a block's parameters (gathered, all-gather buffer,
+    # reduce-scatter buffer).
     single = estimated("gpt")
     choices = {b.name: "keep" for b in single.blocks}
-    predicted = estimate(per_rank_profile(single, world_size=3, fsdp=True), choices).peak_bytes
-    measured = fsdp_step_peak("gpt", choices, 3)
+    predicted = estimate(per_rank_profile(single, world_size=world_size, fsdp=True), choices).peak_bytes
+    measured = fsdp_step_peak("gpt", choices, world_size)
     rows = sum(p[0].numel() * p.element_size() if p.dim() > 1 else p.element_size()
                for p in tiny("gpt").parameters())
-    assert abs(measured - predicted) <= 2 * rows * 7, (measured, predicted)
+    assert 0 <= measured - predicted <= rows * (4 + 3 * (world_size - 1)), (measured, predicted)
 
 
 def test_ddp_buckets_hold_one_copy_of_the_parameters() -> None:

@@ -8,7 +8,11 @@ from __future__ import annotations
 import copy
 import dataclasses
 import filecmp
+import importlib.util
 import math
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -67,7 +71,7 @@ def same_files(a: Path, b: Path) -> None:
     names = sorted(p.name for p in a.iterdir())
     assert names == sorted(p.name for p in b.iterdir())
     assert "config.json" in names and "model.safetensors" in names
-    match, mismatch, errors = filecmp.cmpfiles(a, b, names, shallow=False)
+    _, mismatch, errors = filecmp.cmpfiles(a, b, names, shallow=False)
     assert not mismatch and not errors, (mismatch, errors)
 
 
@@ -89,7 +93,7 @@ def test_auto_on_a_transformers_model(kind: str, tmp_path: Path) -> None:
     plan = remat.auto(model, batch, "70%", loss_fn=loss_fn, optimizer=opt, repeats=1)
     assert applied_plan(model) is plan
     assert any(o != "keep" for o in plan.choices.values()), plan.choices
-    for (name, layer), state in zip(named, before):
+    for name, layer in named:
         assert mode_of(layer) == plan.choices[name]
         if hooked(layer):  # NOTE [ transformers layers ] in remat.applier: the hook, not a new forward
             assert "forward" not in vars(layer)
@@ -267,3 +271,32 @@ def test_minilm_frozen_base_with_adapters(minilm: tuple[nn.Module, Any]) -> None
         assert torch.equal(x, y)
     for p, q in zip(params(model), params(plain_model)):
         assert torch.equal(p, q)
+
+
+# --- the integration examples (docs/integrations.md) --------------------------------------------
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+# Lightning 2.6 calls torch's deprecated pytree LeafSpec: its warning, nothing the example can change.
+LIGHTNING_WARNING = "ignore:`isinstance(treespec, LeafSpec)` is deprecated:FutureWarning"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("script", "needs", "filters"),
+    [
+        # transformers' Trainer requires accelerate
+        pytest.param("hf_trainer.py", ["accelerate"], [], id="trainer"),
+        pytest.param("accelerate_example.py", ["accelerate"], [], id="accelerate"),
+        pytest.param("lightning_example.py", ["lightning", "pytorch_lightning"], ["-W", LIGHTNING_WARNING], id="lightning"),
+    ],
+)
+def test_example_runs(script: str, needs: list[str], filters: list[str]) -> None:
+    if not any(importlib.util.find_spec(name) for name in needs):
+        pytest.skip(f"examples/{script} needs {needs[0]}, which is not installed (pip install {needs[0]})")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-W", "error", *filters, str(EXAMPLES / script), "--steps", "3"],
+        capture_output=True, text=True, env=env, timeout=600, check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "remat plan: {" in proc.stdout and "trained 3 steps" in proc.stdout, proc.stdout

@@ -57,7 +57,7 @@ def apply(model: nn.Module, plan: Plan, *, strict: bool = True) -> nn.Module:
         raise PlanMismatch(
             f"the plan was made for a {plan.model} of another shape (fingerprint {plan.fingerprint}, "
             f"this {type(model).__name__} has {fingerprint(model)}): its block names match, but its "
-            "layers' sizes or dtypes do not. Make a plan for this model, or pass strict=False."
+            "layers' sizes or dtypes do not. Make a plan for this model (or, from Python, apply it with strict=False)."
         )
     remove(model)
     for name, option in plan.choices.items():

@@ -30,6 +30,8 @@ from rich.console import Console
 from rich.table import Table
 
 from remat import __version__
+from remat.devices import DEVICES
+from remat.solver import METHODS
 from remat.units import format_bytes, parse_budget
 
 if TYPE_CHECKING:
@@ -45,7 +47,6 @@ _F = TypeVar("_F", bound=Callable[..., Any])
 
 _DTYPES = ("float32", "bfloat16", "float16")
 _OPTIMIZERS = ("adamw", "sgd", "none")
-_METHODS = ("optimal", "greedy", "none", "all", "every_k", "sqrt")  # remat.solver.METHODS
 _BUDGET_METHODS = ("optimal", "greedy")
 # What a user's mistake raises in remat (its errors are ValueError subclasses) and in their code.
 _USER_ERRORS = (ValueError, TypeError, OSError, ImportError)
@@ -57,7 +58,7 @@ _MODEL_HELP = (
 )
 _DEVICE_HELP = (
     "cpu or cuda[:N] to measure real steps there; a device name to estimate for one you do not "
-    "have: h100, h200, a100-80gb, a100-40gb, l4, rtx4090, rtx3090, t4."
+    f"have: {', '.join(d for d in DEVICES if d != 'cpu')}."
 )
 
 
@@ -471,7 +472,7 @@ def _save_to(path: Path) -> Path:
     context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100},
     epilog="Exit status: 0 done (the plan fits, the check passed); 1 an error or a plan that "
     "does not fit or fails its check; 2 a malformed command line (an unknown option, a budget "
-    "that does not parse).",
+    "that does not parse); 130 a training run stopped with Ctrl-C (it saved a checkpoint).",
 )
 @click.version_option(__version__, prog_name="remat")
 @click.option("--traceback", "show_traceback", is_flag=True,
@@ -489,6 +490,7 @@ def main(show_traceback: bool) -> None:
       remat plan --model llama-8b --seq 8192 --device rtx4090 --budget 24GiB
       remat plan --profile profile.json --budget 60% --out plan.json
       remat verify --model gpt-tiny --plan plan.json
+      remat train --budget 60% --steps 100      # train on real text within a budget
 
     \b
     Models (--model NAME_OR_FACTORY):
@@ -615,7 +617,7 @@ def profile_cmd(
 @click.option("--budget", callback=_check_budget, metavar="BYTES|N%",
               help="Peak of the whole step: 24GiB, 6.5GB, 800MiB, or 60% of the plain peak. "
                    "Default with a device of known memory: that memory.")
-@click.option("--method", type=click.Choice(_METHODS), default="optimal", show_default=True,
+@click.option("--method", type=click.Choice(METHODS), default="optimal", show_default=True,
               help="optimal: the fastest plan that fits; greedy: a quick approximation; the "
                    "baselines none, all (every block), every_k, sqrt take no budget.")
 @click.option("--k", type=click.IntRange(min=1), metavar="K",
@@ -733,6 +735,7 @@ def verify_cmd(
     \b
     Examples:
       remat verify --model gpt-tiny --plan plan.json
+      remat train --budget 60% --steps 100      # train on real text within a budget
       remat verify --model remat.demo:full --plan remat-out/plan.json --json
     """
     from remat import step as _step
@@ -811,3 +814,12 @@ def _defaults_from_plan(
     if dtype is None and plan.dtype in _DTYPES:
         dtype = plan.dtype
     return batch, seq, dtype
+
+
+def _register_train() -> None:
+    from remat.cli_train import train_command
+
+    main.add_command(train_command)
+
+
+_register_train()

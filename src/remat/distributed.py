@@ -18,8 +18,8 @@ FSDP's pre-backward hook has all-gathered the parameters again, and never re-ent
 orders train to the same numbers on torch 2.13 (tests/dist_worker.py checks it). remat still
 allows one order only, apply first:
 - a plan is checked against the structure of the plain model (``Plan.fingerprint``); after
-  ``fully_shard`` the blocks' classes are renamed (``FSDPBlock``) and the parameters are DTensors,
-  so ``apply(..., strict=True)`` refuses with a misleading "another shape" ``PlanMismatch``;
+  ``fully_shard`` the blocks' classes are renamed (``FSDPBlock``), so the fingerprint no longer
+  matches and the plan could only be applied unchecked (``strict=False``);
 - the per-rank profile below assumes every planned block is its own FSDP group, which
   ``apply_distributed`` guarantees and an arbitrary pre-sharded model does not;
 - it is the order torchtitan uses (activation checkpointing, then ``fully_shard``).
@@ -27,32 +27,43 @@ DDP does not change the module it wraps, so a DDP-wrapped model is accepted: the
 ``ddp.module`` (whose names are the plan's names; on the wrapper they carry a ``module.`` prefix).
 
 # NOTE [ Per-rank memory under FSDP2 ]
-The single-device profile is of one rank's step: its batch is the per-rank batch. With ``W`` ranks
-and ``shard(x) = ceil(x / W)``, FSDP2 (one group per block, one for the root) changes:
-- base: parameters and optimizer state are sharded (``shard`` of each); buffers and the batch are
-  not. The optimizer step's temporaries (foreach copies) are per parameter: ``shard`` too.
-- a block: its parameters are all-gathered for its forward and again for its backward, and freed
-  after each (``reshard_after_forward=True``, the default for non-root groups). FSDP2 prefetches
-  the next group in backward by default, so two blocks' full parameters can be live at once:
-  ``gather_bytes = 2 * max(block param_bytes)`` (the cost model adds it to every block's forward
-  and backward). Its gradients appear full-size during its backward (already in ``bwd_peak_bytes``),
-  are copied into a reduce-scatter buffer and reduced to a shard at the end of its backward:
-  ``grad_bytes`` keeps only the shard, and the backward's peak covers the moment when the full
-  gradients and the reduce-scatter buffer are both live.
-- the root (the parameters outside the blocks: embeddings, final norm, head) keeps its gathered
-  parameters from the start of the forward to the end of the backward
-  (``reshard_after_forward=False`` for the root), and its full gradients until the end of the
-  backward: the ``pre`` segment keeps ``R`` more bytes (``R`` = the root's parameter bytes) from its
-  forward to its backward, and its ``grad_bytes`` shrink by ``R - shard(R)`` when the backward ends.
-Not modelled: FSDP2 pads each parameter's first dimension to a multiple of ``W`` (a rank holds up
-to ``W - 1`` rows more than ``shard`` says), and communication time (times are the single-device
-ones: prefetched all-gathers and reduce-scatters overlap with compute). tests/test_distributed.py
-compares these numbers with a step of ``fully_shard`` run under ``FakeTensorMode`` on torch's fake
-process group.
+The single-device profile is of one rank's step (its batch is the per-rank batch). FSDP2 as
+``apply_distributed`` sets it up: one ``fully_shard`` group per block, one for the root (the
+parameters outside the blocks: embeddings, final norm, head), default options. With ``W`` ranks,
+``shard(x) = ceil(x / W)``, ``P_i`` block i's parameter bytes and ``R`` the root's:
+- State: parameters and optimizer state are sharded, buffers and the batch are not; the optimizer
+  step's temporaries (foreach copies) are per parameter, so they shrink to ``shard`` too.
+- Forward of block i: FSDP2 all-gathers its parameters into a flat buffer, copies them out into
+  the unsharded parameters, and keeps the buffer until the next group's copy-out (to overlap it
+  with the next all-gather); the block's parameters are freed after its forward
+  (``reshard_after_forward=True`` for non-root groups). Live beyond the shards: ``2 P_i``.
+- Backward of block i: its parameters are gathered again (``P_i``), the group before it is
+  prefetched into an all-gather buffer (``P_(i-1)``), and the reduce-scatter buffer of the block
+  after it is kept until this block's reduce-scatter (``P_(i+1)``; at most one is kept by
+  default). Its full gradients appear as on one device (in ``bwd_peak_bytes``) and are
+  reduce-scattered to a shard when its backward ends: ``grad_bytes`` keeps only the shard.
+- ``gather_bytes = 2 max(P_i)``, which the cost model adds to every block's forward and backward;
+  each block's ``fwd_peak_bytes`` and ``bwd_peak_bytes`` are corrected by ``2 P_i - gather`` and
+  ``P_(i-1) + P_i + P_(i+1) - gather`` (0 and 0 or ``P`` when the blocks are all alike; negative
+  corrections, for a block smaller than the largest, are fine: only the sum is a peak).
+- The root stays gathered from the start of the forward to the end of the backward
+  (``reshard_after_forward=False`` for the root), and so do its full gradients: the ``pre``
+  segment keeps ``R`` more bytes from its forward until its backward, holds ``R`` more (the root's
+  all-gather buffer) during its forward, and its ``grad_bytes`` shrink by ``R - shard(R)`` when
+  the backward ends. The last block's all-gather buffer (``P_n``) is still live in the head's
+  forward and is prefetched again when the head's backward starts: ``post`` peaks grow by it.
+- With one rank there are no all-gather buffers (the shard is copied into the parameters).
+tests/test_distributed.py runs ``fully_shard`` under ``FakeTensorMode`` on torch's fake process
+group and finds these numbers exact to the byte but for AdamW's unsharded 4-byte step counts.
+Not modelled: FSDP2 pads each parameter's first dimension to a multiple of ``W`` (up to a row
+per parameter and copy); mixed precision (``MixedPrecisionPolicy``: gathered parameters in
+another dtype than the shards), CPU offload, ``reshard_after_forward=False`` or an int; and
+communication time: times are the single-device ones (prefetched collectives overlap compute).
 
 DDP (``fsdp=False``, ``W > 1``): nothing is sharded; DDP's reducer holds one flat copy of every
 gradient in its buckets from construction on (``gradient_as_bucket_view=False``, the default), so
-``base_bytes`` grows by the parameter bytes (an overestimate when some parameters are frozen).
+``base_bytes`` grows by the parameter bytes (an overestimate when some parameters are frozen: the
+buckets hold the trainable ones only).
 """
 
 from __future__ import annotations
@@ -82,9 +93,6 @@ log = logging.getLogger(__name__)
 
 #: How ``apply_distributed`` wraps the model after applying the plan.
 MODES: tuple[str, ...] = ("ddp", "fsdp")
-
-#: Full blocks' parameters live at once under FSDP2: the running block and the one prefetched.
-GATHERED_BLOCKS = 2
 
 # Class names, compared by name so that checking needs no torch.distributed import.
 _SHARDED = ("FSDPModule", "FullyShardedDataParallel")

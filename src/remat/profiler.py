@@ -295,8 +295,11 @@ def _assemble(
     sel_extra = [0.0] * n
     if "selective" in times:
         t_sel = times["selective"]
+        # A selective recompute re-runs every cheap op of the block: never free. When timing
+        # noise hides it, charge a tenth of the block's forward (the share of time pointwise ops,
+        # norms and softmax take next to the matmuls in a transformer block) rather than zero.
         sel_extra = [
-            min(max(0.0, t_sel[f"fwd{i}"] + t_sel[f"bwd{i}"] - fwd[i] - bwd[i]), fwd[i])
+            min(max(0.1 * fwd[i], t_sel[f"fwd{i}"] + t_sel[f"bwd{i}"] - fwd[i] - bwd[i]), fwd[i])
             for i in range(n)
         ]
     param_bytes = [_step.storage_bytes(list(m.parameters())) for _, m in named]
