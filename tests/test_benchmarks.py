@@ -28,7 +28,8 @@ def test_quick_frontier_writes_tables_json_and_plot(tmp_path: Path) -> None:
     out = tmp_path / "bench"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--quick", "--models", "gpt", "--repeats", "1", "--out", str(out)],
+        [sys.executable, str(SCRIPT), "--quick", "--models", "gpt", "--repeats", "1",
+         "--out", str(out)],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
