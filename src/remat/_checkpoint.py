@@ -126,6 +126,29 @@ class _RestoreRunningStats:
         self._saved.clear()
 
 
+class _Recompute:
+    """The recompute context: torch's (selective) one, and the BatchNorm restore around it.
+
+    A module-level class on purpose: a class defined per call sits in a reference cycle (every
+    class does) that would keep the selective cache of saved outputs alive until Python's cyclic
+    garbage collector runs, after the block's backward."""
+
+    def __init__(self, rec: Any, root: nn.Module | None) -> None:
+        self._rec = rec
+        self._root = root
+        self._stack: contextlib.ExitStack | None = None
+
+    def __enter__(self) -> None:
+        self._stack = contextlib.ExitStack()
+        self._stack.enter_context(self._rec)
+        self._stack.enter_context(_RestoreRunningStats(self._root))
+
+    def __exit__(self, *exc: Any) -> None:
+        stack, self._stack = self._stack, None
+        if stack is not None:
+            stack.close()
+
+
 def _contexts(mode: str, policy: Any, fn: Any = None) -> Callable[[], tuple[Any, Any]]:
     root = fn if isinstance(fn, nn.Module) else getattr(fn, "__self__", None)
     root = root if isinstance(root, nn.Module) else None
@@ -135,17 +158,7 @@ def _contexts(mode: str, policy: Any, fn: Any = None) -> Callable[[], tuple[Any,
             fwd, rec = create_selective_checkpoint_contexts(policy or default_policy)
         else:
             fwd, rec = contextlib.nullcontext(), contextlib.nullcontext()
-        stack = contextlib.ExitStack()
-
-        class _Recompute:
-            def __enter__(self) -> None:
-                stack.enter_context(rec)
-                stack.enter_context(_RestoreRunningStats(root))
-
-            def __exit__(self, *exc: Any) -> None:
-                stack.close()
-
-        return fwd, _Recompute()
+        return fwd, _Recompute(rec, root)
 
     return make
 

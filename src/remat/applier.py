@@ -42,6 +42,9 @@ def apply(model: nn.Module, plan: Plan, *, strict: bool = True) -> nn.Module:
         raise TypeError(f"apply expects an nn.Module, got {type(model).__name__}")
     if not isinstance(plan, Plan):
         raise TypeError(f"apply expects a remat Plan, got {type(plan).__name__}; load one with Plan.load(path)")
+    from remat.distributed import check_wrapping
+
+    wrapper, model = model, check_wrapping(model)  # NOTE [ Order: remat first, then DDP or fully_shard ]
     modules = dict(model.named_modules())
     for name, option in plan.choices.items():
         if name not in modules:
@@ -64,20 +67,21 @@ def apply(model: nn.Module, plan: Plan, *, strict: bool = True) -> nn.Module:
         _set(modules[name], option)
     object.__setattr__(model, _PLAN_ATTR, plan)
     log.info("applied %s plan: %s", plan.method, _summary(plan))
-    return model
+    return wrapper
 
 
 def remove(model: nn.Module) -> nn.Module:
     """Undo ``apply``: every block runs its own forward again. A no-op on a plain model."""
     for module in model.modules():
         _set(module, "keep")
-    model.__dict__.pop(_PLAN_ATTR, None)
+        module.__dict__.pop(_PLAN_ATTR, None)  # on the inner module of a DDP wrapper too
     return model
 
 
 def applied_plan(model: nn.Module) -> Plan | None:
-    """The plan applied to ``model``, or None."""
-    return model.__dict__.get(_PLAN_ATTR)
+    """The plan applied to ``model`` (or to the module a DDP wrapper holds), or None."""
+    inner = getattr(model, "module", None) if type(model).__name__ == "DistributedDataParallel" else None
+    return model.__dict__.get(_PLAN_ATTR) or (inner.__dict__.get(_PLAN_ATTR) if inner is not None else None)
 
 
 def _set(module: nn.Module, option: str) -> None:

@@ -435,6 +435,12 @@ def profile_cmd(
 @click.option("--device", callback=_check_device, metavar="DEVICE", help=_DEVICE_HELP + " Default: cpu.")
 @click.option("--repeats", type=click.IntRange(min=1), default=3, metavar="N",
               help="Timed steps per option when measuring (medians; default 3).")
+@click.option("--world-size", type=click.IntRange(min=1), default=1, metavar="N",
+              help="Plan for one rank of an N-rank data-parallel job (DDP; with --fsdp, FSDP2): "
+                   "the budget is per GPU, --batch the per-rank batch.")
+@click.option("--fsdp", is_flag=True,
+              help="Parameters, gradients and optimizer state sharded over --world-size ranks "
+                   "(fully_shard on each block and the root; see docs/distributed.md).")
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path),
               help="Save the plan here (JSON) for `remat verify` and remat.apply.")
 @click.option("--json", "as_json", is_flag=True,
@@ -444,7 +450,8 @@ def profile_cmd(
 def plan_cmd(
     ctx: click.Context, model: str | None, batch: int | None, seq: int | None, dtype: str | None,
     optimizer: str, blocks: tuple[str, ...], profile_path: Path | None, budget: str | None,
-    method: str, k: int | None, device: str | None, repeats: int, out: Path | None, as_json: bool,
+    method: str, k: int | None, device: str | None, repeats: int, world_size: int, fsdp: bool,
+    out: Path | None, as_json: bool,
 ) -> None:  # fmt: skip
     """The fastest plan that fits a budget: which blocks to keep, recompute, or offload.
 
@@ -458,6 +465,7 @@ def plan_cmd(
       remat plan --model gpt2-xl --device a100-40gb        # budget: the A100's 40 GiB
       remat plan --profile profile.json --budget 60% --out plan.json
       remat plan --profile profile.json --method all --json
+      remat plan --model llama-8b --seq 4096 --device h100 --world-size 8 --fsdp
     """
     from remat.records import Profile
     from remat.report import plan_table
@@ -479,6 +487,12 @@ def plan_cmd(
     else:
         assert profile_path is not None
         prof = Profile.load(profile_path)
+    if world_size != 1 or fsdp:
+        from remat.distributed import per_rank_profile
+
+        prof = per_rank_profile(prof, world_size=world_size, fsdp=fsdp)
+        how = "FSDP2" if fsdp else "DDP"
+        _say(f"per rank of {world_size} ({how}): the budget and the peaks are per GPU", as_json=True)
     budget_bytes: int | None = None
     if budget is not None:
         budget_bytes = parse_budget(budget, plain_peak_bytes=prof.plain_peak_bytes)

@@ -62,6 +62,8 @@ def profile(
     blocks: Sequence[str] | Sequence[nn.Module] | None = None,
     device: str | DeviceSpec | None = None,
     repeats: int = 3,
+    world_size: int = 1,
+    fsdp: bool = False,
 ) -> Profile:
     """Measure (or estimate) what each block costs under each option.
 
@@ -77,6 +79,9 @@ def profile(
         device: None to measure on the batch's device; a device name from ``remat.devices.DEVICES``
             (``"h100"``, ``"rtx4090"``, ...) or a ``DeviceSpec`` to estimate for that device.
         repeats: timed steps per option in measured mode (medians).
+        world_size, fsdp: the profile of one rank of a ``world_size``-rank data-parallel job (DDP,
+            or FSDP2 with ``fsdp``), whose per-rank batch is ``batch``; see
+            ``remat.distributed.per_rank_profile``.
     """
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
@@ -86,8 +91,14 @@ def profile(
                 f"measured mode needs the model itself (an nn.Module), got {type(model).__name__}; "
                 "pass device='h100' (or another spec) to estimate from a factory"
             )
-        return _measured(model, batch, loss_fn, optimizer, blocks, repeats)
-    return _estimated(model, batch, loss_fn, optimizer, blocks, get_device(device))
+        result = _measured(model, batch, loss_fn, optimizer, blocks, repeats)
+    else:
+        result = _estimated(model, batch, loss_fn, optimizer, blocks, get_device(device))
+    if world_size != 1 or fsdp:
+        from remat.distributed import per_rank_profile
+
+        result = per_rank_profile(result, world_size=world_size, fsdp=fsdp)
+    return result
 
 
 # --- running steps with marks -------------------------------------------------------------------

@@ -69,7 +69,7 @@ class BlockProfile:
     kind: str
     """The block's class name, e.g. ``"Block"``; blocks of one kind are interchangeable."""
     param_bytes: int
-    """Bytes of the block's own parameters (its gradients take as much)."""
+    """Bytes of the block's own parameters (its gradients take as much); per rank when sharded."""
     grad_bytes: int
     """Net bytes that appear during the block's backward besides the freed activations: its
     parameters' gradients plus the change in the gradient flowing through it."""
@@ -144,7 +144,10 @@ class Profile:
     plain_step_ms: float
     """Time of the plain step, milliseconds (median)."""
     gather_bytes: int = 0
-    """Under FSDP: bytes of one block's all-gathered parameters, live while the block runs."""
+    """Under FSDP: bytes the cost model adds to every block's forward and backward for gathered
+    parameters (the running block's and one all-gather buffer: twice the largest block's
+    parameters; blocks' peaks carry the rest). See NOTE [ Per-rank memory under FSDP2 ] in
+    ``remat.distributed``."""
     schema_version: int = PROFILE_SCHEMA
     """The record's schema version; files of another version are refused."""
 
