@@ -84,8 +84,8 @@ BAR_RULE = (
     "Budget = the peer's measured peak. remat's plan for that budget passes the bar when its "
     "measured peak is within the budget and its overhead is at most 2 points above the peer's. A "
     "pair more than 2 points apart (either way) is timed again, the two alone, in turns, for "
-    "twice the rounds, and judged on that rerun: the median over rounds of the difference of their "
-    "two steps (the overheads after 'rerun' are from it too)."
+    "twice the rounds, and judged on that rerun: the median over rounds of remat's step over the "
+    "peer's, in overhead points (column 'remat − peer'; the overheads are from the main run)."
 )
 LETTERS = {"keep": "K", "selective": "S", "recompute": "R", "offload": "O", "recompute_offload": "B"}
 
@@ -379,8 +379,8 @@ def check_pair(case: Case, args: argparse.Namespace, clock: Clock, prof: Profile
     """The bar for one peer: remat's plan at the peer's peak fits it and is no slower (2 points).
 
     A pair more than 2 points apart either way is timed again, the two alone, in turns for twice
-    the rounds, and judged on that rerun: the median over rounds of (remat's step - the peer's
-    step) / the plain step (of the main run)."""
+    the rounds, and judged on that rerun: the median over rounds of remat's step / the peer's step,
+    in overhead points at the peer's overhead."""
     p = rows[peer.name]
     entry: dict[str, Any] = {"peer": peer.name, "peer_kind": peer.kind,
                              "budget_bytes": p["peak_bytes"], "peer_peak_bytes": p["peak_bytes"],
@@ -390,7 +390,7 @@ def check_pair(case: Case, args: argparse.Namespace, clock: Clock, prof: Profile
         est = estimate(prof, as_plan)
         entry.update(peer_predicted_peak_bytes=est.peak_bytes, peer_predicted_overhead=est.overhead)
     if isinstance(remat, str):
-        why = remat + _compile_why(p, prof)
+        why = remat + _compile_why(p, prof, rows)
         if as_plan:
             why += (f"; remat's profile predicts the peer's own choice at "
                     f"{format_bytes(entry['peer_predicted_peak_bytes'])}, measured "
@@ -408,12 +408,11 @@ def check_pair(case: Case, args: argparse.Namespace, clock: Clock, prof: Profile
         log(f"   {remat.name} vs {peer.name}: {diff * 100:+.1f} points; timing the pair again")
         rounds = 2 * args.repeats
         again, _ = time_interleaved(case, [peer, remat], rounds, clock)
-        base_ms = rows[base.name]["step_ms"]
-        # Paired: each round's two steps ran back to back, so drift cancels in their difference.
-        diff = statistics.median((t - u) / base_ms for t, u in zip(again[remat.name], again[peer.name]))
-        entry["rerun"] = {"peer_overhead": statistics.median(again[peer.name]) / base_ms - 1,
-                          "remat_overhead": statistics.median(again[remat.name]) / base_ms - 1,
-                          "difference": diff, "rounds": rounds,
+        # Paired: each round's two steps ran back to back, so drift cancels in their ratio; the
+        # ratio becomes overhead points at the peer's overhead of the main run.
+        ratio = statistics.median(t / u for t, u in zip(again[remat.name], again[peer.name]))
+        diff = (ratio - 1) * (1 + p["overhead"])
+        entry["rerun"] = {"ratio": ratio, "difference": diff, "rounds": rounds,
                           "peer_ms_all": again[peer.name], "remat_ms_all": again[remat.name]}
     faster = diff <= NOISE
     entry.update(difference=diff, no_slower=faster, passed=fits and faster)
@@ -425,7 +424,7 @@ def check_pair(case: Case, args: argparse.Namespace, clock: Clock, prof: Profile
                    f"{format_bytes(r['peak_bytes'] - p['peak_bytes'])} (predicted "
                    f"{format_bytes(r['predicted_peak_bytes'])})")
     if not faster:
-        reasons.append(f"{diff * 100:.1f} points slower than {peer.name}" + _compile_why(p, prof)
+        reasons.append(f"{diff * 100:.1f} points slower than {peer.name}" + _compile_why(p, prof, rows)
                    + _loss_why(entry, peer, r))
     elif diff > 0 and not same:
         reasons.append("within the 2-point noise allowance")
@@ -459,18 +458,28 @@ def _loss_why(entry: dict[str, Any], peer: Config, r: dict[str, Any]) -> str:
             f"{_pct(entry['peer_predicted_overhead'])}; its time estimate is off")
 
 
-def _compile_why(peer_row: dict[str, Any], prof: Profile) -> str:
+def _compile_why(peer_row: dict[str, Any], prof: Profile, rows: dict[str, dict[str, Any]]) -> str:
     if peer_row["kind"] != "compile":
         return ""
     budget = peer_row["activation_memory_budget"]
-    text = (f": torch.compile's partitioner reaches this peak by recomputing only cheap ops, fused "
-            f"into its kernels (budget {budget:g})")
-    sel = [b.options["selective"].extra_ms for b in prof.blocks if "selective" in b.options]
-    rec = [b.options["recompute"].extra_ms for b in prof.blocks if "recompute" in b.options]
-    if sel and rec:
-        text += (f"; remat plans eager steps, where its nearest option, selective, costs "
-                 f"{statistics.median(sel):.1f} ms a block (recompute "
-                 f"{statistics.median(rec):.1f} ms)")
+    text = (f": torch.compile's partitioner (budget {budget:g}) chooses which ops of a block to "
+            "recompute, by their FLOPs, and recomputes them inside its fused kernels")
+    full = rows.get("torch.compile budget 1", {})
+    if full.get("status") == "ok" and budget != 1:
+        text += (f"; its step without recomputation (budget 1) measures "
+                 f"{_pct(full['overhead'])}, so recomputing down to this peak cost it "
+                 f"{(peer_row['overhead'] - full['overhead']) * 100:+.1f} points")
+    blocks = [b for b in prof.blocks if {"keep", "selective", "recompute"} <= b.options.keys()]
+    if blocks:
+        def med(option: str, what: str) -> float:
+            return statistics.median(getattr(b.options[option], what) for b in blocks)
+
+        text += (f"; remat plans eager steps, where a block keeps "
+                 f"{format_bytes(med('keep', 'kept_bytes'))}, under selective "
+                 f"{format_bytes(med('selective', 'kept_bytes'))} for "
+                 f"+{med('selective', 'extra_ms'):.1f} ms, under recompute "
+                 f"{format_bytes(med('recompute', 'kept_bytes'))} for "
+                 f"+{med('recompute', 'extra_ms'):.1f} ms (medians of its profile)")
     return text
 
 
@@ -536,19 +545,16 @@ def model_markdown(res: dict[str, Any], env: str) -> str:
 def bar_table(entries: list[tuple[str, dict[str, Any]]], *, with_model: bool) -> str:
     rows = []
     for model, b in entries:
-        rerun = b.get("rerun")
-        remat_ov = _pct(b.get("remat_overhead"))
-        peer_ov = _pct(b["peer_overhead"])
-        if rerun:
-            remat_ov += f" (rerun {_pct(rerun['remat_overhead'])})"
-            peer_ov += f" (rerun {_pct(rerun['peer_overhead'])})"
-        row = [b["peer"], format_bytes(b["peer_peak_bytes"]), peer_ov,
-               _mib(b.get("remat_peak_bytes")), remat_ov, b.get("plan") or "—",
-               "✓" if b["passed"] else "✗", b.get("why") or ""]
+        diff = "—"
+        if b.get("difference") is not None:
+            diff = f"{b['difference'] * 100:+.1f}" + (" (rerun)" if b.get("rerun") else "")
+        row = [b["peer"], format_bytes(b["peer_peak_bytes"]), _pct(b["peer_overhead"]),
+               _mib(b.get("remat_peak_bytes")), _pct(b.get("remat_overhead")), diff,
+               b.get("plan") or "—", "✓" if b["passed"] else "✗", b.get("why") or ""]
         rows.append(([model] if with_model else []) + row)
     headers = ["peer", "peer peak = budget", "peer overhead", "remat peak", "remat overhead",
-               "remat plan", "bar", "why"]
-    align = ["left", "right", "right", "right", "right", "left", "center", "left"]
+               "remat − peer (points)", "remat plan", "bar", "why"]
+    align = ["left", "right", "right", "right", "right", "right", "left", "center", "left"]
     if with_model:
         headers, align = ["model", *headers], ["left", *align]
     return markdown_table(headers, rows, align=align).rstrip("\n")

@@ -14,12 +14,12 @@
 # Sized to finish within 5 minutes on one H100/H200-class GPU: torch.compile gets 60 s per compile
 # and 150 s for the whole run (what is not compiled by then says so in its table), and the run is
 # stopped at LIMIT_S=290 s; the tables of the models finished by then are already written.
-# Results: $OUT (default bench-out-gpu/): <model>.md/.json/.png and README-table.md.
+# Results: $OUT (default bench-out/gpu/): <model>.md/.json/.png and README-table.md.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 PY=${PY:-.venv/bin/python}
-OUT=${OUT:-bench-out-gpu}
+OUT=${OUT:-bench-out/gpu}
 MODELS=${MODELS:-gpt,hf-gpt2,hf-llama}
 LIMIT_S=${LIMIT_S:-290}
 
