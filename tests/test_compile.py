@@ -94,3 +94,21 @@ def test_compiled_transformers_model_keeps_the_saving() -> None:
     assert plan.budget_bytes is not None
     assert planned.peak_bytes <= plan.budget_bytes, (planned.peak_bytes, plan.budget_bytes)
     assert planned.peak_bytes < plain.peak_bytes, (planned.peak_bytes, plain.peak_bytes)
+
+
+def test_batchnorm_statistics_move_once_when_compiled() -> None:
+    """A residual CNN with BatchNorm, every block recomputed: compile functionalizes the running
+    statistics, so the recompute in the compiled backward does not update them a second time."""
+    torch.manual_seed(0)
+    cfg = models.ConvNetConfig(image_size=16, channels=(4, 8), blocks_per_stage=1, num_classes=5, dropout=0.0)
+    model = models.build_model(cfg)
+    batch = models.make_batch(model, batch_size=4, image_size=16)
+    loss_fn = models.loss_fn_for(model)
+    ref = copy.deepcopy(model)
+    plan = remat.solve(remat.profile(model, batch, loss_fn=loss_fn, repeats=1), method="all", budget=None)
+    remat.apply(model, plan)
+    assert_grads_close(torch.compile(model, fullgraph=True), ref, batch, loss_fn)
+    buffers = dict(ref.named_buffers())
+    assert any(name.endswith("num_batches_tracked") for name in buffers)
+    for name, buf in model.named_buffers():
+        torch.testing.assert_close(buf, buffers[name], rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")

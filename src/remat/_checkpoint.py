@@ -164,7 +164,7 @@ def _contexts(mode: str, policy: Any, fn: Any = None) -> Callable[[], tuple[Any,
 
 
 def _runs_plainly(fn: Callable[..., Any]) -> bool:
-    if not torch.is_grad_enabled() or torch.is_inference_mode_enabled():
+    if not torch.is_grad_enabled():  # also off under inference_mode
         return True
     module = fn if isinstance(fn, nn.Module) else getattr(fn, "__self__", None)
     return isinstance(module, nn.Module) and not module.training
@@ -218,6 +218,13 @@ def checkpoint_call(
     if mode == "offload":
         with torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available()):
             return fn(*args, **kwargs)
+    if torch.compiler.is_compiling() and mode in ("recompute", "selective"):
+        # NOTE [ Under torch.compile ]: dynamo accepts no closure as context_fn, and the
+        # partitioner does the recompute itself (BatchNorm buffers are functionalized: updated once).
+        if mode == "recompute":
+            return _torch_checkpoint(fn, *args, use_reentrant=False, **kwargs)
+        context_fn = functools.partial(create_selective_checkpoint_contexts, policy or default_policy)
+        return _torch_checkpoint(fn, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
     if mode == "recompute_offload":
         return _recompute_offloaded(fn, tuple(args), kwargs)
     return _torch_checkpoint(

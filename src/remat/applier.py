@@ -73,7 +73,10 @@ def apply(model: nn.Module, plan: Plan, *, strict: bool = True) -> nn.Module:
 def remove(model: nn.Module) -> nn.Module:
     """Undo ``apply``: every block runs its own forward again. A no-op on a plain model."""
     for module in model.modules():
-        _set(module, "keep")
+        if _is_hf_layer(module):
+            _restore_hf(module)  # transformers' own settings back, as they were before apply
+        else:
+            _checkpoint.uncheckpoint_module(module)
         module.__dict__.pop(_PLAN_ATTR, None)  # on the inner module of a DDP wrapper too
     return model
 
@@ -106,20 +109,47 @@ def _is_hf_layer(module: nn.Module) -> bool:
     return any(c.__name__ == "GradientCheckpointingLayer" for c in type(module).__mro__)
 
 
+_HF_ATTRS = ("gradient_checkpointing", "_gradient_checkpointing_func")
+
+
 def _set_hf(module: nn.Module, option: str) -> None:
+    state = module.__dict__
+    if "_remat_hf_state" not in state:
+        # First touch: remember transformers' own settings (activation_checkpointing_enable()) for
+        # remove(); from here on the plan alone decides, so a "keep" layer keeps.
+        object.__setattr__(module, "_remat_hf_state", {k: state[k] for k in _HF_ATTRS if k in state})
     if option == "keep":
-        if getattr(module, "_remat_mode", None) is not None:
-            object.__setattr__(module, "gradient_checkpointing", False)
-            module.__dict__.pop("_gradient_checkpointing_func", None)
-            module.__dict__.pop("_remat_mode", None)
+        object.__setattr__(module, "gradient_checkpointing", False)
+        state.pop("_gradient_checkpointing_func", None)
+        state.pop("_remat_mode", None)
         return
     object.__setattr__(module, "gradient_checkpointing", True)
     object.__setattr__(module, "_gradient_checkpointing_func", functools.partial(_hf_call, option))
     object.__setattr__(module, "_remat_mode", option)
 
 
+def _restore_hf(module: nn.Module) -> None:
+    saved = module.__dict__.pop("_remat_hf_state", None)
+    if saved is None:
+        return
+    for key in (*_HF_ATTRS, "_remat_mode"):
+        module.__dict__.pop(key, None)
+    module.__dict__.update(saved)
+
+
 def _hf_call(option: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
+    # transformers calls this as func(partial(forward, layer, **kwargs), *args). Its hook drops a
+    # cache passed by keyword; one passed positionally (GPT-2 does, and passes None only when the
+    # *model's* gradient_checkpointing flag is set, which remat leaves alone) would be written again
+    # by the recompute. Drop it as transformers does for keywords.
+    layer = fn.args[0] if isinstance(fn, functools.partial) and fn.args else None
+    if not getattr(layer, "_can_checkpoint_with_cache", False):
+        args = tuple(None if _is_cache(a) else a for a in args)
     return _checkpoint.checkpoint_call(fn, args, kwargs, mode=option)
+
+
+def _is_cache(obj: Any) -> bool:
+    return any(c.__name__ == "Cache" for c in type(obj).__mro__)
 
 
 def mode_of(module: nn.Module) -> str:
