@@ -129,7 +129,7 @@ def test_smallest_feasible_hand_table() -> None:
 
 def test_smallest_feasible_names_a_block_transient() -> None:
     p = profile([block("big", keep=cost(1, bwd=500), recompute=cost(1, bwd=600, ms=1.0))], base=10)
-    assert smallest_feasible(p) == (511, "big's backward working memory takes 500 B")
+    assert smallest_feasible(p) == (511, "block big's backward working memory takes 500 B")
 
 
 def test_smallest_feasible_names_the_head() -> None:

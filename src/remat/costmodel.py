@@ -83,7 +83,7 @@ def _phases(profile: Profile, costs: Sequence[OptionCost]) -> list[_Phase]:
         at(
             f"forward of {block.name}",
             cost.fwd_peak_bytes + gather,
-            f"{block.name}'s forward working memory",
+            f"block {block.name}'s forward working memory",
         )
         acts += cost.kept_bytes
     at(
@@ -99,7 +99,7 @@ def _phases(profile: Profile, costs: Sequence[OptionCost]) -> list[_Phase]:
         at(
             f"backward of {block.name}",
             cost.bwd_peak_bytes + gather,
-            f"{block.name}'s backward working memory",
+            f"block {block.name}'s backward working memory",
         )
         acts -= cost.kept_bytes
         grads += block.grad_bytes
