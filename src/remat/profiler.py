@@ -156,6 +156,25 @@ class _Hooks:
             h.remove()
 
 
+def _marked_step(
+    model: nn.Module,
+    named: list[tuple[str, nn.Module]],
+    batch: Any,
+    loss_fn: Any,
+    optimizer: Any,
+    mark: Callable[[str], None],
+    base_keys: set[int] | None = None,
+) -> _Hooks:
+    """One training step with marks at the step's phases and at every block's boundaries."""
+    hooks = _Hooks(named, mark)
+    hooks.base_keys = base_keys or set()
+    try:
+        _step.train_step(model, batch, loss_fn, optimizer, mark=mark)
+    finally:
+        hooks.remove()
+    return hooks
+
+
 def _first_tensor(obj: Any) -> torch.Tensor | None:
     for t in _step._tensors(obj):
         if t.is_floating_point():
@@ -422,23 +441,14 @@ def _measured(
             with _every_block(named, option):
                 model.zero_grad(set_to_none=True)
                 with MemoryTracer(device) as tracer:
-                    hooks = _Hooks(named, tracer.mark)
-                    hooks.base_keys = keys
-                    try:
-                        _step.train_step(model, batch, loss_fn, optimizer, mark=tracer.mark)
-                    finally:
-                        hooks.remove()
+                    hooks = _marked_step(model, named, batch, loss_fn, optimizer, tracer.mark, keys)
                 traces[option] = (tracer.trace, hooks)
         for option in ("keep", "selective"):
             runs = []
             with _every_block(named, option):
                 for _ in range(repeats):
                     clock = _Clock(device)
-                    hooks = _Hooks(named, clock.mark)
-                    try:
-                        _step.train_step(model, batch, loss_fn, optimizer, mark=clock.mark)
-                    finally:
-                        hooks.remove()
+                    hooks = _marked_step(model, named, batch, loss_fn, optimizer, clock.mark)
                     runs.append(_phase_times(clock.times, hooks.order))
             times[option] = _median_times(runs)
     return _assemble(
@@ -521,12 +531,7 @@ def _estimated(
                 model.zero_grad(set_to_none=True)
                 meter = FakeMeter(spec)
                 with meter:
-                    hooks = _Hooks(named, meter.mark)
-                    hooks.base_keys = keys
-                    try:
-                        _step.train_step(model, fake_batch, loss_fn, opt, mark=meter.mark)
-                    finally:
-                        hooks.remove()
+                    hooks = _marked_step(model, named, fake_batch, loss_fn, opt, meter.mark, keys)
                 traces[option] = (meter.trace, hooks)
                 stamps = {m.label: m.t_ms for m in meter.marks}
                 times[option] = _phase_times(stamps, hooks.order)
