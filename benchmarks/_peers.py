@@ -48,7 +48,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint, checkpoint_sequential
 
 from remat.applier import apply, remove
-from remat.blocks import find_blocks
+from remat.manual.blocks import find_blocks
 from remat.models import (
     ConvNetConfig,
     GPTConfig,

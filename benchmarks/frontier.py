@@ -9,7 +9,7 @@ every block and on every 2nd and 3rd block; ``checkpoint_sequential`` with sqrt(
 (``solve`` on a remat ``profile``) at a budget equal to each of those peaks, and at budgets below
 the lowest of them, down to the smallest feasible. (The peers: NOTE [ The peers ] in _peers.py.)
 
-Peak bytes come from ``remat.measure.measure_step`` (the CPU allocator's record of every storage;
+Peak bytes come from ``remat.measure_step`` (the CPU allocator's record of every storage;
 on CUDA the caching allocator's counters). Step times are medians of ``--repeats`` steps taken in
 turns (NOTE [ Interleaved timing ]); overhead = step time / plain step time - 1.
 
@@ -67,13 +67,13 @@ from _peers import (
     transformers_missing,
 )
 
-from remat import step as _step
-from remat.costmodel import estimate, smallest_feasible
-from remat.measure import measure_step
-from remat.profiler import profile
+from remat.measure import step as _step
+from remat.measure.profiler import profile
+from remat.measure.tracer import measure_step
+from remat.plan.costmodel import estimate, smallest_feasible
+from remat.plan.solver import InfeasibleBudget, solve
 from remat.records import Plan, Profile
 from remat.report import FrontierPoint, markdown_table, plot_frontier
-from remat.solver import InfeasibleBudget, solve
 from remat.units import format_bytes
 
 SCHEMA = 1

@@ -17,9 +17,9 @@ import random
 import statistics
 import time
 
-from remat.costmodel import estimate, smallest_feasible
+from remat.plan.costmodel import estimate, smallest_feasible
+from remat.plan.solver import solve
 from remat.records import BlockProfile, OptionCost, Profile, Segment
-from remat.solver import solve
 
 MIB = 2**20
 # One decoder layer of a mid-sized model, per option: kept MiB, forward and backward transient

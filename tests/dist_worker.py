@@ -26,11 +26,11 @@ from torch import nn
 
 from remat import models
 from remat.applier import PlanMismatch, _set, apply
-from remat.blocks import find_blocks
 from remat.distributed import WrappingError, apply_distributed
-from remat.profiler import profile
+from remat.manual.blocks import find_blocks
+from remat.measure.profiler import profile
+from remat.plan.solver import solve
 from remat.records import Plan, Profile
-from remat.solver import solve
 
 STEPS = 3
 RTOL = 1e-5

@@ -12,9 +12,9 @@ from torch import nn
 import remat
 from remat import models
 from remat.applier import PlanMismatch, applied_plan
-from remat.profiler import profile
+from remat.measure.profiler import profile
+from remat.plan.solver import InfeasibleBudget, solve
 from remat.records import Plan
-from remat.solver import InfeasibleBudget, solve
 
 
 def build(kind: str, **kw: object) -> tuple[nn.Module, tuple[torch.Tensor, ...], object]:

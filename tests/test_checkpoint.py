@@ -10,7 +10,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 import remat
-from remat._checkpoint import (
+from remat.manual.checkpoint import (
     checkpoint_call,
     checkpoint_module,
     is_checkpointed,
@@ -193,7 +193,7 @@ def test_double_backward() -> None:
 @pytest.mark.parametrize("context", ["no_grad", "inference_mode", "eval"])
 def test_no_grad_inference_and_eval_run_plainly(context: str, monkeypatch: pytest.MonkeyPatch) -> None:
     calls = []
-    import remat._checkpoint as ck
+    import remat.manual.checkpoint as ck
 
     monkeypatch.setattr(ck, "_torch_checkpoint", lambda *a, **k: calls.append(1))
     layer = Layer()
@@ -258,7 +258,7 @@ def test_checkpoint_sequential_matches_and_checks_segments() -> None:
 
 
 def test_checkpoint_sequential_keeps_only_segment_inputs() -> None:
-    from remat.measure import measure_step
+    from remat.measure.tracer import measure_step
 
     torch.manual_seed(0)
     seq = nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.ReLU()) for _ in range(8)])
@@ -323,7 +323,7 @@ def test_module_form_keeps_names_and_round_trips() -> None:
 def test_every_block_checkpointing_on_the_builtin_gpt() -> None:
     # Measured here: kept 32.8 MB -> 2.4 MB (-92.7%), peak 37.2 MB -> 15.6 MB (-58.1%).
     from remat import models
-    from remat.measure import measure_step
+    from remat.measure.tracer import measure_step
 
     torch.manual_seed(0)
     cfg = models.GPTConfig(n_layer=4, n_embd=128, n_head=4, block_size=128, vocab_size=256, dropout=0.1)

@@ -20,8 +20,8 @@ from torch import nn
 
 import remat
 from remat import models
-from remat.measure import measure_step
-from remat.step import forward_loss
+from remat.measure.step import forward_loss
+from remat.measure.tracer import measure_step
 
 pytestmark = [
     pytest.mark.slow,  # each test compiles a forward and a backward graph, or two (20-40 s)
@@ -73,7 +73,7 @@ def test_compiled_transformers_model_keeps_the_saving() -> None:
     """GPT-2 from transformers (remat sets the layers' own checkpointing hook) under a 75% budget:
     compiled with the plan, it stays within the budget and below the compiled plain step."""
     pytest.importorskip("transformers")
-    from remat import hf
+    from remat.models import hf
 
     model, batch, _ = hf.build("gpt2", n_layer=2, use_cache=False, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
     batch = {"input_ids": batch["input_ids"]}

@@ -10,7 +10,7 @@ from _tables import block, brute_force, chains, cost, profile, segment
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from remat.costmodel import chain_constraints, estimate, smallest_feasible
+from remat.plan.costmodel import chain_constraints, estimate, smallest_feasible
 from remat.records import Profile
 
 

@@ -28,7 +28,6 @@ import torch
 from torch import nn
 
 from remat import models
-from remat.costmodel import estimate, smallest_feasible
 from remat.distributed import (
     WrappingError,
     apply_distributed,
@@ -36,8 +35,9 @@ from remat.distributed import (
     estimate_distributed,
     per_rank_profile,
 )
+from remat.plan.costmodel import estimate, smallest_feasible
+from remat.plan.solver import solve
 from remat.records import BlockProfile, OptionCost, Profile, Segment
-from remat.solver import solve
 
 WORKER = Path(__file__).with_name("dist_worker.py")
 
@@ -134,7 +134,7 @@ def no_cyclic_gc() -> Iterator[None]:
 @functools.cache
 def estimated(kind: str) -> Profile:
     """The single-device profile of ``tiny(kind)``'s step with AdamW, estimated on fake tensors."""
-    from remat.profiler import profile
+    from remat.measure.profiler import profile
 
     with no_cyclic_gc():
         return profile(lambda: tiny(kind), ids, loss_fn=models.lm_loss,
@@ -326,7 +326,7 @@ class _ShardedMeter:
     """Peak bytes of one rank's step of a ``fully_shard`` model on fake tensors.
 
     Counts every storage an op creates (tensor subclasses unwrapped to their local tensors) until
-    it is freed, like ``remat.fake.FakeMeter``, plus the storages of FSDP2's unsharded parameters,
+    it is freed, like ``remat.measure.fake.FakeMeter``, plus the storages of FSDP2's unsharded parameters,
     which it allocates and frees by resizing them (``storage.resize_``), out of the dispatcher's
     sight: they are read again around every op.
     """
@@ -461,8 +461,8 @@ def test_per_rank_profile_with_uneven_shards(world_size: int) -> None:
 def test_ddp_buckets_hold_one_copy_of_the_parameters() -> None:
     from torch.nn.parallel import DistributedDataParallel
 
-    from remat.measure import MemoryTracer
-    from remat.step import param_bytes
+    from remat.measure.step import param_bytes
+    from remat.measure.tracer import MemoryTracer
 
     model = tiny()
     with fake_process_group(2), MemoryTracer("cpu") as tracer:

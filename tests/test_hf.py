@@ -23,10 +23,10 @@ from torch import nn
 pytest.importorskip("transformers")
 
 import remat
-from remat import hf
 from remat.applier import applied_plan, mode_of
-from remat.blocks import find_blocks
-from remat.measure import measure_step
+from remat.manual.blocks import find_blocks
+from remat.measure.tracer import measure_step
+from remat.models import hf
 from remat.records import Plan
 
 try:

@@ -10,7 +10,6 @@ import torch.nn.functional as F
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from remat import zoo
 from remat.models import (
     GPT,
     BertConfig,
@@ -26,6 +25,7 @@ from remat.models import (
     lm_loss,
     loss_fn_for,
     make_batch,
+    zoo,
 )
 
 TINY: dict[str, ModelConfig] = {

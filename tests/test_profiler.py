@@ -12,11 +12,11 @@ import torch
 from torch import nn
 
 from remat import models
-from remat._checkpoint import checkpoint_module, uncheckpoint_module
-from remat.blocks import BlockError, find_blocks
-from remat.costmodel import estimate
-from remat.measure import measure_step
-from remat.profiler import ProfileError, profile
+from remat.manual.blocks import BlockError, find_blocks
+from remat.manual.checkpoint import checkpoint_module, uncheckpoint_module
+from remat.measure.profiler import ProfileError, profile
+from remat.measure.tracer import measure_step
+from remat.plan.costmodel import estimate
 from remat.records import Profile, RecordError
 
 RNG_STATE_BYTES = torch.get_rng_state().numel()
@@ -152,7 +152,7 @@ def test_llama_7b_profiles_on_a_laptop() -> None:
         import resource, time, torch, json
         torch.set_num_threads(1)
         from remat import models
-        from remat.profiler import profile
+        from remat.measure.profiler import profile
         cfg = models.LlamaConfig(n_layer=32, dim=4096, n_head=32, n_kv_head=32, ffn_dim=11008,
                                  vocab_size=32000, max_seq=4096)
         t0 = time.process_time()  # CPU time: the machine may be shared

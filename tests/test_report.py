@@ -13,12 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from remat.measure import StepMemory, TimelinePoint
+from remat.measure.tracer import StepMemory, TimelinePoint
 from remat.records import BlockProfile, Estimate, OptionCost, Plan, Profile, Segment
 from remat.report import (
     ComparisonRow,
     FrontierPoint,
-    _unit,
     comparison_table,
     markdown_table,
     plan_table,
@@ -27,6 +26,7 @@ from remat.report import (
     profile_table,
     render_text,
 )
+from remat.report.tables import _unit
 
 GOLDEN = Path(__file__).parent / "golden"
 MiB = 2**20

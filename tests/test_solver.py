@@ -11,10 +11,10 @@ from _tables import Brute, block, brute_force, chains, cost, profile, segment
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from remat import solver
-from remat.costmodel import chain_constraints, smallest_feasible
+from remat.plan import solver
+from remat.plan.costmodel import chain_constraints, smallest_feasible
+from remat.plan.solver import METHODS, InfeasibleBudget, frontier, solve
 from remat.records import Plan, Profile, RecordError
-from remat.solver import METHODS, InfeasibleBudget, frontier, solve
 
 # --- hand tables -------------------------------------------------------------------------------
 
@@ -309,7 +309,7 @@ def test_plan_of_another_schema_is_refused() -> None:
 
 def test_solver_imports_no_torch() -> None:
     code = (
-        "import sys, remat.costmodel, remat.solver; "
+        "import sys, remat.plan.costmodel, remat.plan.solver; "
         "assert 'torch' not in sys.modules, 'torch was imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True)

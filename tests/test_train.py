@@ -16,11 +16,9 @@ from click.testing import CliRunner
 from torch import nn
 
 from remat import apply, checkpoint_module
-from remat.accumulation import micro_batch_sizes, summary
-from remat.cli_train import accumulation_table, train_command
-from remat.data import VOCAB_SIZE, Sampler, eval_windows, load_text
+from remat.cli.train import accumulation_table, train_command
 from remat.gradnorm import GradNorm
-from remat.measure import measure_step
+from remat.measure.tracer import measure_step
 from remat.models import GPTConfig, build_model
 from remat.report import render_text
 from remat.train import (
@@ -32,6 +30,8 @@ from remat.train import (
     text_loss,
     train,
 )
+from remat.train.accumulation import micro_batch_sizes, summary
+from remat.train.data import VOCAB_SIZE, Sampler, eval_windows, load_text
 
 TINY = GPTConfig(n_layer=3, n_head=2, n_embd=32, dropout=0.1)
 BASE = TrainConfig(model=TINY, steps=5, global_batch=4, seq_len=32, warmup=2, eval_every=0,
@@ -235,7 +235,7 @@ def test_cli_interrupt_resume_and_infeasible_budget(tmp_path: Path, monkeypatch:
     assert "Done: 4 steps" in out and "measured" in out
     straight = json.loads((tmp_path / "a" / "log.json").read_text())
 
-    from remat import cli_train
+    from remat.cli import train as cli_train
 
     original = cli_train._Bar.step
 

@@ -1,7 +1,7 @@
 """remat: make PyTorch training fit a memory budget with the least slowdown.
 
 The public surface is a handful of verbs; everything heavy is imported on first use so that
-``import remat`` stays cheap and the pure planner (``remat.solver``) never pulls in torch.
+``import remat`` stays cheap and the pure planner (``remat.plan.solver``) never pulls in torch.
 """
 
 from __future__ import annotations
@@ -12,20 +12,20 @@ from typing import Any
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "checkpoint": "remat._checkpoint",
-    "checkpoint_call": "remat._checkpoint",
-    "checkpoint_sequential": "remat._checkpoint",
-    "checkpoint_module": "remat._checkpoint",
-    "uncheckpoint_module": "remat._checkpoint",
-    "measure_step": "remat.measure",
-    "StepMemory": "remat.measure",
-    "profile": "remat.profiler",
+    "checkpoint": "remat.manual.checkpoint",
+    "checkpoint_call": "remat.manual.checkpoint",
+    "checkpoint_sequential": "remat.manual.checkpoint",
+    "checkpoint_module": "remat.manual.checkpoint",
+    "uncheckpoint_module": "remat.manual.checkpoint",
+    "measure_step": "remat.measure.tracer",
+    "StepMemory": "remat.measure.tracer",
+    "profile": "remat.measure.profiler",
     "Profile": "remat.records",
     "Plan": "remat.records",
     "Estimate": "remat.records",
-    "estimate": "remat.costmodel",
-    "solve": "remat.solver",
-    "InfeasibleBudget": "remat.solver",
+    "estimate": "remat.plan.costmodel",
+    "solve": "remat.plan.solver",
+    "InfeasibleBudget": "remat.plan.solver",
     "apply": "remat.applier",
     "remove": "remat.applier",
     "verify": "remat.verifier",

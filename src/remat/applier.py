@@ -2,7 +2,7 @@
 
 # NOTE [ Applying without replacing modules ]
 remat never swaps a block for a wrapper module: it replaces the block's ``forward`` on the
-instance (``remat._checkpoint.checkpoint_module``), or, for transformers layers that have their own
+instance (``remat.manual.checkpoint.checkpoint_module``), or, for transformers layers that have their own
 checkpointing hook (``GradientCheckpointingLayer``), it sets that hook. Parameter names,
 ``state_dict`` keys and values, ``named_modules``, hooks and ``train()/eval()`` stay exactly those
 of the user's model, so optimizers, FSDP, ``save_pretrained`` and checkpoint files are unaffected.
@@ -17,8 +17,8 @@ from typing import Any
 
 from torch import nn
 
-from remat import _checkpoint
-from remat.blocks import fingerprint
+from remat.manual import checkpoint as _checkpoint
+from remat.manual.blocks import fingerprint
 from remat.records import OPTIONS, Plan
 
 __all__ = ["PlanMismatch", "applied_plan", "apply", "remove"]

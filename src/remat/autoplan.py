@@ -10,9 +10,9 @@ import torch
 from torch import nn
 
 from remat.applier import apply, remove
-from remat.profiler import profile
+from remat.measure.profiler import profile
+from remat.plan.solver import solve
 from remat.records import Plan
-from remat.solver import solve
 from remat.verifier import Report
 from remat.verifier import verify as _verify
 

@@ -23,13 +23,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from remat import zoo
-from remat.costmodel import smallest_feasible
-from remat.models import Batch, GPTConfig, LossFn
-from remat.profiler import profile
+from remat.measure.profiler import profile
+from remat.models import Batch, GPTConfig, LossFn, zoo
+from remat.plan.costmodel import smallest_feasible
+from remat.plan.solver import solve
 from remat.records import Plan, Profile
 from remat.report import ComparisonRow, FrontierPoint, plot_frontier, plot_timeline
-from remat.solver import solve
 from remat.units import format_bytes
 from remat.verifier import Report, verify
 

@@ -205,7 +205,7 @@ def per_rank_profile(profile: Profile, *, world_size: int, fsdp: bool) -> Profil
     block plus the root; without, it is DDP. See NOTE [ Per-rank memory under FSDP2 ]. Pure
     arithmetic: the cost model and the solvers read the result like any other profile.
     """
-    from remat.costmodel import estimate
+    from remat.plan.costmodel import estimate
 
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be an int >= 1 (ranks in the job), got {world_size!r}")
@@ -310,7 +310,7 @@ def estimate_distributed(
     allocated; ``batch`` is the per-rank batch or a factory of it; see ``remat.profile``) and
     shards it with ``per_rank_profile``.
     """
-    from remat.profiler import profile as _profile
+    from remat.measure.profiler import profile as _profile
 
     if device is None:
         raise ValueError("estimate_distributed needs a device to estimate for, e.g. device='h100'")

@@ -9,7 +9,7 @@ charged to the block that *consumes* it: a block that keeps, recomputes or selec
 keeps its input on the device until its backward; an offloaded block does not. So
 ``OptionCost.kept_bytes`` = the block's input (when kept on the device) + whatever the block's own
 ops keep. The part before the blocks (embeddings) and after them (head, logits, loss) are measured
-as fixed segments. The cost model (``remat.costmodel``) replays these numbers through a step.
+as fixed segments. The cost model (``remat.plan.costmodel``) replays these numbers through a step.
 """
 
 from __future__ import annotations

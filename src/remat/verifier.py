@@ -15,9 +15,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from remat import step as _step
 from remat.applier import applied_plan, apply, remove
-from remat.measure import StepMemory, measure_step
+from remat.measure import step as _step
+from remat.measure.tracer import StepMemory, measure_step
 from remat.records import Plan
 
 __all__ = ["Report", "verify"]

@@ -1,10 +1,10 @@
 """train(): a real training run of a language model on text, planned to fit a memory budget.
 
-The run: byte-level text (``remat.data``), a model (the built-in GPT by default), AdamW with a linear
+The run: byte-level text (``remat.train.data``), a model (the built-in GPT by default), AdamW with a linear
 warm-up and a cosine decay, optional mixed precision and gradient clipping; gradient accumulation
-and activation checkpointing chosen together to fit the budget (``remat.accumulation``); evaluation on
+and activation checkpointing chosen together to fit the budget (``remat.train.accumulation``); evaluation on
 held-out text; checkpoints of the whole training state that a resumed run continues from exactly
-(``remat.train_state``). The library prints nothing: progress goes to the ``on_plan`` / ``on_step``
+(``remat.train.state``). The library prints nothing: progress goes to the ``on_plan`` / ``on_step``
 callbacks (``remat train`` draws them), files go to ``config.out``.
 
 # NOTE [ Exact resume ]
@@ -36,15 +36,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from remat import step as _step
-from remat.accumulation import AccumulationPlan, Candidate, plan_accumulation
 from remat.applier import apply
-from remat.blocks import fingerprint
-from remat.data import Sampler, build_text_model, eval_windows, load_text, text_loss
-from remat.measure import MemoryTracer
+from remat.manual.blocks import fingerprint
+from remat.measure import step as _step
+from remat.measure.tracer import MemoryTracer
 from remat.models import GPTConfig, LlamaConfig, lm_loss
 from remat.records import Plan
-from remat.train_state import (
+from remat.train.accumulation import AccumulationPlan, Candidate, plan_accumulation
+from remat.train.data import Sampler, build_text_model, eval_windows, load_text, text_loss
+from remat.train.state import (
     CheckpointError,
     EvalLog,
     StepLog,

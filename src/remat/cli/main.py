@@ -27,10 +27,10 @@ from rich.console import Console
 from rich.table import Table
 
 from remat import __version__
+from remat.cli.targets import DTYPES as _DTYPES
+from remat.cli.targets import ModelArgs, Target, load_target, measured_device
 from remat.devices import DEVICES
-from remat.solver import METHODS
-from remat.targets import DTYPES as _DTYPES
-from remat.targets import ModelArgs, Target, load_target, measured_device
+from remat.plan.solver import METHODS
 from remat.units import format_bytes, parse_budget
 
 if TYPE_CHECKING:
@@ -223,7 +223,7 @@ def _model_options(*, required: bool, blocks: bool = True) -> Callable[[_F], _F]
 
 
 def _profile(target: Target, args: ModelArgs, *, device: str | None, repeats: int) -> Profile:
-    from remat.profiler import profile
+    from remat.measure.profiler import profile
 
     where = "measuring on the CPU" if device in (None, "cpu") else (
         f"measuring on {device}" if measured_device(device) else f"estimating for {device}"
@@ -467,9 +467,9 @@ def plan_cmd(
       remat plan --profile profile.json --method all --json
       remat plan --model llama-8b --seq 4096 --device h100 --world-size 8 --fsdp
     """
+    from remat.plan.solver import solve
     from remat.records import Profile
     from remat.report import plan_table
-    from remat.solver import solve
 
     model_options = ("model", "batch", "seq", "dtype", "optimizer", "blocks", "device", "repeats")
     if (model is None) == (profile_path is None):
@@ -507,7 +507,7 @@ def plan_cmd(
     ok, verdict = _verdict(plan, prof)
     notes = [n for n in plan.notes if not n.startswith("does not fit")]
     if as_json:
-        from remat.costmodel import smallest_feasible
+        from remat.plan.costmodel import smallest_feasible
 
         result = {
             "kind": "plan_result",
@@ -562,8 +562,8 @@ def verify_cmd(
       remat train --budget 60% --steps 100      # train on real text within a budget
       remat verify --model remat.demo:full --plan remat-out/plan.json --json
     """
-    from remat import step as _step
     from remat.applier import apply, remove
+    from remat.measure import step as _step
     from remat.records import Plan
     from remat.report import ComparisonRow, comparison_table
     from remat.verifier import verify
@@ -626,7 +626,7 @@ def _defaults_from_plan(
     model: str, plan: Plan, *, batch: int | None, seq: int | None, dtype: str | None
 ) -> tuple[int | None, int | None, str | None]:
     """--batch, --seq and --dtype of a zoo model default to the plan's, so a plan checks as made."""
-    from remat import zoo
+    from remat.models import zoo
 
     entry = zoo.ZOO.get(model)
     if entry is None or not plan.batch_shape:
@@ -641,7 +641,7 @@ def _defaults_from_plan(
 
 
 def _register_train() -> None:
-    from remat.cli_train import train_command
+    from remat.cli.train import train_command
 
     main.add_command(train_command)
 

@@ -40,12 +40,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from remat import step as _step
-from remat.costmodel import smallest_feasible
-from remat.data import VOCAB_SIZE
-from remat.profiler import profile
+from remat.measure import step as _step
+from remat.measure.profiler import profile
+from remat.plan.costmodel import smallest_feasible
+from remat.plan.solver import InfeasibleBudget, solve
 from remat.records import OPTIONS, Plan, Profile
-from remat.solver import InfeasibleBudget, solve
+from remat.train.data import VOCAB_SIZE
 from remat.units import format_bytes, parse_budget
 
 __all__ = [

@@ -28,7 +28,7 @@ from remat.records import OPTIONS, Plan, Profile, Segment
 from remat.units import format_bytes
 
 if TYPE_CHECKING:
-    from remat.measure import StepMemory
+    from remat.measure.tracer import StepMemory
 
 __all__ = [
     "ComparisonRow",

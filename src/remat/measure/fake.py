@@ -31,7 +31,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
 from remat.devices import ROOFLINE_EFFICIENCY, DeviceSpec
-from remat.measure import Mark, Trace
+from remat.measure.tracer import Mark, Trace
 
 __all__ = ["FakeMeter", "storage_key"]
 

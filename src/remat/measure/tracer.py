@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from remat import step as _step
+from remat.measure import step as _step
 
 __all__ = ["MemoryTracer", "StepMemory", "TimelinePoint", "Trace", "measure_step"]
 

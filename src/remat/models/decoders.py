@@ -10,7 +10,7 @@
 
 Every model is deterministic given ``torch.manual_seed``, runs in bf16 parameters and under
 ``torch.autocast``, and can be built and run inside ``FakeTensorMode`` (no ``.item()``, no
-data-dependent Python control flow). Named sizes (gpt2, llama-8b, ...) live in ``remat.zoo``.
+data-dependent Python control flow). Named sizes (gpt2, llama-8b, ...) live in ``remat.models.zoo``.
 
 # NOTE [ Batch and loss convention ]
 A *batch* is a tuple of tensors, the forward is ``output = model(*batch)`` and the loss is

@@ -10,7 +10,7 @@
   negatives, as all-MiniLM-L6-v2 was trained).
 
 # NOTE [ Batches and losses of transformers models ]
-A batch is a dict of tensors, ``output = model(**batch)`` (``remat.step``'s convention). Batches
+A batch is a dict of tensors, ``output = model(**batch)`` (``remat.measure.step``'s convention). Batches
 from ``build`` carry ``labels``, so the model computes its own loss and ``hf_loss`` only reads
 ``output.loss`` (remat's default loss does the same; naming it makes a missing label an error
 that says so). Dropout stays at the configs' defaults (0.1 where the real models have it, and in
@@ -54,7 +54,7 @@ def _transformers() -> Any:
         import transformers
     except ImportError as e:  # pragma: no cover - the hf extra is part of the dev install
         raise ModuleNotFoundError(
-            "remat.hf needs transformers: pip install 'remat[hf]' (or pip install transformers)"
+            "remat.models.hf needs transformers: pip install 'remat[hf]' (or pip install transformers)"
         ) from e
     return transformers
 

@@ -19,11 +19,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from remat.accumulation import Candidate
 from remat.records import Plan
+from remat.train.accumulation import Candidate
 
 if TYPE_CHECKING:
-    from remat.train import TrainConfig
+    from remat.train.loop import TrainConfig
 
 __all__ = [
     "CheckpointError",

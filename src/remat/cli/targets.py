@@ -87,7 +87,7 @@ def load_target(args: ModelArgs, *, device: str | None) -> Target:
         return built["model"]
 
     def deferred_loss(output: Any, batch: Any) -> Any:
-        from remat.step import default_loss
+        from remat.measure.step import default_loss
 
         return (built["loss_fn"] or default_loss)(output, batch)
 
@@ -100,7 +100,7 @@ def _zoo_target(
 ) -> Target:
     import torch
 
-    from remat import zoo
+    from remat.models import zoo
 
     dtype = getattr(torch, args.dtype or "float32")
     spec = zoo.spec(
@@ -124,7 +124,7 @@ def _zoo_target(
 def _check_host_memory(args: ModelArgs, itemsize: int) -> None:
     """Refuse to build a model on the CPU whose weights, gradients and optimizer state alone would
     take most of this machine's memory: the user meant to estimate it."""
-    from remat import zoo
+    from remat.models import zoo
 
     params = zoo.ZOO[args.model].nominal_params
     try:

@@ -36,10 +36,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from remat import step as _step
-from remat.blocks import find_blocks, fingerprint
 from remat.devices import ROOFLINE_EFFICIENCY, DeviceSpec, get_device
-from remat.measure import MemoryTracer, Trace, _base_bytes
+from remat.manual.blocks import find_blocks, fingerprint
+from remat.measure import step as _step
+from remat.measure.tracer import MemoryTracer, Trace, _base_bytes
 from remat.records import BlockProfile, OptionCost, Profile, Segment
 
 __all__ = ["ProfileError", "profile"]
@@ -70,9 +70,9 @@ def profile(
     Args:
         model: the model; in estimated mode a zero-argument factory that builds it (it is built
             inside ``FakeTensorMode``, so nothing is allocated).
-        batch: the example batch (see ``remat.step`` for the calling convention); in estimated mode
+        batch: the example batch (see ``remat.measure.step`` for the calling convention); in estimated mode
             it may be a factory too.
-        loss_fn: ``loss_fn(output, batch) -> scalar``; default: see ``remat.step``.
+        loss_fn: ``loss_fn(output, batch) -> scalar``; default: see ``remat.measure.step``.
         optimizer: an optimizer over the model's parameters, or a factory ``params -> optimizer``
             (needed in estimated mode). Its state counts towards the step's memory.
         blocks: glob patterns or modules; found automatically when None.
@@ -495,7 +495,7 @@ def _estimated(
 ) -> Profile:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from remat.fake import FakeMeter
+    from remat.measure.fake import FakeMeter
 
     if isinstance(factory, nn.Module):
         raise TypeError(

@@ -20,11 +20,11 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
-from remat.accumulation import AccumulationPlan, Candidate, InfeasibleTraining
 from remat.models import GPTConfig, LlamaConfig
-from remat.solver import InfeasibleBudget
+from remat.plan.solver import InfeasibleBudget
 from remat.train import PRECISIONS, TrainConfig, TrainInterrupted, TrainResult, train
-from remat.train_state import CheckpointError, StepLog, read_config
+from remat.train.accumulation import AccumulationPlan, Candidate, InfeasibleTraining
+from remat.train.state import CheckpointError, StepLog, read_config
 from remat.units import format_bytes
 
 __all__ = ["accumulation_table", "train_command"]

@@ -2,7 +2,7 @@
 
 ``solve(profile, budget)`` returns a ``Plan``; ``frontier(profile)`` the memory/time trade-off of
 optimal plans. The solvers see only the numbers of a ``Profile`` and judge every plan with the one
-cost model, ``remat.costmodel``. Pure: no torch, no I/O, deterministic.
+cost model, ``remat.plan.costmodel``. Pure: no torch, no I/O, deterministic.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from remat.costmodel import ChainConstraints, chain_constraints, estimate, smallest_feasible
+from remat.plan.costmodel import ChainConstraints, chain_constraints, estimate, smallest_feasible
 from remat.records import Plan, Profile
 from remat.units import format_bytes, parse_budget
 

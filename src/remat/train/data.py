@@ -154,7 +154,7 @@ def build_text_model(spec: str | GPTConfig | LlamaConfig, *, seq_len: int,
     if isinstance(spec, str) and ":" in spec:
         return _from_factory(spec).to(device)
     if isinstance(spec, str):
-        from remat import zoo
+        from remat.models import zoo
 
         config = zoo.spec(spec).config
     else:
