@@ -20,7 +20,6 @@ from torch.utils.data import DataLoader, TensorDataset
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import remat
-from remat.applier import applied_plan
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -51,7 +50,7 @@ def main(argv: list[str] | None = None) -> None:
 
     # 2. accelerate, as usual.
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
-    assert applied_plan(accelerator.unwrap_model(model)) is plan
+    assert remat.applied_plan(accelerator.unwrap_model(model)) is plan
     losses = []
     for (ids,) in loader:
         loss = model(input_ids=ids, labels=ids).loss

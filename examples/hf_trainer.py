@@ -26,7 +26,6 @@ from transformers import (
 )
 
 import remat
-from remat.applier import applied_plan, mode_of
 
 
 def byte_dataset(seq_len: int, n: int) -> list[dict[str, torch.Tensor]]:
@@ -79,8 +78,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"trained {result.global_step} steps, losses {losses}")
 
         # The plan is still in place, and the Trainer's model is the one remat planned.
-        assert trainer.model is model and applied_plan(model) is plan
-        assert [mode_of(layer) for layer in model.transformer.h] == list(plan.choices.values())
+        assert trainer.model is model and remat.applied_plan(model) is plan
+        assert [remat.option_of(layer) for layer in model.transformer.h] == list(plan.choices.values())
 
         # Saving is unaffected: the files hold only the model's own config and weights.
         model.save_pretrained(out / "model")

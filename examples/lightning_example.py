@@ -18,7 +18,6 @@ from torch.utils.data import DataLoader, TensorDataset
 from transformers import BertConfig, BertForMaskedLM
 
 import remat
-from remat.applier import applied_plan
 
 try:
     import lightning.pytorch as pl
@@ -76,7 +75,7 @@ def main(argv: list[str] | None = None) -> None:
     trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=args.steps, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     trainer.fit(module, loader)
-    assert applied_plan(module.model) is plan
+    assert remat.applied_plan(module.model) is plan
     print(f"trained {trainer.global_step} steps, last loss {trainer.callback_metrics['loss'].item():.4f}")
 
 

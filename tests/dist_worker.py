@@ -25,9 +25,10 @@ import torch.distributed as dist
 from torch import nn
 
 from remat import models
-from remat.applier import PlanMismatch, _set, apply
+from remat.applier import PlanMismatch, apply
 from remat.distributed import WrappingError, apply_distributed
 from remat.manual.blocks import find_blocks
+from remat.manual.options import set_option as _set
 from remat.measure.profiler import profile
 from remat.plan.solver import solve
 from remat.records import Plan, Profile

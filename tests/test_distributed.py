@@ -177,7 +177,8 @@ def test_check_wrapping_refuses_a_sharded_model_and_unwraps_ddp() -> None:
         assert [type(b).__name__ for b in model.blocks] == ["FSDPBlock"] * 3
         # The plan survived the class change: the blocks' forwards are remat's; remove() still
         # gives the blocks their own forward back.
-        from remat.applier import applied_plan, mode_of, remove
+        from remat.applier import applied_plan, remove
+        from remat.manual.options import option_of as mode_of
 
         assert [mode_of(b) for b in model.blocks] == ["recompute"] * 3
         assert applied_plan(model) is plan

@@ -28,6 +28,8 @@ _EXPORTS = {
     "InfeasibleBudget": "remat.plan.solver",
     "apply": "remat.applier",
     "remove": "remat.applier",
+    "applied_plan": "remat.applier",
+    "option_of": "remat.manual.options",
     "verify": "remat.verifier",
     "Report": "remat.verifier",
     "auto": "remat.autoplan",

@@ -6,22 +6,39 @@ instance (``remat.manual.checkpoint.checkpoint_module``), or, for transformers l
 checkpointing hook (``GradientCheckpointingLayer``), it sets that hook. Parameter names,
 ``state_dict`` keys and values, ``named_modules``, hooks and ``train()/eval()`` stay exactly those
 of the user's model, so optimizers, FSDP, ``save_pretrained`` and checkpoint files are unaffected.
+
+# NOTE [ Order: remat first, then DDP or fully_shard ]
+remat's ``apply`` replaces ``forward`` on each block instance (NOTE [ Applying without replacing
+modules ] above); ``fully_shard`` changes each sharded module's class to a dynamic
+``FSDP<Block>`` subclass and registers forward pre/post hooks that all-gather and free the block's
+parameters. Hooks run in ``nn.Module.__call__`` around whatever ``forward`` is, so the checkpoint
+always runs inside FSDP's hooks, whichever came first: the recompute in backward happens after
+FSDP's pre-backward hook has all-gathered the parameters again, and never re-enters the hooks. Both
+orders train to the same numbers on torch 2.13 (tests/dist_worker.py checks it). remat still
+allows one order only, apply first:
+- a plan is checked against the structure of the plain model (``Plan.fingerprint``); after
+  ``fully_shard`` the blocks' classes are renamed (``FSDPBlock``), so the fingerprint no longer
+  matches and the plan could only be applied unchecked (``strict=False``);
+- the per-rank profile below assumes every planned block is its own FSDP group, which
+  ``apply_distributed`` guarantees and an arbitrary pre-sharded model does not;
+- it is the order torchtitan uses (activation checkpointing, then ``fully_shard``).
+DDP does not change the module it wraps, so a DDP-wrapped model is accepted: the plan is applied to
+``ddp.module`` (whose names are the plan's names; on the wrapper they carry a ``module.`` prefix).
 """
 
 from __future__ import annotations
 
 import difflib
-import functools
 import logging
 from typing import Any
 
 from torch import nn
 
-from remat.manual import checkpoint as _checkpoint
 from remat.manual.blocks import fingerprint
+from remat.manual.options import clear_option, set_option
 from remat.records import OPTIONS, Plan
 
-__all__ = ["PlanMismatch", "applied_plan", "apply", "remove"]
+__all__ = ["PlanMismatch", "WrappingError", "applied_plan", "apply", "check_wrapping", "remove"]
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +47,44 @@ _PLAN_ATTR = "_remat_plan"
 
 class PlanMismatch(ValueError):
     """The plan was made for another model."""
+
+
+# Class names, compared by name so that checking needs no torch.distributed import.
+_SHARDED = ("FSDPModule", "FullyShardedDataParallel")
+_DDP = "DistributedDataParallel"
+
+
+class WrappingError(ValueError):
+    """remat was asked to apply a plan to a model that is already sharded: the order is wrong."""
+
+
+def _mro_names(module: Any) -> set[str]:
+    return {c.__name__ for c in type(module).__mro__}
+
+
+def check_wrapping(model: nn.Module) -> nn.Module:
+    """The module a plan is applied to: ``model``, or ``model.module`` for a DDP wrapper.
+
+    Raises ``WrappingError`` when ``model`` or one of its submodules is already sharded by
+    ``fully_shard`` (or FSDP1): remat's ``apply`` must come first (NOTE [ Order: remat first,
+    then DDP or fully_shard ]).
+    """
+    if _DDP in _mro_names(model):
+        inner = model.module
+        assert not isinstance(inner, type(model)), "DDP wrapping DDP"
+        return check_wrapping(inner)  # type: ignore[arg-type]
+    for name, module in model.named_modules():
+        names = _mro_names(module)
+        if names & set(_SHARDED):
+            where = f"its submodule {name!r}" if name else "it"
+            kind = "fully_shard" if "FSDPModule" in names else "FullyShardedDataParallel"
+            raise WrappingError(
+                f"cannot apply a remat plan to this {type(model).__name__}: {where} is already "
+                f"wrapped by {kind} (class {type(module).__name__}). Apply the plan to the plain "
+                "model first, then shard it: remat.distributed.apply_distributed(model, plan, "
+                "mode='fsdp') does both in that order."
+            )
+    return model
 
 
 def apply(model: nn.Module, plan: Plan, *, strict: bool = True) -> nn.Module:
@@ -42,8 +97,6 @@ def apply(model: nn.Module, plan: Plan, *, strict: bool = True) -> nn.Module:
         raise TypeError(f"apply expects an nn.Module, got {type(model).__name__}")
     if not isinstance(plan, Plan):
         raise TypeError(f"apply expects a remat Plan, got {type(plan).__name__}; load one with Plan.load(path)")
-    from remat.distributed import check_wrapping
-
     wrapper, model = model, check_wrapping(model)  # NOTE [ Order: remat first, then DDP or fully_shard ]
     modules = dict(model.named_modules())
     for name, option in plan.choices.items():
@@ -64,7 +117,7 @@ def apply(model: nn.Module, plan: Plan, *, strict: bool = True) -> nn.Module:
         )
     remove(model)
     for name, option in plan.choices.items():
-        _set(modules[name], option)
+        set_option(modules[name], option)
     object.__setattr__(model, _PLAN_ATTR, plan)
     log.info("applied %s plan: %s", plan.method, _summary(plan))
     return wrapper
@@ -73,10 +126,7 @@ def apply(model: nn.Module, plan: Plan, *, strict: bool = True) -> nn.Module:
 def remove(model: nn.Module) -> nn.Module:
     """Undo ``apply``: every block runs its own forward again. A no-op on a plain model."""
     for module in model.modules():
-        if _is_hf_layer(module):
-            _restore_hf(module)  # transformers' own settings back, as they were before apply
-        else:
-            _checkpoint.uncheckpoint_module(module)
+        clear_option(module)
         module.__dict__.pop(_PLAN_ATTR, None)  # on the inner module of a DDP wrapper too
     return model
 
@@ -85,78 +135,6 @@ def applied_plan(model: nn.Module) -> Plan | None:
     """The plan applied to ``model`` (or to the module a DDP wrapper holds), or None."""
     inner = getattr(model, "module", None) if type(model).__name__ == "DistributedDataParallel" else None
     return model.__dict__.get(_PLAN_ATTR) or (inner.__dict__.get(_PLAN_ATTR) if inner is not None else None)
-
-
-def _set(module: nn.Module, option: str) -> None:
-    if _is_hf_layer(module):
-        _set_hf(module, option)
-        return
-    if option == "keep":
-        _checkpoint.uncheckpoint_module(module)
-    else:
-        _checkpoint.checkpoint_module(module, mode=option)
-
-
-# NOTE [ transformers layers ]
-# transformers (>= 4.50) makes each decoder layer a GradientCheckpointingLayer whose __call__
-# routes through ``self._gradient_checkpointing_func`` when ``self.gradient_checkpointing`` is set
-# and the model is training. remat sets that function to its own checkpoint with the chosen mode,
-# so transformers keeps doing what it does around it (it passes cache objects and other non-tensor
-# positional arguments, and turns use_cache off while checkpointing).
-
-
-def _is_hf_layer(module: nn.Module) -> bool:
-    return any(c.__name__ == "GradientCheckpointingLayer" for c in type(module).__mro__)
-
-
-_HF_ATTRS = ("gradient_checkpointing", "_gradient_checkpointing_func")
-
-
-def _set_hf(module: nn.Module, option: str) -> None:
-    state = module.__dict__
-    if "_remat_hf_state" not in state:
-        # First touch: remember transformers' own settings (activation_checkpointing_enable()) for
-        # remove(); from here on the plan alone decides, so a "keep" layer keeps.
-        object.__setattr__(module, "_remat_hf_state", {k: state[k] for k in _HF_ATTRS if k in state})
-    if option == "keep":
-        object.__setattr__(module, "gradient_checkpointing", False)
-        state.pop("_gradient_checkpointing_func", None)
-        state.pop("_remat_mode", None)
-        return
-    object.__setattr__(module, "gradient_checkpointing", True)
-    object.__setattr__(module, "_gradient_checkpointing_func", functools.partial(_hf_call, option))
-    object.__setattr__(module, "_remat_mode", option)
-
-
-def _restore_hf(module: nn.Module) -> None:
-    saved = module.__dict__.pop("_remat_hf_state", None)
-    if saved is None:
-        return
-    for key in (*_HF_ATTRS, "_remat_mode"):
-        module.__dict__.pop(key, None)
-    module.__dict__.update(saved)
-
-
-def _hf_call(option: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
-    # transformers calls this as func(partial(forward, layer, **kwargs), *args). Its hook drops a
-    # cache passed by keyword; one passed positionally (GPT-2 does, and passes None only when the
-    # *model's* gradient_checkpointing flag is set, which remat leaves alone) would be written again
-    # by the recompute. Drop it as transformers does for keywords.
-    layer = fn.args[0] if isinstance(fn, functools.partial) and fn.args else None
-    if not getattr(layer, "_can_checkpoint_with_cache", False):
-        args = tuple(None if _is_cache(a) else a for a in args)
-    return _checkpoint.checkpoint_call(fn, args, kwargs, mode=option)
-
-
-def _is_cache(obj: Any) -> bool:
-    return any(c.__name__ == "Cache" for c in type(obj).__mro__)
-
-
-def mode_of(module: nn.Module) -> str:
-    """The option a module runs with: ``keep`` unless remat wrapped it."""
-    if _is_hf_layer(module):
-        return getattr(module, "_remat_mode", None) or "keep"
-    return _checkpoint.is_checkpointed(module) or "keep"
 
 
 def _summary(plan: Plan) -> str:

@@ -38,8 +38,10 @@ from torch import nn
 
 from remat.devices import ROOFLINE_EFFICIENCY, DeviceSpec, get_device
 from remat.manual.blocks import find_blocks, fingerprint
+from remat.manual.options import option_of, set_option
 from remat.measure import step as _step
 from remat.measure.tracer import MemoryTracer, Trace, _base_bytes
+from remat.plan.sharding import per_rank_profile
 from remat.records import BlockProfile, OptionCost, Profile, Segment
 
 __all__ = ["ProfileError", "profile"]
@@ -81,7 +83,7 @@ def profile(
         repeats: timed steps per option in measured mode (medians).
         world_size, fsdp: the profile of one rank of a ``world_size``-rank data-parallel job (DDP,
             or FSDP2 with ``fsdp``), whose per-rank batch is ``batch``; see
-            ``remat.distributed.per_rank_profile``.
+            ``remat.plan.sharding.per_rank_profile``.
     """
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
@@ -95,8 +97,6 @@ def profile(
     else:
         result = _estimated(model, batch, loss_fn, optimizer, blocks, get_device(device))
     if world_size != 1 or fsdp:
-        from remat.distributed import per_rank_profile
-
         result = per_rank_profile(result, world_size=world_size, fsdp=fsdp)
     return result
 
@@ -188,16 +188,14 @@ def _storage_key(t: torch.Tensor) -> int:
 
 @contextmanager
 def _every_block(named: list[tuple[str, nn.Module]], option: str) -> Iterator[None]:
-    from remat.applier import _set, mode_of
-
-    previous = [mode_of(m) for _, m in named]
+    previous = [option_of(m) for _, m in named]
     try:
         for _, m in named:
-            _set(m, option)
+            set_option(m, option)
         yield
     finally:
         for (_, m), mode in zip(named, previous):
-            _set(m, mode)
+            set_option(m, mode)
 
 
 def _base_keys(model: nn.Module, optimizer: Any, batch: Any) -> set[int]:

@@ -40,9 +40,10 @@ from remat.applier import apply
 from remat.manual.blocks import fingerprint
 from remat.measure import step as _step
 from remat.measure.tracer import MemoryTracer
-from remat.models import GPTConfig, LlamaConfig, lm_loss
+from remat.models import lm_loss
 from remat.records import Plan
 from remat.train.accumulation import AccumulationPlan, Candidate, plan_accumulation
+from remat.train.config import PRECISIONS, TrainConfig, validate
 from remat.train.data import Sampler, build_text_model, eval_windows, load_text, text_loss
 from remat.train.state import (
     CheckpointError,
@@ -73,55 +74,7 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-#: ``precision`` values: plain float32, or autocast to bfloat16 / float16 (float16 with a GradScaler).
-PRECISIONS: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 _MIN_LR_RATIO = 0.1  # the cosine decays to 10% of the peak learning rate (nanoGPT, Chinchilla)
-
-
-@dataclass(frozen=True, kw_only=True)
-class TrainConfig:
-    """One training run. Every field but ``out``, ``eval_every``, ``checkpoint_every`` and
-    ``device`` must match when a run resumes from a checkpoint."""
-
-    model: str | GPTConfig | LlamaConfig = "gpt-tiny"
-    """A zoo name of a language model (``gpt-tiny``, ``llama-tiny``, ``gpt2``, ...), a
-    ``GPTConfig`` / ``LlamaConfig``, or ``"package.module:factory"``: a zero-argument callable that
-    returns a module mapping (batch, seq) int64 ids to (batch, seq, >= 256) logits (or a
-    ``(model, batch, loss_fn)`` tuple, as the other commands take: the model is used). Built-in
-    shapes get a vocabulary of 256 (bytes) and ``seq_len`` positions."""
-    text: str | None = None
-    """A text file to train on; None: Python's own ``pydoc_data.topics``."""
-    budget: int | str | None = None
-    """Peak memory of a training step: bytes, ``"2GiB"``, or ``"60%"`` of the plain step's peak
-    with the whole global batch at once. None: no plan, no accumulation unless ``micro_batch``."""
-    steps: int = 200
-    """Optimizer steps."""
-    global_batch: int = 16
-    """Sequences per optimizer step."""
-    micro_batch: int | None = None
-    """Sequences per forward/backward; must divide ``global_batch``. None: chosen with the plan."""
-    seq_len: int = 128
-    """Tokens (bytes) per sequence."""
-    lr: float = 1e-3
-    """Peak learning rate (AdamW)."""
-    warmup: int = 20
-    """Steps of linear warm-up; then a cosine decay to 10% of ``lr`` at ``steps``."""
-    weight_decay: float = 0.1
-    """AdamW's decoupled weight decay."""
-    precision: str = "fp32"
-    """``fp32``, or autocast to ``bf16`` or ``fp16`` (with a GradScaler); weights stay float32."""
-    clip: float | None = 1.0
-    """Clip the gradients' global norm to this; None or 0: no clipping."""
-    eval_every: int = 50
-    """Evaluate on the held-out text every this many steps, and at the end; 0: at the end only."""
-    checkpoint_every: int = 50
-    """Write a checkpoint every this many steps, and at the end; 0: at the end only."""
-    out: str | None = None
-    """Folder for ``checkpoint.pt``, ``log.json`` and ``loss.png``; None: write nothing."""
-    seed: int = 0
-    """Seed of the weights, dropout and the data order."""
-    device: str | None = None
-    """``cpu``, ``cuda``, ``cuda:1``...; None: CUDA when there is one."""
 
 
 class TrainInterrupted(KeyboardInterrupt):
@@ -148,7 +101,7 @@ def train(
     for a checkpoint that cannot be resumed (or, without ``resume``, one that would be
     overwritten), and ``TrainInterrupted`` (a ``KeyboardInterrupt``) after saving on Ctrl-C.
     """
-    _validate(config)
+    validate(config)
     device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     data = load_text(config.text)
     out = Path(config.out) if config.out is not None else None
@@ -350,30 +303,6 @@ def evaluate(
         return total / len(windows)
     finally:
         model.train(was_training)
-
-
-def _validate(config: TrainConfig) -> None:
-    def positive_int(name: str, value: Any, low: int = 1) -> None:
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
-
-    positive_int("steps", config.steps)
-    positive_int("global_batch", config.global_batch)
-    positive_int("seq_len", config.seq_len, 2)
-    positive_int("warmup", config.warmup, 0)
-    positive_int("eval_every", config.eval_every, 0)
-    positive_int("checkpoint_every", config.checkpoint_every, 0)
-    if config.micro_batch is not None:
-        positive_int("micro_batch", config.micro_batch)
-        if config.global_batch % config.micro_batch:
-            raise ValueError(f"micro_batch={config.micro_batch} must divide "
-                             f"global_batch={config.global_batch}")
-    if config.precision not in PRECISIONS:
-        raise ValueError(f"unknown precision {config.precision!r}; expected one of {list(PRECISIONS)}")
-    if not (math.isfinite(config.lr) and config.lr > 0):
-        raise ValueError(f"lr must be a finite number > 0, got {config.lr!r}")
-    if config.clip is not None and not (math.isfinite(config.clip) and config.clip >= 0):
-        raise ValueError(f"clip must be a finite number >= 0 (0: no clipping), got {config.clip!r}")
 
 
 def _make_optimizer(params: Any, config: TrainConfig) -> torch.optim.Optimizer:

@@ -23,7 +23,7 @@ from remat.records import Plan
 from remat.train.accumulation import Candidate
 
 if TYPE_CHECKING:
-    from remat.train.loop import TrainConfig
+    from remat.train.config import TrainConfig
 
 __all__ = [
     "CheckpointError",

@@ -1,0 +1,100 @@
+"""The per-module option: make one module run with an option, read which one it runs with.
+
+``set_option(module, "recompute")`` replaces the module's ``forward`` on the instance
+(``remat.manual.checkpoint.checkpoint_module``), or, for a transformers layer with its own
+checkpointing hook, sets that hook (NOTE [ transformers layers ]). ``option_of`` reads it back and
+``clear_option`` undoes it. ``remat.apply`` does this for every block a plan names; the profiler
+does it for every block at once.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from torch import nn
+
+from remat.manual import checkpoint
+
+__all__ = ["clear_option", "option_of", "set_option"]
+
+
+def set_option(module: nn.Module, option: str) -> None:
+    """Make ``module`` run with ``option`` (``"keep"`` undoes any other), in place."""
+    if _is_hf_layer(module):
+        _set_hf(module, option)
+        return
+    if option == "keep":
+        checkpoint.uncheckpoint_module(module)
+    else:
+        checkpoint.checkpoint_module(module, mode=option)
+
+
+# NOTE [ transformers layers ]
+# transformers (>= 4.50) makes each decoder layer a GradientCheckpointingLayer whose __call__
+# routes through ``self._gradient_checkpointing_func`` when ``self.gradient_checkpointing`` is set
+# and the model is training. remat sets that function to its own checkpoint with the chosen mode,
+# so transformers keeps doing what it does around it (it passes cache objects and other non-tensor
+# positional arguments, and turns use_cache off while checkpointing).
+
+
+def _is_hf_layer(module: nn.Module) -> bool:
+    return any(c.__name__ == "GradientCheckpointingLayer" for c in type(module).__mro__)
+
+
+_HF_ATTRS = ("gradient_checkpointing", "_gradient_checkpointing_func")
+
+
+def _set_hf(module: nn.Module, option: str) -> None:
+    state = module.__dict__
+    if "_remat_hf_state" not in state:
+        # First touch: remember transformers' own settings (activation_checkpointing_enable()) for
+        # remove(); from here on the plan alone decides, so a "keep" layer keeps.
+        object.__setattr__(module, "_remat_hf_state", {k: state[k] for k in _HF_ATTRS if k in state})
+    if option == "keep":
+        object.__setattr__(module, "gradient_checkpointing", False)
+        state.pop("_gradient_checkpointing_func", None)
+        state.pop("_remat_mode", None)
+        return
+    object.__setattr__(module, "gradient_checkpointing", True)
+    object.__setattr__(module, "_gradient_checkpointing_func", functools.partial(_hf_call, option))
+    object.__setattr__(module, "_remat_mode", option)
+
+
+def _restore_hf(module: nn.Module) -> None:
+    saved = module.__dict__.pop("_remat_hf_state", None)
+    if saved is None:
+        return
+    for key in (*_HF_ATTRS, "_remat_mode"):
+        module.__dict__.pop(key, None)
+    module.__dict__.update(saved)
+
+
+def _hf_call(option: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
+    # transformers calls this as func(partial(forward, layer, **kwargs), *args). Its hook drops a
+    # cache passed by keyword; one passed positionally (GPT-2 does, and passes None only when the
+    # *model's* gradient_checkpointing flag is set, which remat leaves alone) would be written again
+    # by the recompute. Drop it as transformers does for keywords.
+    layer = fn.args[0] if isinstance(fn, functools.partial) and fn.args else None
+    if not getattr(layer, "_can_checkpoint_with_cache", False):
+        args = tuple(None if _is_cache(a) else a for a in args)
+    return checkpoint.checkpoint_call(fn, args, kwargs, mode=option)
+
+
+def _is_cache(obj: Any) -> bool:
+    return any(c.__name__ == "Cache" for c in type(obj).__mro__)
+
+
+def option_of(module: nn.Module) -> str:
+    """The option a module runs with: ``keep`` unless remat wrapped it."""
+    if _is_hf_layer(module):
+        return getattr(module, "_remat_mode", None) or "keep"
+    return checkpoint.is_checkpointed(module) or "keep"
+
+
+def clear_option(module: nn.Module) -> None:
+    """Undo ``set_option`` on ``module``: its own forward again (transformers' settings as before)."""
+    if _is_hf_layer(module):
+        _restore_hf(module)  # transformers' own settings back, as they were before apply
+    else:
+        checkpoint.uncheckpoint_module(module)
