@@ -1,5 +1,5 @@
 """The ``remat`` command: ``remat demo | profile | plan | verify | train``."""
 
-from remat.cli.main import main
+from remat.cli.commands import main
 
 __all__ = ["main"]
