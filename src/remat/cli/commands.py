@@ -1,279 +1,44 @@
 """The ``remat`` command: demo, profile, plan, verify. The only place that ties stages together
 and the only place that prints.
-
-# NOTE [ Exit codes and errors ]
-0: done (and, for ``plan``/``verify``, the plan fits / passed). 1: the command ran into something
-wrong with what it was given or found: an unknown model, a factory that fails, a file that cannot
-be read, an infeasible budget, a plan made for another model, a plan that does not fit or fails
-verification. 2: the command line itself is malformed, which click reports before anything runs:
-an unknown option, a missing one, a value of the wrong form (a budget that does not parse, an
-unknown device, method or dtype). remat's own errors are ``ValueError`` subclasses with messages
-that teach; they become one ``Error: ...`` line (``remat --traceback ...`` shows the traceback).
-With ``--json``, an error is also written to stdout as ``{"error": ..., "type": ...}``.
+NOTE [ Exit codes and errors ] (``remat.cli.common``) says what exits how.
 """
 
 from __future__ import annotations
 
-import functools
 import json
 import os
-from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING
 
 import click
-from click.core import ParameterSource
-from rich.console import Console
-from rich.table import Table
 
 from remat import __version__
-from remat.cli.targets import DTYPES as _DTYPES
-from remat.cli.targets import ModelArgs, Target, load_target, measured_device
-from remat.devices import DEVICES
+from remat.cli.common import (
+    BUDGET_METHODS,
+    DEVICE_HELP,
+    StageProgress,
+    check_budget,
+    check_device,
+    defaults_from_plan,
+    fit_verdict,
+    given,
+    handle_errors,
+    model_flags,
+    print_table,
+    profile_target,
+    report_row,
+    save_to,
+    say,
+)
+from remat.cli.targets import ModelArgs, load_target, measured_device
 from remat.plan.solver import METHODS
 from remat.units import format_bytes, parse_budget
 
 if TYPE_CHECKING:
 
-    from remat.records import Plan, Profile
-    from remat.report import ComparisonRow
-    from remat.verifier import Report
+    pass
 
 __all__ = ["main"]
-
-_F = TypeVar("_F", bound=Callable[..., Any])
-
-_OPTIMIZERS = ("adamw", "sgd", "none")
-_BUDGET_METHODS = ("optimal", "greedy")
-# What a user's mistake raises in remat (its errors are ValueError subclasses) and in their code.
-_USER_ERRORS = (ValueError, TypeError, OSError, ImportError)
-
-_MODEL_HELP = (
-    "A zoo name (gpt-tiny, gpt2, gpt2-xl, llama-1b, llama-8b, llama-70b, bert-large, vit-l, ...) "
-    "or module:function, a zero-argument function that returns (model, batch, loss_fn) or a "
-    "built-in remat.models model; see `remat --help`."
-)
-_DEVICE_HELP = (
-    "cpu or cuda[:N] to measure real steps there; a device name to estimate for one you do not "
-    f"have: {', '.join(d for d in DEVICES if d != 'cpu')}."
-)
-
-
-# --- output ------------------------------------------------------------------------------------
-
-
-def _print_table(table: Table) -> None:
-    """A table on stdout: in colour on a terminal; else as plain text, 100 columns wide without
-    trailing spaces, so that logs and golden files read alike."""
-    console = Console(highlight=False)
-    if console.is_terminal:
-        console.print(table)
-        return
-    from remat.report import render_text
-
-    click.echo(render_text(table, width=100), nl=False)
-
-
-def _say(text: str, *, as_json: bool = False) -> None:
-    """A line for people: stdout, or stderr when stdout carries JSON."""
-    click.echo(text, err=as_json)
-
-
-class _Progress:
-    """A rich spinner and bar on stderr when it is a terminal; plain lines when it is not."""
-
-    def __init__(self) -> None:
-        self.console = Console(stderr=True)
-        self.bar: Any = None
-        self.task: Any = None
-        self.last = ""
-
-    def __enter__(self) -> _Progress:
-        if self.console.is_terminal:
-            from rich.progress import (
-                BarColumn,
-                MofNCompleteColumn,
-                Progress,
-                SpinnerColumn,
-                TextColumn,
-                TimeElapsedColumn,
-            )
-
-            self.bar = Progress(
-                SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
-                MofNCompleteColumn(), TimeElapsedColumn(), console=self.console, transient=True,
-            )  # fmt: skip
-            self.bar.start()
-            self.task = self.bar.add_task("", total=None)
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        if self.bar is not None:
-            self.bar.stop()
-
-    def __call__(self, what: str, done: int = 0, total: int | None = None) -> None:
-        if self.bar is not None:
-            self.bar.update(self.task, description=what, completed=done, total=total)
-        elif what != self.last and what != "done":
-            click.echo(f"remat: {what}", err=True)
-        self.last = what
-
-
-# --- errors ------------------------------------------------------------------------------------
-
-
-def _handle_errors(fn: _F) -> _F:
-    """remat's errors and a user's code's errors as ``Error: ...``, exit 1 (NOTE [ Exit codes and
-    errors ]); anything else is a bug and keeps its traceback."""
-
-    @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        try:
-            return fn(*args, **kwargs)
-        except click.ClickException:
-            raise
-        except (*_USER_ERRORS, RuntimeError) as e:
-            if isinstance(e, RuntimeError) and not _out_of_memory(e):
-                raise
-            if click.get_current_context().find_root().params.get("show_traceback"):
-                raise
-            message = str(e) or type(e).__name__
-            if _out_of_memory(e):
-                message = (
-                    f"out of memory: {message.strip().splitlines()[0]}. Lower --batch or --seq, or "
-                    "estimate for a device instead of measuring here (--device h100, ...)"
-                )
-            if kwargs.get("as_json"):
-                error: dict[str, Any] = {"error": message, "type": type(e).__name__}
-                smallest = getattr(e, "smallest_bytes", None)
-                if smallest is not None:
-                    error["smallest_feasible_bytes"] = smallest
-                click.echo(json.dumps(error))
-            raise click.ClickException(message) from e
-
-    return wrapper  # type: ignore[return-value]
-
-
-def _out_of_memory(e: BaseException) -> bool:
-    return type(e).__name__ == "OutOfMemoryError" or "can't allocate memory" in str(e)
-
-
-def _given(ctx: click.Context, *names: str) -> list[str]:
-    """The options among ``names`` that the command line set."""
-    return [
-        "--" + n.replace("_", "-")
-        for n in names
-        if ctx.get_parameter_source(n) not in (None, ParameterSource.DEFAULT)
-    ]
-
-
-# --- option values -----------------------------------------------------------------------------
-
-
-def _check_budget(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
-    """Refuse a budget that does not parse now, before a long profile; "60%" is resolved later."""
-    if value is not None:
-        try:
-            parse_budget(value, plain_peak_bytes=2**40)
-        except ValueError as e:
-            raise click.BadParameter(str(e)) from None
-    return value
-
-
-def _check_device(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
-    if value is None or measured_device(value):
-        return value
-    from remat.devices import get_device
-
-    try:
-        return get_device(value).name
-    except ValueError as e:
-        raise click.BadParameter(str(e)) from None
-
-
-def _model_options(*, required: bool, blocks: bool = True) -> Callable[[_F], _F]:
-    options = [
-        click.option("--model", "model", required=required, metavar="NAME_OR_FACTORY",
-                     help=_MODEL_HELP),
-        click.option("--batch", type=click.IntRange(min=1), metavar="N",
-                     help="Examples per batch (zoo models; default: the zoo entry's)."),
-        click.option("--seq", type=click.IntRange(min=2), metavar="N",
-                     help="Tokens per example (zoo token models; default: the entry's context)."),
-        click.option("--dtype", type=click.Choice(_DTYPES),
-                     help="Parameter dtype of a zoo model (default float32)."),
-        click.option("--optimizer", type=click.Choice(_OPTIMIZERS), default="adamw",
-                     show_default=True,
-                     help="Its state counts towards the step's memory (sgd: no momentum, no state)."),
-        click.option("--blocks", multiple=True, metavar="PATTERN",
-                     help="Glob of the blocks to plan, e.g. 'layers.*' (repeatable; "
-                          "default: found automatically)."),
-    ]  # fmt: skip
-    if not blocks:  # verify: the plan names its blocks
-        options.pop()
-
-    def decorate(fn: _F) -> _F:
-        for option in reversed(options):
-            fn = option(fn)
-        return fn
-
-    return decorate
-
-
-# --- the stages, with progress ------------------------------------------------------------------
-
-
-def _profile(target: Target, args: ModelArgs, *, device: str | None, repeats: int) -> Profile:
-    from remat.measure.profiler import profile
-
-    where = "measuring on the CPU" if device in (None, "cpu") else (
-        f"measuring on {device}" if measured_device(device) else f"estimating for {device}"
-    )
-    with _Progress() as progress:
-        progress(f"profiling {target.name} ({where})")
-        return profile(
-            target.model, target.batch, loss_fn=target.loss_fn, optimizer=target.optimizer,
-            blocks=list(args.blocks) or None, device=None if measured_device(device) else device,
-            repeats=repeats,
-        )  # fmt: skip
-
-
-def _verdict(plan: Plan, prof: Profile | None) -> tuple[bool | None, str]:
-    """Whether ``plan`` fits (None: nothing to fit, no budget and no device memory) and a line."""
-    peak = plan.estimate.peak_bytes
-    ok: bool | None = None
-    text = f"predicted peak {format_bytes(peak)}"
-    if plan.budget_bytes is not None:
-        ok = peak <= plan.budget_bytes
-        text += f" {'≤' if ok else '>'} budget {format_bytes(plan.budget_bytes)}"
-    memory = prof.device_memory_bytes if prof is not None else None
-    if prof is not None and memory is not None:
-        on_device = peak <= memory
-        ok = on_device if ok is None else ok and on_device
-        if on_device:
-            text += f"; the {prof.device} has {format_bytes(memory)}"
-        else:
-            text += f"; more than the {prof.device}'s {format_bytes(memory)}"
-    text += f"; step time {plan.estimate.overhead * 100:+.1f}% vs plain (predicted)"
-    if ok is None:
-        return None, text
-    return ok, ("fits: " if ok else "does not fit: ") + text
-
-
-def _report_row(label: str, plan: Plan, report: Report) -> ComparisonRow:
-    from remat.report import ComparisonRow
-
-    return ComparisonRow(
-        label=label, method=plan.method, budget_bytes=plan.budget_bytes,
-        predicted_peak_bytes=plan.estimate.peak_bytes,
-        measured_peak_bytes=report.measured_peak_bytes, overhead=report.measured_overhead,
-        fits=None if plan.budget_bytes is None else report.fits, grads_equal=report.grads_equal,
-    )  # fmt: skip
-
-
-def _save_to(path: Path) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    return path
-
 
 # --- commands ----------------------------------------------------------------------------------
 
@@ -329,7 +94,7 @@ def main(show_traceback: bool) -> None:
                    "remat-out).")
 @click.option("--quick", is_flag=True, help="A much smaller GPT and fewer budgets (~15 s).")
 @click.option("--json", "as_json", is_flag=True, help="Print results.json instead of the table.")
-@_handle_errors
+@handle_errors
 def demo(out: Path, quick: bool, as_json: bool) -> None:
     """The whole pipeline on a built-in GPT, measured on this CPU.
 
@@ -348,7 +113,7 @@ def demo(out: Path, quick: bool, as_json: bool) -> None:
     from remat.demo import comparison_rows, results_dict, run_demo
     from remat.report import comparison_table
 
-    with _Progress() as progress:
+    with StageProgress() as progress:
         result = run_demo(out, quick=quick, progress=progress)
     if as_json:
         click.echo(json.dumps(results_dict(result), indent=2))
@@ -362,7 +127,7 @@ def demo(out: Path, quick: bool, as_json: bool) -> None:
         f"smallest feasible {format_bytes(result.smallest_feasible_bytes)} "
         f"({result.smallest_feasible_reason})"
     )
-    _print_table(comparison_table(comparison_rows(result)))
+    print_table(comparison_table(comparison_rows(result)))
     report = chosen.report
     click.echo(
         f"plan.json: {chosen.label}, budget {format_bytes(chosen.plan.budget_bytes or 0)}: "
@@ -380,14 +145,14 @@ def demo(out: Path, quick: bool, as_json: bool) -> None:
 
 
 @main.command("profile", short_help="Measure (or estimate) what each block of a model costs.")
-@_model_options(required=True)
-@click.option("--device", callback=_check_device, metavar="DEVICE", help=_DEVICE_HELP + " Default: cpu.")
+@model_flags(required=True)
+@click.option("--device", callback=check_device, metavar="DEVICE", help=DEVICE_HELP + " Default: cpu.")
 @click.option("--repeats", type=click.IntRange(min=1), default=3, metavar="N",
               help="Timed steps per option when measuring (medians; default 3).")
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path),
               help="Save the profile here (JSON) for `remat plan --profile`.")
 @click.option("--json", "as_json", is_flag=True, help="Print the profile as JSON.")
-@_handle_errors
+@handle_errors
 def profile_cmd(
     model: str, batch: int | None, seq: int | None, dtype: str | None, optimizer: str,
     blocks: tuple[str, ...], device: str | None, repeats: int, out: Path | None, as_json: bool,
@@ -407,24 +172,24 @@ def profile_cmd(
     """
     args = ModelArgs(model, batch, seq, dtype, optimizer, blocks)
     target = load_target(args, device=device)
-    prof = _profile(target, args, device=device, repeats=repeats)
+    prof = profile_target(target, args, device=device, repeats=repeats)
     if out is not None:
-        prof.save(_save_to(out))
+        prof.save(save_to(out))
     if as_json:
         click.echo(prof.to_json(), nl=False)
     else:
         from remat.report import profile_table
 
-        _print_table(profile_table(prof))
+        print_table(profile_table(prof))
     if out is not None:
-        _say(f"wrote {out}", as_json=as_json)
+        say(f"wrote {out}", as_json=as_json)
 
 
 @main.command("plan", short_help="Find the fastest plan that fits a budget.")
-@_model_options(required=False)
+@model_flags(required=False)
 @click.option("--profile", "profile_path", type=click.Path(dir_okay=False, path_type=Path),
               help="A saved profile (remat profile --out) instead of --model.")
-@click.option("--budget", callback=_check_budget, metavar="BYTES|N%",
+@click.option("--budget", callback=check_budget, metavar="BYTES|N%",
               help="Peak of the whole step: 24GiB, 6.5GB, 800MiB, or 60% of the plain peak. "
                    "Default with a device of known memory: that memory.")
 @click.option("--method", type=click.Choice(METHODS), default="optimal", show_default=True,
@@ -432,7 +197,7 @@ def profile_cmd(
                    "baselines none, all (every block), every_k, sqrt take no budget.")
 @click.option("--k", type=click.IntRange(min=1), metavar="K",
               help="For --method every_k: recompute every k-th block (default 2).")
-@click.option("--device", callback=_check_device, metavar="DEVICE", help=_DEVICE_HELP + " Default: cpu.")
+@click.option("--device", callback=check_device, metavar="DEVICE", help=DEVICE_HELP + " Default: cpu.")
 @click.option("--repeats", type=click.IntRange(min=1), default=3, metavar="N",
               help="Timed steps per option when measuring (medians; default 3).")
 @click.option("--world-size", type=click.IntRange(min=1), default=1, metavar="N",
@@ -446,7 +211,7 @@ def profile_cmd(
 @click.option("--json", "as_json", is_flag=True,
               help="Print {fits, verdict, plan, ...} as JSON.")
 @click.pass_context
-@_handle_errors
+@handle_errors
 def plan_cmd(
     ctx: click.Context, model: str | None, batch: int | None, seq: int | None, dtype: str | None,
     optimizer: str, blocks: tuple[str, ...], profile_path: Path | None, budget: str | None,
@@ -474,16 +239,16 @@ def plan_cmd(
     model_options = ("model", "batch", "seq", "dtype", "optimizer", "blocks", "device", "repeats")
     if (model is None) == (profile_path is None):
         raise click.UsageError("give either --model (to profile it now) or --profile FILE")
-    if profile_path is not None and _given(ctx, *model_options):
+    if profile_path is not None and given(ctx, *model_options):
         raise click.UsageError(
-            f"{', '.join(_given(ctx, *model_options))} describe the model to profile; "
+            f"{', '.join(given(ctx, *model_options))} describe the model to profile; "
             "--profile reuses a saved profile as it is"
         )
-    if method in _BUDGET_METHODS and budget is None and model is not None and device in (None, "cpu"):
+    if method in BUDGET_METHODS and budget is None and model is not None and device in (None, "cpu"):
         raise click.UsageError(f"--method {method} needs a --budget, e.g. --budget 60%")
     if model is not None:
         args = ModelArgs(model, batch, seq, dtype, optimizer, blocks)
-        prof = _profile(load_target(args, device=device), args, device=device, repeats=repeats)
+        prof = profile_target(load_target(args, device=device), args, device=device, repeats=repeats)
     else:
         assert profile_path is not None
         prof = Profile.load(profile_path)
@@ -492,19 +257,19 @@ def plan_cmd(
 
         prof = per_rank_profile(prof, world_size=world_size, fsdp=fsdp)
         how = "FSDP2" if fsdp else "DDP"
-        _say(f"per rank of {world_size} ({how}): the budget and the peaks are per GPU", as_json=True)
+        say(f"per rank of {world_size} ({how}): the budget and the peaks are per GPU", as_json=True)
     budget_bytes: int | None = None
     if budget is not None:
         budget_bytes = parse_budget(budget, plain_peak_bytes=prof.plain_peak_bytes)
-    elif method in _BUDGET_METHODS:
+    elif method in BUDGET_METHODS:
         if prof.device_memory_bytes is None:
             raise click.UsageError(f"--method {method} needs a --budget, e.g. --budget 60%")
         budget_bytes = prof.device_memory_bytes
-        _say(f"budget: the {prof.device}'s memory, {format_bytes(budget_bytes)}", as_json=True)
+        say(f"budget: the {prof.device}'s memory, {format_bytes(budget_bytes)}", as_json=True)
     plan = solve(prof, budget_bytes, method=method, k=k)
     if out is not None:
-        plan.save(_save_to(out))
-    ok, verdict = _verdict(plan, prof)
+        plan.save(save_to(out))
+    ok, verdict = fit_verdict(plan, prof)
     notes = [n for n in plan.notes if not n.startswith("does not fit")]
     if as_json:
         from remat.plan.costmodel import smallest_feasible
@@ -523,18 +288,18 @@ def plan_cmd(
         }
         click.echo(json.dumps(result, indent=2))
     else:
-        _print_table(plan_table(plan, prof))
+        print_table(plan_table(plan, prof))
         for note in notes:
             click.echo(f"note: {note}")
         click.echo(verdict)
     if out is not None:
-        _say(f"wrote {out}", as_json=as_json)
+        say(f"wrote {out}", as_json=as_json)
     if ok is False:
         ctx.exit(1)
 
 
 @main.command("verify", short_help="Measure a plan against plain PyTorch.")
-@_model_options(required=True, blocks=False)
+@model_flags(required=True, blocks=False)
 @click.option("--plan", "plan_path", required=True,
               type=click.Path(dir_okay=False, path_type=Path),
               help="The plan to check (remat plan --out, or the demo's plan.json).")
@@ -544,7 +309,7 @@ def plan_cmd(
               help="Timed steps of each kind, plain and planned, alternating (medians; default 3).")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @click.pass_context
-@_handle_errors
+@handle_errors
 def verify_cmd(
     ctx: click.Context, model: str, batch: int | None, seq: int | None, dtype: str | None,
     optimizer: str, plan_path: Path, device: str, repeats: int, as_json: bool,
@@ -576,7 +341,7 @@ def verify_cmd(
         )
     plan = Plan.load(plan_path)
     if ":" not in model:
-        batch, seq, dtype = _defaults_from_plan(model, plan, batch=batch, seq=seq, dtype=dtype)
+        batch, seq, dtype = defaults_from_plan(model, plan, batch=batch, seq=seq, dtype=dtype)
     args = ModelArgs(model, batch, seq, dtype, optimizer, ())
     target = load_target(args, device=device)
     apply(target.model, plan)  # a plan for another model fails here, before anything runs
@@ -589,7 +354,7 @@ def verify_cmd(
             "--batch/--seq"
         )
     opt = target.optimizer(target.model.parameters()) if target.optimizer else None
-    with _Progress() as progress:
+    with StageProgress() as progress:
         progress(f"measuring {plan_path.name} on {target.name} against plain ({device})")
         report = verify(
             target.model, target.batch, plan, loss_fn=target.loss_fn, optimizer=opt,
@@ -614,30 +379,12 @@ def verify_cmd(
         plain = ComparisonRow(
             label="plain", method="none", measured_peak_bytes=report.plain_peak_bytes, overhead=0.0
         )
-        _print_table(comparison_table([plain, _report_row(plan_path.name, plan, report)]))
+        print_table(comparison_table([plain, report_row(plan_path.name, plan, report)]))
         if plan.device != "cpu" and not plan.device.startswith("cuda"):
             click.echo(f"note: the plan was made for {plan.device} ({plan.dtype}); measured on {device}")
         click.echo(verdict)
     if not report.passed:
         ctx.exit(1)
-
-
-def _defaults_from_plan(
-    model: str, plan: Plan, *, batch: int | None, seq: int | None, dtype: str | None
-) -> tuple[int | None, int | None, str | None]:
-    """--batch, --seq and --dtype of a zoo model default to the plan's, so a plan checks as made."""
-    from remat.models import zoo
-
-    entry = zoo.ZOO.get(model)
-    if entry is None or not plan.batch_shape:
-        return batch, seq, dtype
-    if batch is None:
-        batch = plan.batch_shape[0]
-    if seq is None and entry.seq_len is not None and len(plan.batch_shape) == 2:
-        seq = plan.batch_shape[1]
-    if dtype is None and plan.dtype in _DTYPES:
-        dtype = plan.dtype
-    return batch, seq, dtype
 
 
 def _register_train() -> None:
