@@ -1,42 +1,97 @@
 """remat: make PyTorch training fit a memory budget with the least slowdown.
 
 The public surface is a handful of verbs; everything heavy is imported on first use so that
-``import remat`` stays cheap and the pure planner (``remat.plan.solver``) never pulls in torch.
+``import remat`` stays cheap and the pure planner (``remat.plan``) never pulls in torch.
+
+# NOTE [ Lazy at run time, real to a type checker ]
+At run time ``remat.solve`` is found by ``__getattr__`` below, which imports its module on first
+use. A type checker does not run that: under ``TYPE_CHECKING`` the same names are real imports, so
+mypy and pyright see ``remat.solve`` as the function it is (``n: int = remat.solve`` is an error).
+``tests/test_typing.py`` checks that the two lists agree and that mypy reads them.
 """
 
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from remat.applier import applied_plan, apply, remove
+    from remat.autoplan import auto
+    from remat.errors import InfeasibleBudget, RematError
+    from remat.gradnorm import GradNorm
+    from remat.manual.checkpoint import (
+        checkpoint,
+        checkpoint_call,
+        checkpoint_module,
+        checkpoint_sequential,
+        uncheckpoint_module,
+    )
+    from remat.manual.options import option_of
+    from remat.measure.profiler import profile
+    from remat.measure.tracer import StepMemory, measure_step
+    from remat.plan.costmodel import estimate
+    from remat.plan.solver import solve
+    from remat.records import OPTIONS, Estimate, Option, Plan, Profile
+    from remat.verifier import Report, verify
 
 __version__ = "0.1.0"
 
 _EXPORTS = {
+    "InfeasibleBudget": "remat.errors",
+    "RematError": "remat.errors",
+    "Profile": "remat.records",
+    "Plan": "remat.records",
+    "Estimate": "remat.records",
+    "Option": "remat.records",
+    "OPTIONS": "remat.records",
     "checkpoint": "remat.manual.checkpoint",
     "checkpoint_call": "remat.manual.checkpoint",
     "checkpoint_sequential": "remat.manual.checkpoint",
     "checkpoint_module": "remat.manual.checkpoint",
     "uncheckpoint_module": "remat.manual.checkpoint",
+    "option_of": "remat.manual.options",
     "measure_step": "remat.measure.tracer",
     "StepMemory": "remat.measure.tracer",
     "profile": "remat.measure.profiler",
-    "Profile": "remat.records",
-    "Plan": "remat.records",
-    "Estimate": "remat.records",
     "estimate": "remat.plan.costmodel",
     "solve": "remat.plan.solver",
-    "InfeasibleBudget": "remat.plan.solver",
     "apply": "remat.applier",
     "remove": "remat.applier",
     "applied_plan": "remat.applier",
-    "option_of": "remat.manual.options",
     "verify": "remat.verifier",
     "Report": "remat.verifier",
     "auto": "remat.autoplan",
     "GradNorm": "remat.gradnorm",
 }
 
-__all__ = sorted(_EXPORTS)
+__all__ = [
+    "OPTIONS",
+    "Estimate",
+    "GradNorm",
+    "InfeasibleBudget",
+    "Option",
+    "Plan",
+    "Profile",
+    "RematError",
+    "Report",
+    "StepMemory",
+    "applied_plan",
+    "apply",
+    "auto",
+    "checkpoint",
+    "checkpoint_call",
+    "checkpoint_module",
+    "checkpoint_sequential",
+    "estimate",
+    "measure_step",
+    "option_of",
+    "profile",
+    "remove",
+    "solve",
+    "uncheckpoint_module",
+    "verify",
+]
 
 
 def __getattr__(name: str) -> Any:

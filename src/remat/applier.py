@@ -28,12 +28,12 @@ DDP does not change the module it wraps, so a DDP-wrapped model is accepted: the
 
 from __future__ import annotations
 
-import difflib
 import logging
 from typing import Any
 
 from torch import nn
 
+from remat.errors import InvalidType, PlanMismatch, WrappingError, did_you_mean
 from remat.manual.blocks import fingerprint
 from remat.manual.options import clear_option, set_option
 from remat.records import OPTIONS, Plan
@@ -45,17 +45,9 @@ log = logging.getLogger(__name__)
 _PLAN_ATTR = "_remat_plan"
 
 
-class PlanMismatch(ValueError):
-    """The plan was made for another model."""
-
-
 # Class names, compared by name so that checking needs no torch.distributed import.
 _SHARDED = ("FSDPModule", "FullyShardedDataParallel")
 _DDP = "DistributedDataParallel"
-
-
-class WrappingError(ValueError):
-    """remat was asked to apply a plan to a model that is already sharded: the order is wrong."""
 
 
 def _mro_names(module: Any) -> set[str]:
@@ -94,15 +86,14 @@ def apply(model: nn.Module, plan: Plan, *, strict: bool = True) -> nn.Module:
     (same fingerprint); ``strict=False`` only requires the plan's block names to exist.
     """
     if not isinstance(model, nn.Module):
-        raise TypeError(f"apply expects an nn.Module, got {type(model).__name__}")
+        raise InvalidType(f"apply expects an nn.Module, got {type(model).__name__}")
     if not isinstance(plan, Plan):
-        raise TypeError(f"apply expects a remat Plan, got {type(plan).__name__}; load one with Plan.load(path)")
+        raise InvalidType(f"apply expects a remat Plan, got {type(plan).__name__}; load one with Plan.load(path)")
     wrapper, model = model, check_wrapping(model)  # NOTE [ Order: remat first, then DDP or fully_shard ]
     modules = dict(model.named_modules())
     for name, option in plan.choices.items():
         if name not in modules:
-            close = difflib.get_close_matches(name, [n for n in modules if n], n=1)
-            hint = f"; did you mean {close[0]!r}?" if close else ""
+            hint = did_you_mean(name, [n for n in modules if n])
             raise PlanMismatch(
                 f"the plan was made for a {plan.model}; its block {name!r} is not in this "
                 f"{type(model).__name__}{hint}"

@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from remat.applier import WrappingError, apply, check_wrapping
+from remat.errors import InvalidValue
 from remat.measure.profiler import profile as _profile
 from remat.plan.sharding import per_rank_profile
 from remat.records import Plan, Profile
@@ -66,9 +67,9 @@ def apply_distributed(
     The process group must be initialised (``torch.distributed.init_process_group``).
     """
     if mode not in MODES:
-        raise ValueError(f"unknown mode {mode!r}; expected one of {', '.join(map(repr, MODES))}")
+        raise InvalidValue(f"unknown mode {mode!r}; expected one of {', '.join(map(repr, MODES))}")
     if mesh is not None and mode != "fsdp":
-        raise ValueError(f"mesh= applies to mode='fsdp' only, got mode={mode!r}")
+        raise InvalidValue(f"mesh= applies to mode='fsdp' only, got mode={mode!r}")
     target = check_wrapping(model)
     is_ddp = target is not model
     if is_ddp and mode != "ddp":
@@ -77,7 +78,7 @@ def apply_distributed(
             "model (ddp.module) to shard it, or mode='ddp'"
         )
     if is_ddp and wrap_kwargs:
-        raise ValueError(
+        raise InvalidValue(
             f"the model is already wrapped by DistributedDataParallel; DDP options "
             f"{sorted(wrap_kwargs)} apply only when apply_distributed wraps it"
         )
@@ -116,7 +117,7 @@ def estimate_distributed(
     shards it with ``per_rank_profile``.
     """
     if device is None:
-        raise ValueError("estimate_distributed needs a device to estimate for, e.g. device='h100'")
+        raise InvalidValue("estimate_distributed needs a device to estimate for, e.g. device='h100'")
     single = _profile(model_factory, batch, loss_fn=loss_fn, optimizer=optimizer, blocks=blocks, device=device)
     return per_rank_profile(single, world_size=world_size, fsdp=fsdp)
 

@@ -45,6 +45,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from remat.errors import InvalidState, InvalidType, InvalidValue
+
 __all__ = ["GradNorm"]
 
 _STATE_VERSION = 1
@@ -76,16 +78,16 @@ class GradNorm:
         lr: float = 0.025,
     ) -> None:
         if isinstance(num_tasks, bool) or not isinstance(num_tasks, int) or num_tasks < 2:
-            raise ValueError(
+            raise InvalidValue(
                 f"num_tasks must be an int >= 2 (GradNorm balances several task losses), "
                 f"got {num_tasks!r}"
             )
         if not math.isfinite(alpha) or alpha < 0:
-            raise ValueError(
+            raise InvalidValue(
                 f"alpha must be a finite number >= 0 (the paper uses 0.12-3), got {alpha!r}"
             )
         if not math.isfinite(lr) or lr <= 0:
-            raise ValueError(f"lr must be a finite number > 0 (the paper uses 0.025), got {lr!r}")
+            raise InvalidValue(f"lr must be a finite number > 0 (the paper uses 0.025), got {lr!r}")
         self.num_tasks = num_tasks
         self.alpha = float(alpha)
         self.shared_params = _as_param_list(shared_params)
@@ -150,7 +152,7 @@ class GradNorm:
     def step(self) -> None:
         """Update the weights from the gradients of ``backward``, then renormalise to sum to T."""
         if self._weights.grad is None:
-            raise RuntimeError(
+            raise InvalidState(
                 "GradNorm.step() called before GradNorm.backward(losses); call backward each step "
                 "before step"
             )
@@ -175,12 +177,12 @@ class GradNorm:
         """Restore from ``state_dict()``; the number of tasks must match."""
         version = state.get("version")
         if version != _STATE_VERSION:
-            raise ValueError(
+            raise InvalidValue(
                 f"GradNorm state has version {version!r}, this remat reads version {_STATE_VERSION}; "
                 "save it again with this version of remat"
             )
         if state["num_tasks"] != self.num_tasks:
-            raise ValueError(
+            raise InvalidValue(
                 f"GradNorm state is for {state['num_tasks']} tasks, this GradNorm has "
                 f"{self.num_tasks}; build it with num_tasks={state['num_tasks']}"
             )
@@ -194,24 +196,24 @@ class GradNorm:
 
     def _check_losses(self, losses: Sequence[Tensor]) -> Tensor:
         if isinstance(losses, Tensor) or not isinstance(losses, Sequence):
-            raise TypeError(
+            raise InvalidType(
                 f"losses must be a sequence (list or tuple) of {self.num_tasks} scalar tensors, "
                 f"got {type(losses).__name__}; pass [loss_0, loss_1, ...]"
             )
         if len(losses) != self.num_tasks:
-            raise ValueError(
+            raise InvalidValue(
                 f"expected {self.num_tasks} task losses (num_tasks={self.num_tasks}), got {len(losses)}"
             )
         for i, loss in enumerate(losses):
             if not isinstance(loss, Tensor):
-                raise TypeError(f"loss {i} must be a tensor, got {type(loss).__name__}")
+                raise InvalidType(f"loss {i} must be a tensor, got {type(loss).__name__}")
             if loss.dim() != 0:
-                raise ValueError(
+                raise InvalidValue(
                     f"loss {i} must be a scalar (0-dim) tensor, got shape {tuple(loss.shape)}; "
                     "reduce it first, e.g. loss.mean()"
                 )
             if not loss.requires_grad:
-                raise ValueError(
+                raise InvalidValue(
                     f"loss {i} does not require grad; compute the losses with autograd enabled "
                     "(not under torch.no_grad()) from the model's outputs"
                 )
@@ -220,7 +222,7 @@ class GradNorm:
     def _shared_grad_norm(self, loss: Tensor, index: int) -> Tensor:
         grads = torch.autograd.grad(loss, self.shared_params, retain_graph=True, allow_unused=True)
         if any(g is None for g in grads):
-            raise ValueError(
+            raise InvalidValue(
                 f"loss {index} does not depend on every shared parameter; GradNorm balances the "
                 "tasks' gradients on parameters that all tasks use: pass the last shared layer's "
                 "weight as shared_params"
@@ -239,15 +241,15 @@ def _as_param_list(shared_params: Tensor | Iterable[Tensor] | nn.Module) -> list
     else:
         params = list(shared_params)
     if not params:
-        raise ValueError(
+        raise InvalidValue(
             "shared_params is empty; pass the shared parameters to balance, usually the last shared "
             "layer's weight (e.g. model.trunk[-1].weight)"
         )
     for i, p in enumerate(params):
         if not isinstance(p, Tensor):
-            raise TypeError(f"shared_params[{i}] must be a tensor, got {type(p).__name__}")
+            raise InvalidType(f"shared_params[{i}] must be a tensor, got {type(p).__name__}")
         if not p.requires_grad:
-            raise ValueError(
+            raise InvalidValue(
                 f"shared_params[{i}] (shape {tuple(p.shape)}) does not require grad; GradNorm needs "
                 "the gradient of each task's loss on it: pass trainable shared parameters"
             )
@@ -256,7 +258,7 @@ def _as_param_list(shared_params: Tensor | Iterable[Tensor] | nn.Module) -> list
 
 def _check_initial_losses(losses: Tensor) -> Tensor:
     if not torch.isfinite(losses).all() or (losses <= 0).any():
-        raise ValueError(
+        raise InvalidValue(
             f"the first losses set L_i(0) and must be finite and > 0 (loss ratios divide by them), "
             f"got {losses.tolist()}; check the losses, or add a small constant to a loss that can be 0"
         )

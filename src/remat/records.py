@@ -18,12 +18,17 @@ import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeAlias, TypeVar, get_args
+
+from remat.errors import InvalidType, RecordError
 
 __all__ = [
+    "CHECKPOINT_OPTIONS",
     "OPTIONS",
     "BlockProfile",
+    "CheckpointOption",
     "Estimate",
+    "Option",
     "OptionCost",
     "Plan",
     "Profile",
@@ -35,12 +40,21 @@ __all__ = [
 PROFILE_SCHEMA = 1
 PLAN_SCHEMA = 1
 
+# NOTE [ One option vocabulary ]
+# What a block does with its activations is an *option*, spelt the same everywhere: in a Profile's
+# ``BlockProfile.options``, a Plan's ``choices``, ``remat.apply``, the per-module
+# ``remat.option_of``, the command line and the docs. The manual API (``remat.checkpoint_call``,
+# ``checkpoint_module``, ``checkpoint_sequential``) takes one as ``mode=``: every option but
+# ``keep`` (which is not checkpointing), ``recompute`` first as its default.
+
+#: What a block does with its activations (NOTE [ One option vocabulary ]).
+Option: TypeAlias = Literal["keep", "selective", "recompute", "offload", "recompute_offload"]
 #: Every option a block can take, in order from most memory to least extra time.
-OPTIONS: tuple[str, ...] = ("keep", "selective", "recompute", "offload", "recompute_offload")
-
-
-class RecordError(ValueError):
-    """A record file that cannot be read: wrong kind, wrong schema version, or malformed."""
+OPTIONS: tuple[Option, ...] = get_args(Option)
+#: The options a checkpoint runs with: every option but ``keep``, the default first.
+CheckpointOption: TypeAlias = Literal["recompute", "selective", "offload", "recompute_offload"]
+CHECKPOINT_OPTIONS: tuple[CheckpointOption, ...] = get_args(CheckpointOption)
+assert set(CHECKPOINT_OPTIONS) == set(OPTIONS) - {"keep"}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -297,7 +311,7 @@ def _build(cls: Any, data: dict[str, Any]) -> Any:
         kwargs[f.name] = _convert(cls, f.name, value)
     unknown = set(data) - {f.name for f in dataclasses.fields(cls)}
     if unknown:
-        raise TypeError(f"unknown fields {sorted(unknown)} for {cls.__name__}")
+        raise InvalidType(f"unknown fields {sorted(unknown)} for {cls.__name__}")
     return cls(**kwargs)
 
 

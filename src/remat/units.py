@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import re
 
+from remat.errors import InvalidType, InvalidValue
+
 __all__ = ["format_bytes", "parse_budget", "parse_bytes"]
 
 _UNITS = {
@@ -32,29 +34,29 @@ _PERCENT_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*%\s*$")
 def parse_bytes(value: int | float | str) -> int:
     """``6442450944``, ``"6GiB"``, ``"6.5GB"``, ``"800MiB"``, ``"512k"`` -> bytes as an int."""
     if isinstance(value, bool):
-        raise TypeError(f"expected a byte count (int) or a string like '6GiB', got {value!r}")
+        raise InvalidType(f"expected a byte count (int) or a string like '6GiB', got {value!r}")
     if isinstance(value, int):
         if value <= 0:
-            raise ValueError(f"a byte count must be positive, got {value}")
+            raise InvalidValue(f"a byte count must be positive, got {value}")
         return value
     if isinstance(value, float):
         if value <= 0 or value != value:
-            raise ValueError(f"a byte count must be positive, got {value}")
+            raise InvalidValue(f"a byte count must be positive, got {value}")
         return int(value)
     if not isinstance(value, str):
-        raise TypeError(
+        raise InvalidType(
             f"expected a byte count (int) or a string like '6GiB', got {type(value).__name__}"
         )
     match = _BYTES_RE.match(value)
     unit = match.group(2).lower() if match else None
     if match is None or unit not in _UNITS:
-        raise ValueError(
+        raise InvalidValue(
             f"cannot read {value!r} as a size: expected a number with an optional unit "
             "(B, KB, MB, GB, TB, KiB, MiB, GiB, TiB), e.g. '6GiB', '6.5GB', '800MiB'"
         )
     number = float(match.group(1))
     if number <= 0:
-        raise ValueError(f"a size must be positive, got {value!r}")
+        raise InvalidValue(f"a size must be positive, got {value!r}")
     return int(number * _UNITS[unit])
 
 
@@ -65,12 +67,12 @@ def parse_budget(value: int | float | str, *, plain_peak_bytes: int | None = Non
         if match:
             share = float(match.group(1)) / 100.0
             if plain_peak_bytes is None:
-                raise ValueError(
+                raise InvalidValue(
                     f"budget {value!r} is a share of the plain step's peak, which is not known here; "
                     "give the budget in bytes instead, e.g. '6GiB'"
                 )
             if share <= 0:
-                raise ValueError(f"a budget must be positive, got {value!r}")
+                raise InvalidValue(f"a budget must be positive, got {value!r}")
             return int(plain_peak_bytes * share)
     return parse_bytes(value)
 

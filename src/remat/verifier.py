@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from remat.applier import applied_plan, apply, remove
+from remat.errors import InvalidValue
 from remat.measure import step as _step
 from remat.measure.tracer import StepMemory, measure_step
 from remat.records import Plan
@@ -97,7 +98,7 @@ def verify(
     gradients, optimizer state and RNG state untouched.
     """
     if repeats < 1:
-        raise ValueError(f"repeats must be >= 1, got {repeats}")
+        raise InvalidValue(f"repeats must be >= 1, got {repeats}")
     previous = applied_plan(model)
     try:
         remove(model)

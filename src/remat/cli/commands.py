@@ -31,6 +31,7 @@ from remat.cli.common import (
     say,
 )
 from remat.cli.targets import ModelArgs, load_target, measured_device
+from remat.errors import InvalidValue
 from remat.plan.solver import METHODS
 from remat.units import format_bytes, parse_budget
 
@@ -348,7 +349,7 @@ def verify_cmd(
     remove(target.model)
     shape = _step.batch_shape(target.batch)
     if shape != plan.batch_shape:
-        raise ValueError(
+        raise InvalidValue(
             f"the plan was made for a batch of shape {plan.batch_shape}; this batch has shape "
             f"{shape}, with other activations: make a plan for this batch, or pass the plan's "
             "--batch/--seq"

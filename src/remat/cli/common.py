@@ -6,8 +6,12 @@ wrong with what it was given or found: an unknown model, a factory that fails, a
 be read, an infeasible budget, a plan made for another model, a plan that does not fit or fails
 verification. 2: the command line itself is malformed, which click reports before anything runs:
 an unknown option, a missing one, a value of the wrong form (a budget that does not parse, an
-unknown device, method or dtype). remat's own errors are ``ValueError`` subclasses with messages
-that teach; they become one ``Error: ...`` line (``remat --traceback ...`` shows the traceback).
+unknown device, method or dtype). 130: a training run stopped with Ctrl-C. remat's own errors are
+``RematError`` subclasses (NOTE [ One base, the builtin it always was ] in ``remat.errors``) with
+messages that teach; they, a file that cannot be read or written, a missing optional dependency and
+running out of memory become one ``Error: ...`` line, exit 1 (``remat --traceback ...`` shows the
+traceback). Any other exception is a bug, in remat or in the code it ran: it shows as one, with
+its traceback, after a line asking for a report (exit 1, Python's own).
 With ``--json``, an error is also written to stdout as ``{"error": ..., "type": ...}``.
 """
 
@@ -27,6 +31,7 @@ from rich.table import Table
 from remat.cli.targets import DTYPES as _DTYPES
 from remat.cli.targets import ModelArgs, Target, measured_device
 from remat.devices import DEVICES
+from remat.errors import RematError
 from remat.units import format_bytes, parse_budget
 
 if TYPE_CHECKING:
@@ -38,8 +43,14 @@ _F = TypeVar("_F", bound=Callable[..., Any])
 
 OPTIMIZERS = ("adamw", "sgd", "none")
 BUDGET_METHODS = ("optimal", "greedy")
-# What a user's mistake raises in remat (its errors are ValueError subclasses) and in their code.
-_USER_ERRORS = (ValueError, TypeError, OSError, ImportError)
+# What becomes one "Error: ..." line: remat's own errors, and the environment's (a file that cannot
+# be read or written, an optional dependency missing). Anything else is a bug.
+_EXPECTED = (RematError, OSError, ImportError)
+_BUG_LINE = (
+    "remat: this is a bug, in remat or in the code it ran (the model, batch or loss function): "
+    "please report it, with the command line and the traceback below, unless the traceback "
+    "ends in your own code."
+)
 
 MODEL_HELP = (
     "A zoo name (gpt-tiny, gpt2, gpt2-xl, llama-1b, llama-8b, llama-70b, bert-large, vit-l, ...) "
@@ -116,19 +127,21 @@ class StageProgress:
 
 
 def handle_errors(fn: _F) -> _F:
-    """remat's errors and a user's code's errors as ``Error: ...``, exit 1 (NOTE [ Exit codes and
-    errors ]); anything else is a bug and keeps its traceback."""
+    """remat's errors (``RematError``), the environment's and running out of memory as one
+    ``Error: ...`` line, exit 1 (NOTE [ Exit codes and errors ]); anything else is a bug: it keeps
+    its traceback, after a line that asks for a report."""
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
             return fn(*args, **kwargs)
-        except click.ClickException:
+        except (click.ClickException, click.exceptions.Exit, click.exceptions.Abort):
             raise
-        except (*_USER_ERRORS, RuntimeError) as e:
-            if isinstance(e, RuntimeError) and not out_of_memory(e):
-                raise
+        except Exception as e:
             if click.get_current_context().find_root().params.get("show_traceback"):
+                raise
+            if not isinstance(e, _EXPECTED) and not out_of_memory(e):
+                click.echo(_BUG_LINE, err=True)
                 raise
             message = str(e) or type(e).__name__
             if out_of_memory(e):

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
+from remat.errors import InvalidType, InvalidValue, did_you_mean
 from remat.units import format_bytes
 
 if TYPE_CHECKING:
@@ -113,7 +114,7 @@ def _zoo_target(
     if device == "cpu":
         _check_host_memory(args, dtype.itemsize)
     elif not torch.cuda.is_available():
-        raise ValueError(
+        raise InvalidValue(
             f"--device {device}: CUDA is not available here (torch {torch.__version__}); measure "
             "on cpu, or estimate for a GPU by name (--device h100, rtx4090, ...)"
         )
@@ -134,7 +135,7 @@ def _check_host_memory(args: ModelArgs, itemsize: int) -> None:
     copies = 2 + {"adamw": 2, "sgd": 0, "none": 0}[args.optimizer]
     need = (params or 0) * itemsize * copies
     if need > ram // 2:
-        raise ValueError(
+        raise InvalidValue(
             f"{args.model} needs about {format_bytes(need)} for its parameters, gradients and "
             f"optimizer state alone, too much to measure in this machine's {format_bytes(ram)}; "
             f"estimate it for a device instead, e.g. --device h100"
@@ -144,7 +145,7 @@ def _check_host_memory(args: ModelArgs, itemsize: int) -> None:
 def _import_factory(ref: str) -> Callable[[], Any]:
     module_name, _, attr = ref.partition(":")
     if not module_name or not attr:
-        raise ValueError(
+        raise InvalidValue(
             f"--model {ref!r}: expected a zoo name or module:function (e.g. mypkg.models:make)"
         )
     if os.getcwd() not in sys.path:  # as `python -m` does: factories next to the user's code
@@ -152,20 +153,17 @@ def _import_factory(ref: str) -> Callable[[], Any]:
     try:
         obj: Any = importlib.import_module(module_name)
     except Exception as e:  # a user's module may fail to import in any way; say which and why
-        raise ValueError(
+        raise InvalidValue(
             f"cannot import module {module_name!r} for --model {ref}: {type(e).__name__}: {e}"
         ) from e
     for part in attr.split("."):
         if not hasattr(obj, part):
-            import difflib
-
             names = [n for n in dir(obj) if not n.startswith("_")]
-            close = difflib.get_close_matches(part, names, n=1)
-            hint = f"; did you mean {close[0]!r}?" if close else ""
-            raise ValueError(f"module {module_name!r} has no attribute {attr!r}{hint}")
+            hint = did_you_mean(part, names)
+            raise InvalidValue(f"module {module_name!r} has no attribute {attr!r}{hint}")
         obj = getattr(obj, part)
     if not callable(obj):
-        raise TypeError(f"--model {ref}: {attr} is a {type(obj).__name__}, not a function")
+        raise InvalidType(f"--model {ref}: {attr} is a {type(obj).__name__}, not a function")
     return obj  # type: ignore[no-any-return]
 
 
@@ -176,14 +174,14 @@ def _call_factory(factory: Callable[[], Any], args: ModelArgs) -> tuple[nn.Modul
     try:
         result = factory()
     except Exception as e:
-        raise ValueError(f"the factory {args.model} raised {type(e).__name__}: {e}") from e
+        raise InvalidValue(f"the factory {args.model} raised {type(e).__name__}: {e}") from e
     if isinstance(result, nn.Module):
         from remat.models import loss_fn_for, make_batch
 
         try:
             loss_fn = loss_fn_for(result)
         except TypeError:
-            raise TypeError(
+            raise InvalidType(
                 f"the factory {args.model} returned a {type(result).__name__} alone; remat can make "
                 "a batch only for its own models (remat.models), so return (model, batch, loss_fn)"
             ) from None
@@ -198,12 +196,12 @@ def _call_factory(factory: Callable[[], Any], args: ModelArgs) -> tuple[nn.Modul
         and (len(result) == 2 or result[2] is None or callable(result[2]))
     ):
         if args.batch is not None or args.seq is not None:
-            raise ValueError(
+            raise InvalidValue(
                 f"the factory {args.model} makes its own batch; --batch and --seq apply to zoo "
                 "models and to factories that return a remat.models model alone"
             )
         return result[0], result[1], result[2] if len(result) == 3 else None
-    raise TypeError(
+    raise InvalidType(
         f"the factory {args.model} returned {type(result).__name__}; expected (model, batch, "
         "loss_fn) with model an nn.Module, or a remat.models model alone"
     )

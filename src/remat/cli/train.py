@@ -20,6 +20,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
+from remat.errors import RematError
 from remat.models import GPTConfig, LlamaConfig
 from remat.plan.solver import InfeasibleBudget
 from remat.train import PRECISIONS, TrainConfig, TrainInterrupted, TrainResult, train
@@ -146,7 +147,7 @@ def train_command(ctx: click.Context, **options: Any) -> None:
         if isinstance(e, InfeasibleTraining):
             console.print(accumulation_table(e.candidates, title=bar.titled(e.budget_bytes)))
         raise click.ClickException(str(e)) from None
-    except (CheckpointError, ValueError, TypeError) as e:
+    except RematError as e:  # NOTE [ Exit codes and errors ] in remat.cli.common
         bar.stop()
         raise click.ClickException(str(e)) from None
     bar.stop()

@@ -8,7 +8,6 @@ children of a top-level ``nn.Sequential``. Named: glob patterns over module name
 
 from __future__ import annotations
 
-import difflib
 import fnmatch
 import hashlib
 from collections import Counter
@@ -16,11 +15,9 @@ from collections.abc import Sequence
 
 from torch import nn
 
+from remat.errors import BlockError, InvalidType, did_you_mean
+
 __all__ = ["BlockError", "find_blocks", "fingerprint"]
-
-
-class BlockError(ValueError):
-    """No blocks could be found, or the ones named do not fit."""
 
 
 def _param_count(module: nn.Module) -> int:
@@ -47,12 +44,12 @@ def find_blocks(
 ) -> list[tuple[str, nn.Module]]:
     """The blocks of ``model`` as (qualified name, module), in definition order."""
     if not isinstance(model, nn.Module):
-        raise TypeError(f"expected an nn.Module, got {type(model).__name__}")
+        raise InvalidType(f"expected an nn.Module, got {type(model).__name__}")
     names = {id(m): n for n, m in model.named_modules()}
     if blocks is None:
         found = _auto(model)
     elif isinstance(blocks, str):
-        raise TypeError(f"blocks= takes a list of patterns, e.g. [{blocks!r}], not a string")
+        raise InvalidType(f"blocks= takes a list of patterns, e.g. [{blocks!r}], not a string")
     elif all(isinstance(b, str) for b in blocks):
         found = _by_pattern(model, [str(b) for b in blocks])
     elif all(isinstance(b, nn.Module) for b in blocks):
@@ -63,7 +60,7 @@ def find_blocks(
                 raise BlockError(f"a {type(b).__name__} passed in blocks= is not a submodule of the model")
             found.append((names[id(b)], b))
     else:
-        raise TypeError("blocks= takes a list of glob patterns (str) or a list of modules, not a mix")
+        raise InvalidType("blocks= takes a list of glob patterns (str) or a list of modules, not a mix")
     _check_disjoint(found)
     return found
 
@@ -92,8 +89,7 @@ def _by_pattern(model: nn.Module, patterns: list[str]) -> list[tuple[str, nn.Mod
     for pattern in patterns:
         hits = [(n, m) for n, m in modules if fnmatch.fnmatchcase(n, pattern)]
         if not hits:
-            close = difflib.get_close_matches(pattern, [n for n, _ in modules], n=3)
-            hint = f"; did you mean {', '.join(repr(c) for c in close)}?" if close else ""
+            hint = did_you_mean(pattern, [n for n, _ in modules], n=3)
             raise BlockError(f"the pattern {pattern!r} matches no module of {type(model).__name__}{hint}")
         found.extend(h for h in hits if h not in found)
     # A pattern like "layers.*" also matches "layers.0.attn": keep the outermost matches only.

@@ -32,6 +32,9 @@ from torch.utils.checkpoint import (
     checkpoint as _torch_checkpoint,
 )
 
+from remat.errors import InvalidType, InvalidValue
+from remat.records import CHECKPOINT_OPTIONS, CheckpointOption
+
 __all__ = [
     "MODES",
     "SAVE_OPS",
@@ -47,7 +50,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 #: How a checkpointed call keeps what backward needs.
-MODES = ("recompute", "selective", "offload", "recompute_offload")
+MODES = CHECKPOINT_OPTIONS  # NOTE [ One option vocabulary ] in remat.records
 
 
 def _aten_ops(*names: str) -> frozenset[Any]:
@@ -186,7 +189,7 @@ def checkpoint_call(
     args: Sequence[Any] = (),
     kwargs: dict[str, Any] | None = None,
     *,
-    mode: str = "recompute",
+    mode: CheckpointOption = "recompute",
     policy: Callable[..., Any] | Iterable[Any] | None = None,
 ) -> Any:
     """``checkpoint`` with its options spelled out, so that no name is taken from ``fn``'s kwargs.
@@ -203,14 +206,14 @@ def checkpoint_call(
     """
     kwargs = kwargs or {}
     if not callable(fn):
-        raise TypeError(
+        raise InvalidType(
             f"remat.checkpoint expects a module or a callable as its first argument, got "
             f"{type(fn).__name__}; write remat.checkpoint(layer, x), not remat.checkpoint(x, layer)"
         )
     if mode not in MODES:
-        raise ValueError(f"unknown mode {mode!r}; expected one of {', '.join(MODES)}")
+        raise InvalidValue(f"unknown mode {mode!r}; expected one of {', '.join(MODES)}")
     if policy is not None and mode != "selective":
-        raise ValueError(f"policy= applies to mode='selective' only, got mode={mode!r}")
+        raise InvalidValue(f"policy= applies to mode='selective' only, got mode={mode!r}")
     if _runs_plainly(fn):
         return fn(*args, **kwargs)
     if policy is not None and not callable(policy):
@@ -278,7 +281,7 @@ def checkpoint_sequential(
     x: Any,
     *,
     segments: int,
-    mode: str = "recompute",
+    mode: CheckpointOption = "recompute",
 ) -> Any:
     """Run ``blocks`` one after another on ``x`` in ``segments`` checkpointed segments.
 
@@ -288,12 +291,12 @@ def checkpoint_sequential(
     """
     items = list(blocks.children()) if isinstance(blocks, nn.Sequential) else list(blocks)
     if not items:
-        raise ValueError("checkpoint_sequential got no blocks; pass an nn.Sequential or a list of callables")
+        raise InvalidValue("checkpoint_sequential got no blocks; pass an nn.Sequential or a list of callables")
     for i, item in enumerate(items):
         if not callable(item):
-            raise TypeError(f"block {i} is a {type(item).__name__}, not a module or callable")
+            raise InvalidType(f"block {i} is a {type(item).__name__}, not a module or callable")
     if isinstance(segments, bool) or not isinstance(segments, int) or not 1 <= segments <= len(items):
-        raise ValueError(
+        raise InvalidValue(
             f"segments must be an int between 1 and the number of blocks ({len(items)}), got {segments!r}"
         )
     bounds = [round(i * len(items) / segments) for i in range(segments + 1)]
@@ -322,7 +325,7 @@ _ORIGINAL = "_remat_original_forward"
 def checkpoint_module(
     module: nn.Module,
     *,
-    mode: str = "recompute",
+    mode: CheckpointOption = "recompute",
     policy: Callable[..., Any] | Iterable[Any] | None = None,
 ) -> nn.Module:
     """Make every call of ``module`` checkpointed, in place; returns the same module.
@@ -333,9 +336,9 @@ def checkpoint_module(
     mode.
     """
     if not isinstance(module, nn.Module):
-        raise TypeError(f"checkpoint_module expects an nn.Module, got {type(module).__name__}")
+        raise InvalidType(f"checkpoint_module expects an nn.Module, got {type(module).__name__}")
     if mode not in MODES:
-        raise ValueError(f"unknown mode {mode!r}; expected one of {', '.join(MODES)}")
+        raise InvalidValue(f"unknown mode {mode!r}; expected one of {', '.join(MODES)}")
     uncheckpoint_module(module)
     original = module.forward
     object.__setattr__(module, _ORIGINAL, original)

@@ -10,11 +10,12 @@ does it for every block at once.
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, cast
 
 from torch import nn
 
 from remat.manual import checkpoint
+from remat.records import CheckpointOption
 
 __all__ = ["clear_option", "option_of", "set_option"]
 
@@ -27,7 +28,7 @@ def set_option(module: nn.Module, option: str) -> None:
     if option == "keep":
         checkpoint.uncheckpoint_module(module)
     else:
-        checkpoint.checkpoint_module(module, mode=option)
+        checkpoint.checkpoint_module(module, mode=cast(CheckpointOption, option))  # it checks
 
 
 # NOTE [ transformers layers ]
@@ -78,7 +79,7 @@ def _hf_call(option: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
     layer = fn.args[0] if isinstance(fn, functools.partial) and fn.args else None
     if not getattr(layer, "_can_checkpoint_with_cache", False):
         args = tuple(None if _is_cache(a) else a for a in args)
-    return checkpoint.checkpoint_call(fn, args, kwargs, mode=option)
+    return checkpoint.checkpoint_call(fn, args, kwargs, mode=cast(CheckpointOption, option))  # it checks
 
 
 def _is_cache(obj: Any) -> bool:

@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 from remat.devices import ROOFLINE_EFFICIENCY, DeviceSpec, get_device
+from remat.errors import InvalidType, InvalidValue, ProfileError
 from remat.manual.blocks import find_blocks, fingerprint
 from remat.manual.options import option_of, set_option
 from remat.measure import step as _step
@@ -49,10 +50,6 @@ __all__ = ["ProfileError", "profile"]
 log = logging.getLogger(__name__)
 
 _RUN_OPTIONS = ("keep", "selective", "recompute")
-
-
-class ProfileError(ValueError):
-    """The model cannot be profiled as given (a block that runs twice, no gradients, ...)."""
 
 
 def profile(
@@ -86,10 +83,10 @@ def profile(
             ``remat.plan.sharding.per_rank_profile``.
     """
     if repeats < 1:
-        raise ValueError(f"repeats must be >= 1, got {repeats}")
+        raise InvalidValue(f"repeats must be >= 1, got {repeats}")
     if device is None or (isinstance(device, str) and device.split(":")[0] in ("cuda",)):
         if not isinstance(model, nn.Module):
-            raise TypeError(
+            raise InvalidType(
                 f"measured mode needs the model itself (an nn.Module), got {type(model).__name__}; "
                 "pass device='h100' (or another spec) to estimate from a factory"
             )
@@ -496,12 +493,12 @@ def _estimated(
     from remat.measure.fake import FakeMeter
 
     if isinstance(factory, nn.Module):
-        raise TypeError(
+        raise InvalidType(
             "estimated mode builds the model inside FakeTensorMode, so it needs a factory: "
             "pass model=lambda: MyModel(config) instead of a built module"
         )
     if isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(
+        raise InvalidType(
             "estimated mode needs the optimizer as a factory, e.g. "
             "optimizer=lambda params: torch.optim.AdamW(params)"
         )
@@ -511,7 +508,7 @@ def _estimated(
     with fake_mode:
         model = factory()
         if not isinstance(model, nn.Module):
-            raise TypeError(f"the model factory returned a {type(model).__name__}, not an nn.Module")
+            raise InvalidType(f"the model factory returned a {type(model).__name__}, not an nn.Module")
         fake_batch = batch() if callable(batch) else _to_fake(fake_mode, batch)
         opt = optimizer(model.parameters()) if optimizer is not None else None
         named = find_blocks(model, blocks)

@@ -20,6 +20,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from remat.errors import InvalidType
+
 __all__ = [
     "Batch",
     "LossFn",
@@ -55,7 +57,7 @@ def default_loss(output: Any, batch: Batch) -> torch.Tensor:
     if isinstance(output, Mapping):
         output = next(iter(output.values()))
     if not isinstance(output, torch.Tensor):
-        raise TypeError(
+        raise InvalidType(
             f"cannot make a loss from a model output of type {type(output).__name__}; "
             "pass loss_fn=lambda output, batch: ... that returns a scalar tensor"
         )
@@ -66,7 +68,7 @@ def forward_loss(model: Callable[..., Any], batch: Batch, loss_fn: LossFn | None
     output = call_model(model, batch)
     loss = (loss_fn or default_loss)(output, batch)
     if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
-        raise TypeError(
+        raise InvalidType(
             f"loss_fn must return a scalar tensor, got "
             f"{tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__}"
         )

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from remat.errors import InvalidState, InvalidType, InvalidValue, UnknownKey
 from remat.measure import step as _step
 
 __all__ = ["MemoryTracer", "StepMemory", "TimelinePoint", "Trace", "measure_step"]
@@ -64,14 +65,14 @@ class Trace:
         for m in self.marks:
             if m.label == label:
                 return m
-        raise KeyError(f"no mark {label!r} in this trace; marks: {[m.label for m in self.marks][:8]}...")
+        raise UnknownKey(f"no mark {label!r} in this trace; marks: {[m.label for m in self.marks][:8]}...")
 
     def peak_between(self, start: str, stop: str) -> int:
         """Highest live bytes from mark ``start`` to mark ``stop`` (both included)."""
         labels = [m.label for m in self.marks]
         i, j = labels.index(start), labels.index(stop)
         if j < i:
-            raise ValueError(f"mark {stop!r} comes before {start!r}")
+            raise InvalidValue(f"mark {stop!r} comes before {start!r}")
         return max([self.marks[i].live_bytes] + [m.peak_bytes for m in self.marks[i + 1 : j + 1]])
 
 
@@ -180,7 +181,7 @@ class MemoryTracer:
     @property
     def trace(self) -> Trace:
         if self._trace is None:
-            raise RuntimeError("the tracer has not finished: read .trace after the with block")
+            raise InvalidState("the tracer has not finished: read .trace after the with block")
         return self._trace
 
 
@@ -248,9 +249,9 @@ def measure_step(
     back afterwards: measuring trains nothing.
     """
     if not isinstance(model, nn.Module):
-        raise TypeError(f"measure_step expects an nn.Module, got {type(model).__name__}")
+        raise InvalidType(f"measure_step expects an nn.Module, got {type(model).__name__}")
     if repeats < 0 or warmup < 0:
-        raise ValueError(f"repeats and warmup must be >= 0, got repeats={repeats}, warmup={warmup}")
+        raise InvalidValue(f"repeats and warmup must be >= 0, got repeats={repeats}, warmup={warmup}")
     device = _step.batch_device(model, batch)
     with _step.preserved(model, optimizer):
         for _ in range(warmup):

@@ -37,6 +37,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from remat.errors import InvalidType, InvalidValue
+
 __all__ = [
     "GPT",
     "Batch",
@@ -71,7 +73,7 @@ LossFn: TypeAlias = Callable[[Any, Batch], torch.Tensor]
 
 def _check(ok: bool, message: str) -> None:
     if not ok:
-        raise ValueError(message)
+        raise InvalidValue(message)
 
 
 # ---------------------------------------------------------------------------------------- GPT
@@ -586,7 +588,7 @@ def build_model(config: ModelConfig, *, dtype: torch.dtype = torch.float32,
     """
     cls = _MODELS.get(type(config))
     if cls is None:
-        raise TypeError(f"expected one of {sorted(c.__name__ for c in _MODELS)}, "
+        raise InvalidType(f"expected one of {sorted(c.__name__ for c in _MODELS)}, "
                         f"got {type(config).__name__}")
     _check(dtype.is_floating_point, f"dtype must be a floating point type, got {dtype}")
     with _default_dtype(dtype), torch.device(device):
@@ -597,7 +599,7 @@ def _config_of(model_or_config: nn.Module | ModelConfig) -> ModelConfig:
     if isinstance(model_or_config, nn.Module):
         config = getattr(model_or_config, "config", None)
         if not isinstance(config, GPTConfig | LlamaConfig | ConvNetConfig | BertConfig | ViTConfig):
-            raise TypeError(f"{type(model_or_config).__name__} is not one of remat's built-in "
+            raise InvalidType(f"{type(model_or_config).__name__} is not one of remat's built-in "
                             "models (GPT, Llama, ConvNet, Bert, ViT)")
         return config
     return model_or_config

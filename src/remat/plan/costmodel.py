@@ -9,11 +9,11 @@ assignment reaches. Pure numbers: no torch, no numpy, no I/O.
 
 from __future__ import annotations
 
-import difflib
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from remat.errors import InvalidType, InvalidValue, did_you_mean
 from remat.records import OPTIONS, Estimate, OptionCost, Profile
 from remat.units import format_bytes
 
@@ -114,21 +114,21 @@ def _phases(profile: Profile, costs: Sequence[OptionCost]) -> list[_Phase]:
 def _chosen_costs(profile: Profile, choices: Mapping[str, str]) -> list[OptionCost]:
     """Validate ``choices`` against the profile and return the chosen cost of each block, in order."""
     if not isinstance(choices, Mapping):
-        raise TypeError(
+        raise InvalidType(
             f"expected choices as a mapping of block name -> option, got {type(choices).__name__}"
         )
     names = [b.name for b in profile.blocks]
     known = set(names)
     for name in choices:
         if name not in known:
-            raise ValueError(
+            raise InvalidValue(
                 f"choices name block {name!r}, which is not in this profile of {profile.model}; "
                 f"expected one of its {len(names)} blocks ({_preview(names)})"
-                f"{_did_you_mean(name, names)}"
+                f"{did_you_mean(name, names)}"
             )
     missing = [n for n in names if n not in choices]
     if missing:
-        raise ValueError(
+        raise InvalidValue(
             f"choices give no option for {len(missing)} of {len(names)} blocks "
             f"({_preview(missing)}); expected one option per block, e.g. {{{missing[0]!r}: 'keep'}}"
         )
@@ -141,17 +141,12 @@ def _chosen_costs(profile: Profile, choices: Mapping[str, str]) -> list[OptionCo
                 set(block.options) - set(OPTIONS)
             )
             where = f" on device {profile.device!r}" if option in OPTIONS else ""
-            raise ValueError(
+            raise InvalidValue(
                 f"block {block.name!r} does not offer option {option!r}{where}; expected one of "
-                f"{offered}{_did_you_mean(str(option), offered)}"
+                f"{offered}{did_you_mean(str(option), offered)}"
             )
         costs.append(cost)
     return costs
-
-
-def _did_you_mean(word: str, candidates: Sequence[str]) -> str:
-    close = difflib.get_close_matches(word, candidates, n=1)
-    return f"; did you mean {close[0]!r}?" if close else ""
 
 
 def _preview(names: Sequence[str], limit: int = 4) -> str:
@@ -226,19 +221,19 @@ def chain_constraints(profile: Profile, options: Sequence[str] | None = None) ->
         options = offered
     not_offered = [o for o in options if o not in offered]
     if not_offered:
-        raise ValueError(
+        raise InvalidValue(
             f"options {not_offered} are not offered by every block of this profile; expected a "
-            f"subset of {list(offered)}{_did_you_mean(str(not_offered[0]), offered)}"
+            f"subset of {list(offered)}{did_you_mean(str(not_offered[0]), offered)}"
         )
     if profile.blocks and not options:
-        raise ValueError(
+        raise InvalidValue(
             f"the blocks of this {profile.model} profile have no option in common (each offers "
             f"some of {list(OPTIONS)}); re-profile it so that every block offers at least 'keep'"
         )
     names = [b.name for b in profile.blocks]
     if len(set(names)) != len(names):
         duplicate = next(n for n in names if names.count(n) > 1)
-        raise ValueError(
+        raise InvalidValue(
             f"block name {duplicate!r} appears twice in this profile; expected unique names"
         )
     options = tuple(o for o in OPTIONS if o in options) + tuple(
@@ -253,7 +248,7 @@ def chain_constraints(profile: Profile, options: Sequence[str] | None = None) ->
         costs = [block.options[o] for o in options]
         for o, c in zip(options, costs):
             if not math.isfinite(c.extra_ms):
-                raise ValueError(
+                raise InvalidValue(
                     f"block {block.name!r} option {o!r} has extra_ms={c.extra_ms}; expected a "
                     "finite number of milliseconds (re-profile the model)"
                 )

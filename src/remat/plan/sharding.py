@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from remat.errors import InvalidType, InvalidValue
 from remat.plan.costmodel import estimate
 from remat.records import BlockProfile, Profile
 
@@ -63,11 +64,11 @@ def per_rank_profile(profile: Profile, *, world_size: int, fsdp: bool) -> Profil
     arithmetic: the cost model and the solvers read the result like any other profile.
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size must be an int >= 1 (ranks in the job), got {world_size!r}")
+        raise InvalidValue(f"world_size must be an int >= 1 (ranks in the job), got {world_size!r}")
     if not isinstance(fsdp, bool):
-        raise TypeError(f"fsdp must be True or False, got {fsdp!r}")
+        raise InvalidType(f"fsdp must be True or False, got {fsdp!r}")
     if profile.world_size != 1 or profile.fsdp or profile.gather_bytes:
-        raise ValueError(
+        raise InvalidValue(
             f"this profile is already per rank (world_size={profile.world_size}, "
             f"fsdp={profile.fsdp}); pass the single-device profile"
         )

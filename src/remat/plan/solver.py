@@ -8,7 +8,6 @@ cost model, ``remat.plan.costmodel``. Pure: no torch, no I/O, deterministic.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import heapq
 import math
 from collections.abc import Sequence
@@ -16,6 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from remat.errors import InfeasibleBudget, InvalidValue, did_you_mean
 from remat.plan.costmodel import ChainConstraints, chain_constraints, estimate, smallest_feasible
 from remat.records import Plan, Profile
 from remat.units import format_bytes, parse_budget
@@ -37,19 +37,6 @@ _ROUGH_WIDTH = 64  # partial plans per block in the search for a first, good pla
 _DROPPED = 2**63 - 1  # the rank of a partial plan that is out
 
 
-class InfeasibleBudget(ValueError):
-    """No plan (of the method asked for) brings the step's peak under the budget."""
-
-    def __init__(self, message: str, *, budget_bytes: int, smallest_bytes: int, dominant: str):
-        super().__init__(message)
-        self.budget_bytes = budget_bytes
-        """The budget asked for."""
-        self.smallest_bytes = smallest_bytes
-        """The lowest peak any plan reaches: the smallest budget that can be met."""
-        self.dominant = dominant
-        """What dominates that lowest peak, for people."""
-
-
 def solve(
     profile: Profile,
     budget: int | str | None = None,
@@ -66,13 +53,12 @@ def solve(
     their fixed plan, with a note in ``Plan.notes`` when it exceeds a budget given.
     """
     if method not in METHODS:
-        hint = difflib.get_close_matches(str(method), METHODS, n=1)
-        raise ValueError(
+        raise InvalidValue(
             f"unknown method {method!r}; expected one of {list(METHODS)}"
-            + (f"; did you mean {hint[0]!r}?" if hint else "")
+            + did_you_mean(str(method), METHODS)
         )
     if k is not None and method != "every_k":
-        raise ValueError(f"k={k!r} applies to method='every_k' only, not to method={method!r}")
+        raise InvalidValue(f"k={k!r} applies to method='every_k' only, not to method={method!r}")
     budget_bytes = (
         None if budget is None else parse_budget(budget, plain_peak_bytes=profile.plain_peak_bytes)
     )
@@ -80,7 +66,7 @@ def solve(
     notes: list[str] = []
     if method in _BUDGET_METHODS:
         if budget_bytes is None:
-            raise ValueError(
+            raise InvalidValue(
                 f"method={method!r} needs a budget, e.g. solve(profile, '6GiB') or "
                 "solve(profile, '60%'); the baselines 'none', 'all', 'every_k', 'sqrt' take none"
             )
@@ -117,7 +103,7 @@ def frontier(profile: Profile, *, points: int | None = 16) -> list[Plan]:
     ``points=None`` walks every point of the frontier (slower on long, varied chains).
     """
     if points is not None and (isinstance(points, bool) or points < 2):
-        raise ValueError(f"points must be an int >= 2 or None (every point), got {points!r}")
+        raise InvalidValue(f"points must be an int >= 2 or None (every point), got {points!r}")
     chain = chain_constraints(profile)
     top = _optimal_picks(chain, _NO_LIMIT_BYTES)
     assert top is not None
@@ -431,7 +417,7 @@ def _baseline(method: str, chain: ChainConstraints, n: int, k: int | None) -> li
     if method == "every_k":
         k = 2 if k is None else k
         if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-            raise ValueError(f"k must be an int >= 1 (recompute every k-th block), got {k!r}")
+            raise InvalidValue(f"k must be an int >= 1 (recompute every k-th block), got {k!r}")
         return ["recompute" if (i + 1) % k == 0 else "keep" for i in range(n)]
     assert method == "sqrt", method
     _option_index(chain, "keep")
@@ -445,7 +431,7 @@ def _baseline(method: str, chain: ChainConstraints, n: int, k: int | None) -> li
 
 def _option_index(chain: ChainConstraints, option: str) -> int:
     if option not in chain.options:
-        raise ValueError(
+        raise InvalidValue(
             f"this plan needs option {option!r}, which not every block of the profile offers; "
             f"the blocks offer {list(chain.options)} in common; re-profile with {option!r} enabled"
         )

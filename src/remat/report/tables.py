@@ -24,6 +24,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from remat.errors import InvalidValue, MissingDependency, MissingFile
 from remat.records import OPTIONS, Plan, Profile, Segment
 from remat.units import format_bytes
 
@@ -118,7 +119,7 @@ def plan_table(plan: Plan, profile: Profile | None = None) -> Table:
     blocks = {}
     if profile is not None:
         if profile.fingerprint != plan.fingerprint:
-            raise ValueError(
+            raise InvalidValue(
                 f"the plan was made for model {plan.model} (fingerprint {plan.fingerprint}) but the "
                 f"profile is of {profile.model} (fingerprint {profile.fingerprint}); pass the "
                 "profile the plan was solved from"
@@ -282,16 +283,16 @@ def markdown_table(
     """
     n = len(headers)
     if n == 0:
-        raise ValueError("a markdown table needs at least one column; got no headers")
+        raise InvalidValue("a markdown table needs at least one column; got no headers")
     for i, row in enumerate(rows):
         if len(row) != n:
-            raise ValueError(
+            raise InvalidValue(
                 f"row {i} has {len(row)} cells but there are {n} headers: {list(row)!r}"
             )
     align = ["left"] * n if align is None else list(align)
     bad = [a for a in align if a not in ("left", "right", "center")]
     if len(align) != n or bad:
-        raise ValueError(
+        raise InvalidValue(
             f"align takes one of 'left', 'right', 'center' per column ({n} columns), got {align!r}"
         )
     cells = [[_md_cell(c) for c in headers], *[[_md_cell(c) for c in row] for row in rows]]
@@ -333,7 +334,7 @@ def plot_frontier(
     1200 x 750 PNG to ``path`` and returns it.
     """
     if not points:
-        raise ValueError("plot_frontier needs at least one FrontierPoint; got none")
+        raise InvalidValue("plot_frontier needs at least one FrontierPoint; got none")
     fig, ax = _figure()
     every = [p.peak_bytes for p in points] + [p.predicted_peak_bytes or 0 for p in points]
     unit, scale = _unit(max([*every, budget_bytes or 0]))
@@ -395,10 +396,10 @@ def plot_timeline(
     series' peak is marked with its value. Writes a 1200 x 750 PNG to ``path`` and returns it.
     """
     if not series:
-        raise ValueError("plot_timeline needs at least one (name, StepMemory) pair; got none")
+        raise InvalidValue("plot_timeline needs at least one (name, StepMemory) pair; got none")
     empty = [name for name, mem in series if not mem.timeline]
     if empty:
-        raise ValueError(
+        raise InvalidValue(
             f"series {empty} have no timeline; measure them with remat.measure_step, which records one"
         )
     fig, ax = _figure()
@@ -543,7 +544,7 @@ def _figure() -> tuple[Any, Any]:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
     except ImportError as e:
-        raise ImportError(
+        raise MissingDependency(
             f"remat's plots need matplotlib, which is not installed ({e}); "
             "install it with: pip install 'remat[plot]'"
         ) from None
@@ -560,6 +561,6 @@ def _figure() -> tuple[Any, Any]:
 def _save(fig: Any, path: str | Path) -> Path:
     path = Path(path)
     if not path.parent.is_dir():
-        raise FileNotFoundError(f"cannot write {path}: the folder {path.parent} does not exist")
+        raise MissingFile(f"cannot write {path}: the folder {path.parent} does not exist")
     fig.savefig(path, dpi=DPI)
     return path

@@ -40,6 +40,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from remat.errors import InvalidValue
 from remat.measure import step as _step
 from remat.measure.profiler import profile
 from remat.plan.costmodel import smallest_feasible
@@ -164,7 +165,7 @@ def plan_accumulation(
     if isinstance(budget, str) and budget.strip().endswith("%"):
         whole = get(global_batch)
         if whole is None:
-            raise ValueError(f"budget {budget!r} is a share of the plain step's peak with the whole "
+            raise InvalidValue(f"budget {budget!r} is a share of the plain step's peak with the whole "
                              f"global batch of {global_batch}, which ran out of memory while "
                              "profiling; give the budget in bytes, e.g. '8GiB'")
         budget_bytes = parse_budget(budget, plain_peak_bytes=whole.plain_peak_bytes)

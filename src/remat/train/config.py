@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from remat.errors import InvalidValue
 from remat.models import GPTConfig, LlamaConfig
 
 __all__ = ["PRECISIONS", "TrainConfig", "validate"]
@@ -66,7 +67,7 @@ def validate(config: TrainConfig) -> None:
     """Raise ``ValueError`` naming the first field of ``config`` that no run can use."""
     def positive_int(name: str, value: Any, low: int = 1) -> None:
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+            raise InvalidValue(f"{name} must be an int >= {low}, got {value!r}")
 
     positive_int("steps", config.steps)
     positive_int("global_batch", config.global_batch)
@@ -77,11 +78,11 @@ def validate(config: TrainConfig) -> None:
     if config.micro_batch is not None:
         positive_int("micro_batch", config.micro_batch)
         if config.global_batch % config.micro_batch:
-            raise ValueError(f"micro_batch={config.micro_batch} must divide "
+            raise InvalidValue(f"micro_batch={config.micro_batch} must divide "
                              f"global_batch={config.global_batch}")
     if config.precision not in PRECISIONS:
-        raise ValueError(f"unknown precision {config.precision!r}; expected one of {list(PRECISIONS)}")
+        raise InvalidValue(f"unknown precision {config.precision!r}; expected one of {list(PRECISIONS)}")
     if not (math.isfinite(config.lr) and config.lr > 0):
-        raise ValueError(f"lr must be a finite number > 0, got {config.lr!r}")
+        raise InvalidValue(f"lr must be a finite number > 0, got {config.lr!r}")
     if config.clip is not None and not (math.isfinite(config.clip) and config.clip >= 0):
-        raise ValueError(f"clip must be a finite number >= 0 (0: no clipping), got {config.clip!r}")
+        raise InvalidValue(f"clip must be a finite number >= 0 (0: no clipping), got {config.clip!r}")

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from remat.errors import InvalidType, InvalidValue, MissingFile, NotAFile
 from remat.models import GPTConfig, LlamaConfig, build_model, lm_loss
 
 __all__ = [
@@ -66,9 +67,9 @@ def load_text(path: str | Path | None = None) -> TextData:
         try:
             raw = p.read_bytes()
         except FileNotFoundError:
-            raise FileNotFoundError(f"no such text file: {p}") from None
+            raise MissingFile(f"no such text file: {p}") from None
         except IsADirectoryError:
-            raise IsADirectoryError(f"{p} is a folder; pass one text file") from None
+            raise NotAFile(f"{p} is a folder; pass one text file") from None
         source = str(p)
     tokens = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
     split = int(len(tokens) * (1 - _HELD_OUT))
@@ -82,7 +83,7 @@ def load_text(path: str | Path | None = None) -> TextData:
 
 def _check_length(tokens: torch.Tensor, seq_len: int, part: str, source: str) -> None:
     if len(tokens) < seq_len + 1:
-        raise ValueError(
+        raise InvalidValue(
             f"the {part} part of {source} has {len(tokens)} bytes, fewer than one sequence of "
             f"seq_len={seq_len} (+1); use a longer text or a shorter --seq"
         )
@@ -116,7 +117,7 @@ class Sampler:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state.get("version") != _STATE_VERSION:
-            raise ValueError(f"sampler state of version {state.get('version')!r}, expected {_STATE_VERSION}")
+            raise InvalidValue(f"sampler state of version {state.get('version')!r}, expected {_STATE_VERSION}")
         self.generator.set_state(state["generator"])
         self.drawn = int(state["drawn"])
 
@@ -141,7 +142,7 @@ def text_loss(logits: Any, batch: Any) -> torch.Tensor:
     if not isinstance(logits, torch.Tensor) or logits.dim() != 3 or logits.shape[:2] != ids.shape \
             or logits.shape[2] < VOCAB_SIZE:
         got = tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__
-        raise ValueError(
+        raise InvalidValue(
             f"remat train expects the model to map ids (batch, seq) = {tuple(ids.shape)} to logits "
             f"(batch, seq, >= {VOCAB_SIZE}), got {got}"
         )
@@ -164,7 +165,7 @@ def build_text_model(spec: str | GPTConfig | LlamaConfig, *, seq_len: int,
     elif isinstance(config, LlamaConfig):
         config = dataclasses.replace(config, vocab_size=VOCAB_SIZE, max_seq=seq_len)
     else:
-        raise ValueError(
+        raise InvalidValue(
             f"remat train trains language models on text; {spec!r} is a {type(config).__name__} "
             "model. Use gpt-tiny, llama-tiny, gpt2, llama-1b, ... or a package.module:factory"
         )
@@ -176,13 +177,13 @@ def _from_factory(spec: str) -> nn.Module:
     try:
         factory = getattr(importlib.import_module(module_name), attr)
     except Exception as e:  # a user's module may fail to import in any way; say which and why
-        raise ValueError(f"cannot load the model factory {spec!r} ({type(e).__name__}: {e}); "
+        raise InvalidValue(f"cannot load the model factory {spec!r} ({type(e).__name__}: {e}); "
                          "expected 'package.module:factory' naming a zero-argument callable") from None
     model = factory()
     # The other commands' factories return (model, batch, loss_fn): the text brings its own batch.
     if isinstance(model, tuple | list) and model:
         model = model[0]
     if not isinstance(model, nn.Module):
-        raise TypeError(f"the factory {spec!r} returned a {type(model).__name__}, not an nn.Module "
+        raise InvalidType(f"the factory {spec!r} returned a {type(model).__name__}, not an nn.Module "
                         "(or a (model, batch, loss_fn) tuple)")
     return model

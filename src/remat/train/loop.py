@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 from remat.applier import apply
+from remat.errors import InvalidValue
 from remat.manual.blocks import fingerprint
 from remat.measure import step as _step
 from remat.measure.tracer import MemoryTracer
@@ -270,7 +271,7 @@ def accumulate(
     of equal size: the mean of their means is the mean). Returns that mean loss, detached.
     """
     if ids.shape[0] % micro_batch:
-        raise ValueError(f"micro_batch={micro_batch} does not divide the batch of {ids.shape[0]}")
+        raise InvalidValue(f"micro_batch={micro_batch} does not divide the batch of {ids.shape[0]}")
     chunks = ids.split(micro_batch)
     losses = []
     for chunk in chunks:

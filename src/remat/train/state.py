@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from remat.errors import CheckpointError, MissingDependency
 from remat.records import Plan
 from remat.train.accumulation import Candidate
 
@@ -50,11 +51,6 @@ LOG_SCHEMA = 1
 _MAY_CHANGE = ("out", "eval_every", "checkpoint_every", "device", "text")
 _KEYS = ("config", "fingerprint", "step", "model", "optimizer", "scheduler", "scaler", "sampler",
          "rng", "plan", "micro_batch", "history")
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be resumed (unreadable, or of another run), or one that a new run
-    would overwrite. The file is left as it is."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -240,7 +236,7 @@ def plot_losses(result: TrainResult, path: Path) -> Path:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
     except ImportError as e:
-        raise ImportError(f"the loss plot needs matplotlib ({e}); pip install 'remat[plot]'") from None
+        raise MissingDependency(f"the loss plot needs matplotlib ({e}); pip install 'remat[plot]'") from None
     fig = Figure(figsize=(8.0, 5.0), dpi=150, layout="constrained")
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()

@@ -1,0 +1,132 @@
+"""Every error remat raises on purpose, under one base: ``except remat.RematError``.
+
+# NOTE [ One base, the builtin it always was ]
+Each class derives from ``RematError`` *and* from the builtin type remat raised before there was a
+base (``ValueError`` for a value it cannot use, ``TypeError`` for an argument of the wrong kind,
+``FileNotFoundError`` for a missing file, ...), so a caller's ``except ValueError`` still catches
+what it caught. What is *not* a ``RematError`` is not on purpose: a bug in remat, or in the code it
+ran (a model, a batch, a loss function). The command line turns a ``RematError`` into one
+``Error: ...`` line and exit status 1, and shows anything else as the bug it is (NOTE [ Exit codes
+and errors ] in ``remat.cli.common``). Messages teach: what was expected, what was found, and,
+for a misspelt name, the name meant (``did_you_mean``).
+
+No torch here: the planning side raises these too.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterable
+
+__all__ = [
+    "BlockError",
+    "CheckpointError",
+    "InfeasibleBudget",
+    "InvalidState",
+    "InvalidType",
+    "InvalidValue",
+    "MissingDependency",
+    "MissingFile",
+    "NotAFile",
+    "PlanMismatch",
+    "ProfileError",
+    "RecordError",
+    "RematError",
+    "UnknownKey",
+    "WrappingError",
+    "close_matches",
+    "did_you_mean",
+]
+
+
+class RematError(Exception):
+    """The base of every error remat raises on purpose (NOTE [ One base, the builtin it always
+    was ])."""
+
+
+# --- the general ones, by the builtin they also are ---------------------------------------------
+
+
+class InvalidValue(RematError, ValueError):
+    """A value remat cannot use: an unknown name, a number out of range, options that conflict."""
+
+
+class InvalidType(RematError, TypeError):
+    """An argument of a kind remat does not take (a list where a mapping goes, ...)."""
+
+
+class InvalidState(RematError, RuntimeError):
+    """A call made out of order (reading a trace before it ends, ``step`` before ``backward``)."""
+
+
+class UnknownKey(RematError, KeyError):
+    """A key that is not there (a mark a trace does not have)."""
+
+
+class MissingFile(RematError, FileNotFoundError):
+    """A file or folder remat needs is not there."""
+
+
+class NotAFile(RematError, IsADirectoryError):
+    """A folder where remat needs one file."""
+
+
+class MissingDependency(RematError, ModuleNotFoundError):
+    """An optional dependency (matplotlib, transformers) is not installed; the message says how to
+    install it."""
+
+
+# --- the stages' own ----------------------------------------------------------------------------
+
+
+class RecordError(RematError, ValueError):
+    """A record file that cannot be read: wrong kind, wrong schema version, or malformed."""
+
+
+class BlockError(RematError, ValueError):
+    """The blocks of a model cannot be found, or the ones named do not fit together."""
+
+
+class ProfileError(RematError, ValueError):
+    """The model cannot be profiled as given (a block that runs twice, no gradients, ...)."""
+
+
+class InfeasibleBudget(RematError, ValueError):
+    """No plan (of the method asked for) brings the step's peak under the budget."""
+
+    def __init__(self, message: str, *, budget_bytes: int, smallest_bytes: int, dominant: str):
+        super().__init__(message)
+        self.budget_bytes = budget_bytes
+        """The budget asked for."""
+        self.smallest_bytes = smallest_bytes
+        """The lowest peak any plan reaches: the smallest budget that can be met."""
+        self.dominant = dominant
+        """What dominates that lowest peak, for people."""
+
+
+class PlanMismatch(RematError, ValueError):
+    """The plan was made for another model."""
+
+
+class WrappingError(RematError, ValueError):
+    """remat was asked to apply a plan to a model that is already sharded: the order is wrong."""
+
+
+class CheckpointError(RematError, ValueError):
+    """A checkpoint that cannot be resumed (unreadable, or of another run), or one that a new run
+    would overwrite. The file is left as it is."""
+
+
+# --- did you mean -------------------------------------------------------------------------------
+
+
+def close_matches(word: str, candidates: Iterable[str], *, n: int = 1) -> list[str]:
+    """The up to ``n`` candidates closest to ``word``, closest first (none when nothing is close)."""
+    return difflib.get_close_matches(str(word), list(candidates), n=n)
+
+
+def did_you_mean(word: str, candidates: Iterable[str], *, n: int = 1) -> str:
+    """``"; did you mean 'gpt2'?"`` for the candidates closest to ``word``, or ``""``: the tail of
+    an error message about an unknown name."""
+    close = close_matches(word, candidates, n=n)
+    return f"; did you mean {', '.join(repr(c) for c in close)}?" if close else ""
