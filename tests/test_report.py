@@ -26,7 +26,7 @@ from remat.report import (
     profile_table,
     render_text,
 )
-from remat.report.tables import _unit
+from remat.units import axis_unit as _unit
 
 GOLDEN = Path(__file__).parent / "golden"
 MiB = 2**20

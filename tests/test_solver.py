@@ -11,7 +11,7 @@ from _tables import Brute, block, brute_force, chains, cost, profile, segment
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from remat.plan import solver
+from remat.plan import search as solver
 from remat.plan.costmodel import chain_constraints, smallest_feasible
 from remat.plan.solver import METHODS, InfeasibleBudget, frontier, solve
 from remat.records import Plan, Profile, RecordError
@@ -377,7 +377,7 @@ def test_bounded_search_equals_brute_force(p: Profile, data: st.DataObject) -> N
     budget = _budget(data, brute)
     best = brute.fastest_within(budget)
     chain = chain_constraints(p)
-    picks = solver._optimal_picks(chain, budget, plain_limit=0)
+    picks = solver.optimal_picks(chain, budget, plain_limit=0)
     if best is None:
         assert picks is None
         return

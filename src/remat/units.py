@@ -9,7 +9,7 @@ import re
 
 from remat.errors import InvalidType, InvalidValue
 
-__all__ = ["format_bytes", "parse_budget", "parse_bytes"]
+__all__ = ["axis_unit", "format_bytes", "parse_budget", "parse_bytes"]
 
 _UNITS = {
     "": 1,
@@ -85,3 +85,12 @@ def format_bytes(n: int | float) -> str:
         if n >= scale:
             return f"{sign}{n / scale:.2f} {unit}"
     return f"{sign}{int(n)} B"
+
+
+def axis_unit(max_bytes: float) -> tuple[str, float]:
+    """The axis unit for values up to ``max_bytes``: GiB from 2 GiB up, else MiB (KiB if tiny)."""
+    if max_bytes >= 2 * 2**30:
+        return "GiB", float(2**30)
+    if max_bytes >= 2 * 2**20:
+        return "MiB", float(2**20)
+    return "KiB", float(2**10)
