@@ -4,18 +4,8 @@ The profiler measures; it never decides. It runs whole training steps with every
 option at a time (keep, selective, recompute), with marks at each block's forward and backward
 boundaries, and turns the live-bytes trace into the per-block numbers of a ``Profile``.
 
-# NOTE [ From a trace to a Profile ]
-For each option the profiler replays the cost model's own bookkeeping along the measured marks, so
-that ``estimate(profile, every block = option)`` reproduces the measured peak of that step exactly
-and mixed plans are additive combinations of measured pieces:
-- kept_bytes(block) = live after its forward - live before + its input - its output (its input is
-  charged to it, its output to its consumer; see NOTE [ How a block's bytes are attributed ]).
-- fwd/bwd_peak_bytes = the measured peak inside the block's forward/backward minus the cost
-  model's live level there.
-- grad_bytes(block) = live after its backward - live before + its kept bytes.
-Offload options are derived, not run: nothing of the block stays on the device, everything it
-would keep comes back for its backward, and the copies both ways cost bytes / host-link bandwidth
-that compute does not hide (``save_on_cpu`` copies on the compute stream).
+The numbers come from the traces as NOTE [ From a trace to a Profile ] (``remat.measure.attribution``)
+says.
 
 Time: per-block forward and backward times come from separate timed steps (medians; profiling slows
 a step) in measured mode, and from the roofline clock in estimated mode. Recompute costs one forward
@@ -28,7 +18,6 @@ from __future__ import annotations
 import logging
 import statistics
 import time
-from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -38,12 +27,13 @@ from torch import nn
 
 from remat.devices import ROOFLINE_EFFICIENCY, DeviceSpec, get_device
 from remat.errors import InvalidType, InvalidValue, ProfileError
-from remat.manual.blocks import find_blocks, fingerprint
+from remat.manual.blocks import find_blocks
 from remat.manual.options import option_of, set_option
 from remat.measure import step as _step
-from remat.measure.tracer import MemoryTracer, Trace, _base_bytes
+from remat.measure.attribution import assemble, median_times, phase_times
+from remat.measure.tracer import MemoryTracer, Trace, base_bytes
 from remat.plan.sharding import per_rank_profile
-from remat.records import BlockProfile, OptionCost, Profile, Segment
+from remat.records import Profile
 
 __all__ = ["ProfileError", "profile"]
 
@@ -173,7 +163,7 @@ def _marked_step(
 
 
 def _first_tensor(obj: Any) -> torch.Tensor | None:
-    for t in _step._tensors(obj):
+    for t in _step.tensors_in(obj):
         if t.is_floating_point():
             return t
     return None
@@ -196,9 +186,9 @@ def _every_block(named: list[tuple[str, nn.Module]], option: str) -> Iterator[No
 
 
 def _base_keys(model: nn.Module, optimizer: Any, batch: Any) -> set[int]:
-    tensors = [*model.parameters(), *model.buffers(), *_step._tensors(batch)]
+    tensors = [*model.parameters(), *model.buffers(), *_step.tensors_in(batch)]
     if optimizer is not None:
-        tensors += list(_step._tensors([dict(s) for s in optimizer.state.values()]))
+        tensors += list(_step.tensors_in([dict(s) for s in optimizer.state.values()]))
     return {_storage_key(t) for t in tensors}
 
 
@@ -212,194 +202,6 @@ class _Clock:
     def mark(self, label: str) -> None:
         _step.sync(self.device)
         self.times[label] = time.perf_counter() * 1e3
-
-
-# --- turning traces into numbers ----------------------------------------------------------------
-
-
-def _segments_and_blocks(
-    trace: Trace, hooks: _Hooks, n: int, keeps_input: bool
-) -> tuple[Segment, Segment, list[dict[str, int]], int]:
-    """Replay the cost model along the trace (NOTE [ From a trace to a Profile ])."""
-    live = {m.label: m.live_bytes for m in trace.marks}
-    order = hooks.order
-    first, last = order[0], order[-1]
-
-    def peak(a: str, b: str) -> int:
-        return trace.peak_between(a, b)
-
-    def be(i: int) -> str:
-        # A block whose input needs no gradient (the first, behind a frozen embedding) has no
-        # backward-end hook; its backward ends where the step's backward does.
-        return f"be{i}" if f"be{i}" in live else "optimizer"
-
-    level = 0
-    pre_kept = live[f"fs{first}"] - live["forward"] - hooks.in_bytes[first]
-    pre_fwd_peak = peak("forward", f"fs{first}") - level
-    level += pre_kept
-    per_block: list[dict[str, int]] = [{} for _ in range(n)]
-    for i in order:
-        kept = live[f"fe{i}"] - live[f"fs{i}"] - hooks.out_bytes[i]
-        kept += hooks.in_bytes[i] if keeps_input else 0
-        per_block[i]["fwd_peak"] = peak(f"fs{i}", f"fe{i}") - level
-        per_block[i]["kept"] = kept
-        level += kept
-    post_kept = live["backward"] - live[f"fe{last}"] + hooks.out_bytes[last]
-    post_fwd_peak = peak(f"fe{last}", "backward") - level
-    level += post_kept
-    post_bwd_peak = peak("backward", f"bs{last}") - level
-    post_grad = live[f"bs{last}"] - live["backward"] + post_kept
-    level += post_grad - post_kept
-    for i in reversed(order):
-        per_block[i]["bwd_peak"] = peak(f"bs{i}", be(i)) - level
-        per_block[i]["grad"] = live[be(i)] - live[f"bs{i}"] + per_block[i]["kept"]
-        level += per_block[i]["grad"] - per_block[i]["kept"]
-    pre_bwd_peak = peak(be(first), "optimizer") - level
-    pre_grad = live["optimizer"] - live[be(first)] + pre_kept
-    optimizer_peak = peak("optimizer", "end") - live["optimizer"]
-    pre = Segment(
-        kept_bytes=pre_kept, fwd_peak_bytes=pre_fwd_peak, bwd_peak_bytes=pre_bwd_peak,
-        grad_bytes=pre_grad, fwd_ms=0.0, bwd_ms=0.0,
-    )
-    post = Segment(
-        kept_bytes=post_kept, fwd_peak_bytes=post_fwd_peak, bwd_peak_bytes=post_bwd_peak,
-        grad_bytes=post_grad, fwd_ms=0.0, bwd_ms=0.0,
-    )
-    return pre, post, per_block, optimizer_peak
-
-
-def _phase_times(times: dict[str, float], order: list[int]) -> dict[str, float]:
-    """Milliseconds of each phase between marks of one step."""
-    first, last = order[0], order[-1]
-    be = {i: times.get(f"be{i}", times["optimizer"]) for i in order}
-    out = {
-        "step": times["end"] - times["forward"],
-        "pre_fwd": times[f"fs{first}"] - times["forward"],
-        "post_fwd": times["backward"] - times[f"fe{last}"],
-        "post_bwd": times[f"bs{last}"] - times["backward"],
-        "pre_bwd": times["optimizer"] - be[first],
-    }
-    for i in order:
-        out[f"fwd{i}"] = times[f"fe{i}"] - times[f"fs{i}"]
-        out[f"bwd{i}"] = be[i] - times[f"bs{i}"]
-    return out
-
-
-def _median_times(runs: list[dict[str, float]]) -> dict[str, float]:
-    return {k: statistics.median(r[k] for r in runs) for k in runs[0]}
-
-
-def _assemble(
-    *,
-    model: nn.Module,
-    named: list[tuple[str, nn.Module]],
-    traces: dict[str, tuple[Trace, _Hooks]],
-    times: dict[str, dict[str, float]],
-    host_link_bytes_per_s: float | None,
-    smooth: bool,
-    **fixed: Any,
-) -> Profile:
-    n = len(named)
-    trace_keep, hooks_keep = traces["keep"]
-    order = hooks_keep.order
-    if sorted(order) != list(range(n)):
-        missing = [named[i][0] for i in range(n) if i not in order]
-        raise ProfileError(
-            f"blocks {missing} did not run in the step; remat plans blocks that run once per "
-            "step with gradients (check blocks=)"
-        )
-    pre, post, keep_blocks, optimizer_peak = _segments_and_blocks(trace_keep, hooks_keep, n, True)
-    per_option = {"keep": keep_blocks}
-    for option in ("selective", "recompute"):
-        if option in traces:
-            trace, hooks = traces[option]
-            per_option[option] = _segments_and_blocks(trace, hooks, n, True)[2]
-    t_keep = times["keep"]
-    fwd = [t_keep[f"fwd{i}"] for i in range(n)]
-    bwd = [t_keep[f"bwd{i}"] for i in range(n)]
-    sel_extra = [0.0] * n
-    if "selective" in times:
-        t_sel = times["selective"]
-        # A selective recompute re-runs every cheap op of the block: never free. When timing
-        # noise hides it, charge a tenth of the block's forward (the share of time pointwise ops,
-        # norms and softmax take next to the matmuls in a transformer block) rather than zero.
-        sel_extra = [
-            min(max(0.1 * fwd[i], t_sel[f"fwd{i}"] + t_sel[f"bwd{i}"] - fwd[i] - bwd[i]), fwd[i])
-            for i in range(n)
-        ]
-    param_bytes = [_step.storage_bytes(list(m.parameters())) for _, m in named]
-    if smooth:
-        groups: dict[tuple[Any, ...], list[int]] = defaultdict(list)
-        for i, (_, m) in enumerate(named):
-            groups[(type(m).__name__, param_bytes[i], hooks_keep.in_bytes[i], keep_blocks[i]["kept"])].append(i)
-        for members in groups.values():
-            for series in (fwd, bwd, sel_extra):
-                med = statistics.median(series[i] for i in members)
-                for i in members:
-                    series[i] = med
-    out: list[BlockProfile] = []
-    for i, (name, module) in enumerate(named):
-        options: dict[str, OptionCost] = {"keep": _cost(keep_blocks[i], 0.0)}
-        if "selective" in per_option:
-            options["selective"] = _cost(per_option["selective"][i], sel_extra[i])
-        if "recompute" in per_option:
-            options["recompute"] = _cost(per_option["recompute"][i], fwd[i])
-        if host_link_bytes_per_s:
-            k, r = keep_blocks[i], per_option["recompute"][i]
-            options["offload"] = OptionCost(
-                kept_bytes=0,
-                fwd_peak_bytes=k["fwd_peak"],
-                bwd_peak_bytes=k["bwd_peak"] + k["kept"],
-                extra_ms=2 * k["kept"] / host_link_bytes_per_s * 1e3,
-            )
-            options["recompute_offload"] = OptionCost(
-                kept_bytes=0,
-                fwd_peak_bytes=r["fwd_peak"],
-                bwd_peak_bytes=r["bwd_peak"] + r["kept"],
-                extra_ms=fwd[i] + 2 * r["kept"] / host_link_bytes_per_s * 1e3,
-            )
-        out.append(
-            BlockProfile(
-                name=name,
-                kind=type(module).__name__,
-                param_bytes=param_bytes[i],
-                grad_bytes=keep_blocks[i]["grad"],
-                input_bytes=hooks_keep.in_bytes[i],
-                fwd_ms=fwd[i],
-                bwd_ms=bwd[i],
-                options=options,
-            )
-        )
-    ordered = [out[i] for i in order]
-    pre = _with_times(pre, t_keep["pre_fwd"], t_keep["pre_bwd"])
-    post = _with_times(post, t_keep["post_fwd"], t_keep["post_bwd"])
-    return Profile(
-        model=type(model).__name__,
-        fingerprint=fingerprint(model),
-        pre=pre,
-        post=post,
-        blocks=ordered,
-        optimizer_peak_bytes=optimizer_peak,
-        plain_peak_bytes=fixed["base_bytes"] + trace_keep.peak_bytes,
-        plain_step_ms=t_keep["step"],
-        **fixed,
-    )
-
-
-def _cost(numbers: dict[str, int], extra_ms: float) -> OptionCost:
-    return OptionCost(
-        kept_bytes=numbers["kept"],
-        fwd_peak_bytes=numbers["fwd_peak"],
-        bwd_peak_bytes=numbers["bwd_peak"],
-        extra_ms=extra_ms,
-    )
-
-
-def _with_times(seg: Segment, fwd_ms: float, bwd_ms: float) -> Segment:
-    return Segment(
-        kept_bytes=seg.kept_bytes, fwd_peak_bytes=seg.fwd_peak_bytes, bwd_peak_bytes=seg.bwd_peak_bytes,
-        grad_bytes=seg.grad_bytes, fwd_ms=fwd_ms, bwd_ms=bwd_ms,
-    )
 
 
 def _dtype_name(model: nn.Module) -> str:
@@ -429,7 +231,7 @@ def _measured(
     with _step.preserved(model, optimizer):
         _step.train_step(model, batch, loss_fn, optimizer)  # warm-up: lazy state, allocator
         model.zero_grad(set_to_none=True)
-        base = _base_bytes(model, optimizer, batch, device)
+        base = base_bytes(model, optimizer, batch, device)
         opt_bytes = _step.optimizer_bytes(optimizer)
         keys = _base_keys(model, optimizer, batch)
         for option in options:
@@ -444,9 +246,9 @@ def _measured(
                 for _ in range(repeats):
                     clock = _Clock(device)
                     hooks = _marked_step(model, named, batch, loss_fn, optimizer, clock.mark)
-                    runs.append(_phase_times(clock.times, hooks.order))
-            times[option] = _median_times(runs)
-    return _assemble(
+                    runs.append(phase_times(clock.times, hooks.order))
+            times[option] = median_times(runs)
+    return assemble(
         model=model,
         named=named,
         traces=traces,
@@ -529,12 +331,12 @@ def _estimated(
                     hooks = _marked_step(model, named, fake_batch, loss_fn, opt, meter.mark, keys)
                 traces[option] = (meter.trace, hooks)
                 stamps = {m.label: m.t_ms for m in meter.marks}
-                times[option] = _phase_times(stamps, hooks.order)
+                times[option] = phase_times(stamps, hooks.order)
         param_bytes = _step.param_bytes(model)
         opt_bytes = _step.optimizer_bytes(opt)
         data = _step.batch_bytes(fake_batch)
         buffers = _step.storage_bytes(list(model.buffers()))
-        return _assemble(
+        return assemble(
             model=model,
             named=named,
             traces=traces,

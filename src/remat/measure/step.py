@@ -33,6 +33,7 @@ __all__ = [
     "preserved",
     "storage_bytes",
     "sync",
+    "tensors_in",
     "train_step",
 ]
 
@@ -134,7 +135,7 @@ def storage_bytes(tensors: Any, *, seen: set[int] | None = None) -> int:
     """Bytes of the distinct storages behind ``tensors`` (any nesting); each storage counted once."""
     seen = set() if seen is None else seen
     total = 0
-    for t in _tensors(tensors):
+    for t in tensors_in(tensors):
         storage = t.untyped_storage()
         key = int(storage._cdata)  # the StorageImpl's address: works for fake tensors too
         if key in seen:
@@ -144,15 +145,16 @@ def storage_bytes(tensors: Any, *, seen: set[int] | None = None) -> int:
     return total
 
 
-def _tensors(obj: Any) -> Iterator[torch.Tensor]:
+def tensors_in(obj: Any) -> Iterator[torch.Tensor]:
+    """Every tensor in ``obj`` (a tensor, or mappings, tuples and lists of them), depth first."""
     if isinstance(obj, torch.Tensor):
         yield obj
     elif isinstance(obj, Mapping):
         for v in obj.values():
-            yield from _tensors(v)
+            yield from tensors_in(v)
     elif isinstance(obj, (tuple, list)):
         for v in obj:
-            yield from _tensors(v)
+            yield from tensors_in(v)
 
 
 def param_bytes(model: nn.Module) -> int:
@@ -174,12 +176,12 @@ def batch_bytes(batch: Batch) -> int:
 
 
 def batch_shape(batch: Batch) -> list[int]:
-    first = next(_tensors(batch), None)
+    first = next(tensors_in(batch), None)
     return list(first.shape) if first is not None else []
 
 
 def batch_device(model: nn.Module, batch: Batch) -> torch.device:
-    first = next(_tensors(batch), None)
+    first = next(tensors_in(batch), None)
     if first is not None:
         return first.device
     param = next(model.parameters(), None)

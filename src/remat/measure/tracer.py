@@ -28,7 +28,7 @@ from torch import nn
 from remat.errors import InvalidState, InvalidType, InvalidValue, UnknownKey
 from remat.measure import step as _step
 
-__all__ = ["MemoryTracer", "StepMemory", "TimelinePoint", "Trace", "measure_step"]
+__all__ = ["MemoryTracer", "StepMemory", "TimelinePoint", "Trace", "base_bytes", "measure_step"]
 
 log = logging.getLogger(__name__)
 
@@ -275,7 +275,7 @@ def _measure_once(
     params = _step.param_bytes(model)
     opt = _step.optimizer_bytes(optimizer)
     data = _step.batch_bytes(batch)
-    base = _base_bytes(model, optimizer, batch, device)
+    base = base_bytes(model, optimizer, batch, device)
     with MemoryTracer(device) as tracer:
         _step.train_step(model, batch, loss_fn, optimizer, mark=tracer.mark)
     trace = tracer.trace
@@ -296,9 +296,11 @@ def _measure_once(
     }
 
 
-def _base_bytes(
+def base_bytes(
     model: nn.Module, optimizer: torch.optim.Optimizer | None, batch: Any, device: torch.device
 ) -> int:
+    """Bytes live before a step: the allocator's count on CUDA; on the CPU the storages of the
+    parameters, buffers, optimizer state and batch."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         return torch.cuda.memory_allocated(device)

@@ -14,6 +14,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from remat.errors import InvalidType, InvalidValue, did_you_mean
+from remat.plan.schedule import Phase, step_phases
 from remat.records import OPTIONS, Estimate, OptionCost, Profile
 from remat.units import format_bytes
 
@@ -60,55 +61,42 @@ class _Phase:
 
 
 def _phases(profile: Profile, costs: Sequence[OptionCost]) -> list[_Phase]:
-    """Replay one step: forward, backward, optimizer step. ``costs`` is one option per block."""
-    pre, post, gather = profile.pre, profile.post, profile.gather_bytes
+    """Replay one step (NOTE [ The step's schedule ]); ``costs`` is one option per block."""
+    names = [b.name for b in profile.blocks]
     phases: list[_Phase] = []
     acts = grads = 0
-
-    def at(name: str, transient_bytes: int, transient: str) -> None:
+    for phase in step_phases(len(costs)):
+        kept, transient, grad = _numbers(profile, costs, phase)
         phases.append(
             _Phase(
-                name=name,
+                name=phase.title(names),
                 base_bytes=profile.base_bytes,
                 activation_bytes=acts,
                 grad_bytes=grads,
-                transient_bytes=transient_bytes,
-                transient=transient,
+                transient_bytes=transient,
+                transient=phase.working_memory(names),
             )
         )
-
-    at("forward of the embeddings", pre.fwd_peak_bytes, "the embeddings' forward working memory")
-    acts += pre.kept_bytes
-    for block, cost in zip(profile.blocks, costs):
-        at(
-            f"forward of {block.name}",
-            cost.fwd_peak_bytes + gather,
-            f"block {block.name}'s forward working memory",
-        )
-        acts += cost.kept_bytes
-    at(
-        "forward of the head",
-        post.fwd_peak_bytes,
-        "the head's forward working memory (logits, loss)",
-    )
-    acts += post.kept_bytes
-    at("backward of the head", post.bwd_peak_bytes, "the head's backward working memory")
-    acts -= post.kept_bytes
-    grads += post.grad_bytes
-    for block, cost in zip(reversed(profile.blocks), reversed(costs)):
-        at(
-            f"backward of {block.name}",
-            cost.bwd_peak_bytes + gather,
-            f"block {block.name}'s backward working memory",
-        )
-        acts -= cost.kept_bytes
-        grads += block.grad_bytes
-    at("backward of the embeddings", pre.bwd_peak_bytes, "the embeddings' backward working memory")
-    acts -= pre.kept_bytes
-    grads += pre.grad_bytes
+        if phase.stage == "forward":
+            acts += kept
+        elif phase.stage == "backward":
+            acts -= kept
+            grads += grad
     assert acts == 0, f"activations left after the backward: {acts} bytes"
-    at("optimizer step", profile.optimizer_peak_bytes, "the optimizer step's working memory")
     return phases
+
+
+def _numbers(profile: Profile, costs: Sequence[OptionCost], phase: Phase) -> tuple[int, int, int]:
+    """(kept, transient, gradient) bytes of the part ``phase`` runs, in that phase."""
+    if phase.part == "optimizer":
+        return 0, profile.optimizer_peak_bytes, 0
+    if phase.block is not None:
+        cost, gather = costs[phase.block], profile.gather_bytes
+        peak = cost.fwd_peak_bytes if phase.stage == "forward" else cost.bwd_peak_bytes
+        return cost.kept_bytes, peak + gather, profile.blocks[phase.block].grad_bytes
+    seg = profile.pre if phase.part == "pre" else profile.post
+    peak = seg.fwd_peak_bytes if phase.stage == "forward" else seg.bwd_peak_bytes
+    return seg.kept_bytes, peak, seg.grad_bytes
 
 
 def _chosen_costs(profile: Profile, choices: Mapping[str, str]) -> list[OptionCost]:

@@ -1,0 +1,266 @@
+"""From traced steps to a ``Profile``: each part's bytes and times, read along the step's schedule.
+
+# NOTE [ From a trace to a Profile ]
+For each option the profiler replays the cost model's own bookkeeping along the measured marks, so
+that ``estimate(profile, every block = option)`` reproduces the measured peak of that step exactly
+and mixed plans are additive combinations of measured pieces:
+- kept_bytes(block) = live after its forward - live before + its input - its output (its input is
+  charged to it, its output to its consumer; see NOTE [ How a block's bytes are attributed ]).
+- fwd/bwd_peak_bytes = the measured peak inside the block's forward/backward minus the cost
+  model's live level there.
+- grad_bytes(block) = live after its backward - live before + its kept bytes.
+Offload options are derived, not run: nothing of the block stays on the device, everything it
+would keep comes back for its backward, and the copies both ways cost bytes / host-link bandwidth
+that compute does not hide (``save_on_cpu`` copies on the compute stream).
+The phases are the cost model's own (NOTE [ The step's schedule ] in ``remat.plan.schedule``):
+each starts and ends at a mark of the traced step (``span``), and one walk along them gives every
+part's kept, peak and gradient bytes, and its times.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import defaultdict
+from collections.abc import Mapping
+from typing import Any, Protocol
+
+from torch import nn
+
+from remat.errors import ProfileError
+from remat.manual.blocks import fingerprint
+from remat.measure import step as _step
+from remat.measure.tracer import Trace
+from remat.plan.schedule import Phase, step_phases
+from remat.records import BlockProfile, OptionCost, Profile, Segment
+
+__all__ = ["Boundaries", "assemble", "attribute", "median_times", "phase_times", "span"]
+
+
+class Boundaries(Protocol):
+    """What a traced step's block hooks saw: the order the blocks ran in (indices into the list
+    of blocks) and the bytes of each block's input and output."""
+
+    order: list[int]
+    in_bytes: dict[int, int]
+    out_bytes: dict[int, int]
+
+
+def span(phase: Phase, order: list[int], labels: Any) -> tuple[str, str]:
+    """The marks a phase starts and ends at in a step whose blocks ran in ``order``."""
+    first, last = order[0], order[-1]
+
+    def be(i: int) -> str:
+        # A block whose input needs no gradient (the first, behind a frozen embedding) has no
+        # backward-end hook; its backward ends where the step's backward does.
+        return f"be{i}" if f"be{i}" in labels else "optimizer"
+
+    if phase.part == "optimizer":
+        return "optimizer", "end"
+    if phase.block is not None:
+        i = order[phase.block]
+        return (f"fs{i}", f"fe{i}") if phase.stage == "forward" else (f"bs{i}", be(i))
+    if phase.part == "pre":
+        return ("forward", f"fs{first}") if phase.stage == "forward" else (be(first), "optimizer")
+    return (f"fe{last}", "backward") if phase.stage == "forward" else ("backward", f"bs{last}")
+
+
+def attribute(
+    trace: Trace, hooks: Boundaries, n: int
+) -> tuple[Segment, Segment, list[dict[str, int]], int]:
+    """Replay the cost model along the trace (NOTE [ From a trace to a Profile ]): the ``pre``
+    and ``post`` segments, each block's numbers (by index), the optimizer step's peak."""
+    live = {m.label: m.live_bytes for m in trace.marks}
+    order = hooks.order
+    parts: dict[Any, dict[str, int]] = {"pre": {}, "post": {}, **{i: {} for i in range(n)}}
+    level = optimizer_peak = 0
+    for phase in step_phases(len(order)):
+        start, end = span(phase, order, live)
+        peak = trace.peak_between(start, end)
+        if phase.part == "optimizer":
+            optimizer_peak = peak - live[start]
+            continue
+        key = order[phase.block] if phase.block is not None else phase.part
+        numbers = parts[key]
+        if phase.stage == "forward":
+            received, handed = _boundary(key, hooks)
+            numbers["kept"] = live[end] - live[start] + received - handed
+            numbers["fwd_peak"] = peak - level
+            level += numbers["kept"]
+        else:
+            numbers["bwd_peak"] = peak - level
+            numbers["grad"] = live[end] - live[start] + numbers["kept"]
+            level += numbers["grad"] - numbers["kept"]
+    pre, post = (
+        Segment(kept_bytes=s["kept"], fwd_peak_bytes=s["fwd_peak"], bwd_peak_bytes=s["bwd_peak"],
+                grad_bytes=s["grad"], fwd_ms=0.0, bwd_ms=0.0)
+        for s in (parts["pre"], parts["post"])
+    )  # fmt: skip
+    return pre, post, [parts[i] for i in range(n)], optimizer_peak
+
+
+def _boundary(key: Any, hooks: Boundaries) -> tuple[int, int]:
+    """The bytes a part receives as input and hands on as output. A part's input is charged to
+    it, its output to the part that consumes it (NOTE [ How a block's bytes are attributed ])."""
+    if key == "pre":
+        return 0, hooks.in_bytes[hooks.order[0]]
+    if key == "post":
+        return hooks.out_bytes[hooks.order[-1]], 0
+    return hooks.in_bytes[key], hooks.out_bytes[key]
+
+
+_TIME_KEYS = {("forward", "pre"): "pre_fwd", ("backward", "pre"): "pre_bwd",
+              ("forward", "post"): "post_fwd", ("backward", "post"): "post_bwd"}  # fmt: skip
+
+
+def phase_times(times: dict[str, float], order: list[int]) -> dict[str, float]:
+    """Milliseconds of each phase between marks of one step: ``step``, ``pre_fwd``, ``fwd{i}``,
+    ``post_fwd``, ``post_bwd``, ``bwd{i}``, ``pre_bwd`` (``i`` a block's index)."""
+    out = {"step": times["end"] - times["forward"]}
+    for phase in step_phases(len(order)):
+        if phase.part == "optimizer":
+            continue
+        start, end = span(phase, order, times)
+        if phase.block is not None:
+            key = f"{'fwd' if phase.stage == 'forward' else 'bwd'}{order[phase.block]}"
+        else:
+            key = _TIME_KEYS[(phase.stage, phase.part)]
+        out[key] = times[end] - times[start]
+    return out
+
+
+def median_times(runs: list[dict[str, float]]) -> dict[str, float]:
+    return {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+
+
+def assemble(
+    *,
+    model: nn.Module,
+    named: list[tuple[str, nn.Module]],
+    traces: Mapping[str, tuple[Trace, Boundaries]],
+    times: dict[str, dict[str, float]],
+    host_link_bytes_per_s: float | None,
+    smooth: bool,
+    **fixed: Any,
+) -> Profile:
+    """The ``Profile`` of traced steps: ``traces`` and ``times`` per option run (``keep`` always),
+    ``fixed`` the fields that come from the step's setup (device, mode, base bytes, ...)."""
+    trace_keep, hooks_keep = traces["keep"]
+    order = hooks_keep.order
+    _check_every_block_ran(named, order)
+    pre, post, keep_blocks, optimizer_peak = attribute(trace_keep, hooks_keep, len(named))
+    per_option = {"keep": keep_blocks} | {
+        option: attribute(*traces[option], len(named))[2]
+        for option in ("selective", "recompute")
+        if option in traces
+    }
+    param_bytes = [_step.storage_bytes(list(m.parameters())) for _, m in named]
+    fwd, bwd, sel_extra = _block_times(times, len(named))
+    if smooth:
+        _share_medians(named, [fwd, bwd, sel_extra], param_bytes, hooks_keep.in_bytes, keep_blocks)
+    blocks = [
+        BlockProfile(
+            name=name,
+            kind=type(module).__name__,
+            param_bytes=param_bytes[i],
+            grad_bytes=keep_blocks[i]["grad"],
+            input_bytes=hooks_keep.in_bytes[i],
+            fwd_ms=fwd[i],
+            bwd_ms=bwd[i],
+            options=_options(i, per_option, fwd[i], sel_extra[i], host_link_bytes_per_s),
+        )
+        for i, (name, module) in enumerate(named)
+    ]
+    t_keep = times["keep"]
+    return Profile(
+        model=type(model).__name__,
+        fingerprint=fingerprint(model),
+        pre=_with_times(pre, t_keep["pre_fwd"], t_keep["pre_bwd"]),
+        post=_with_times(post, t_keep["post_fwd"], t_keep["post_bwd"]),
+        blocks=[blocks[i] for i in order],
+        optimizer_peak_bytes=optimizer_peak,
+        plain_peak_bytes=fixed["base_bytes"] + trace_keep.peak_bytes,
+        plain_step_ms=t_keep["step"],
+        **fixed,
+    )
+
+
+def _check_every_block_ran(named: list[tuple[str, nn.Module]], order: list[int]) -> None:
+    if sorted(order) != list(range(len(named))):
+        missing = [named[i][0] for i in range(len(named)) if i not in order]
+        raise ProfileError(
+            f"blocks {missing} did not run in the step; remat plans blocks that run once per "
+            "step with gradients (check blocks=)"
+        )
+
+
+def _block_times(times: dict[str, dict[str, float]], n: int) -> tuple[list[float], ...]:
+    """Each block's forward and backward time with ``keep``, and the extra time of selective."""
+    t_keep = times["keep"]
+    fwd = [t_keep[f"fwd{i}"] for i in range(n)]
+    bwd = [t_keep[f"bwd{i}"] for i in range(n)]
+    sel_extra = [0.0] * n
+    if "selective" in times:
+        t_sel = times["selective"]
+        # A selective recompute re-runs every cheap op of the block: never free. When timing
+        # noise hides it, charge a tenth of the block's forward (the share of time pointwise ops,
+        # norms and softmax take next to the matmuls in a transformer block) rather than zero.
+        sel_extra = [
+            min(max(0.1 * fwd[i], t_sel[f"fwd{i}"] + t_sel[f"bwd{i}"] - fwd[i] - bwd[i]), fwd[i])
+            for i in range(n)
+        ]
+    return fwd, bwd, sel_extra
+
+
+def _share_medians(named: list[tuple[str, nn.Module]], series: list[list[float]],
+                   param_bytes: list[int], in_bytes: dict[int, int],
+                   keep_blocks: list[dict[str, int]]) -> None:
+    """Blocks of one kind and size do the same work: give each the median of their times."""
+    groups: dict[tuple[Any, ...], list[int]] = defaultdict(list)
+    for i, (_, m) in enumerate(named):
+        groups[(type(m).__name__, param_bytes[i], in_bytes[i], keep_blocks[i]["kept"])].append(i)
+    for members in groups.values():
+        for values in series:
+            med = statistics.median(values[i] for i in members)
+            for i in members:
+                values[i] = med
+
+
+def _options(i: int, per_option: dict[str, list[dict[str, int]]], fwd_ms: float,
+             sel_extra_ms: float, host_link_bytes_per_s: float | None) -> dict[str, OptionCost]:
+    """Block ``i``'s cost under each option: those run, and the offloads derived from them."""
+    options: dict[str, OptionCost] = {"keep": _cost(per_option["keep"][i], 0.0)}
+    if "selective" in per_option:
+        options["selective"] = _cost(per_option["selective"][i], sel_extra_ms)
+    if "recompute" in per_option:
+        options["recompute"] = _cost(per_option["recompute"][i], fwd_ms)
+    if host_link_bytes_per_s:
+        k, r = per_option["keep"][i], per_option["recompute"][i]
+        options["offload"] = OptionCost(
+            kept_bytes=0,
+            fwd_peak_bytes=k["fwd_peak"],
+            bwd_peak_bytes=k["bwd_peak"] + k["kept"],
+            extra_ms=2 * k["kept"] / host_link_bytes_per_s * 1e3,
+        )
+        options["recompute_offload"] = OptionCost(
+            kept_bytes=0,
+            fwd_peak_bytes=r["fwd_peak"],
+            bwd_peak_bytes=r["bwd_peak"] + r["kept"],
+            extra_ms=fwd_ms + 2 * r["kept"] / host_link_bytes_per_s * 1e3,
+        )
+    return options
+
+
+def _cost(numbers: dict[str, int], extra_ms: float) -> OptionCost:
+    return OptionCost(
+        kept_bytes=numbers["kept"],
+        fwd_peak_bytes=numbers["fwd_peak"],
+        bwd_peak_bytes=numbers["bwd_peak"],
+        extra_ms=extra_ms,
+    )
+
+
+def _with_times(seg: Segment, fwd_ms: float, bwd_ms: float) -> Segment:
+    return Segment(
+        kept_bytes=seg.kept_bytes, fwd_peak_bytes=seg.fwd_peak_bytes, bwd_peak_bytes=seg.bwd_peak_bytes,
+        grad_bytes=seg.grad_bytes, fwd_ms=fwd_ms, bwd_ms=bwd_ms,
+    )
