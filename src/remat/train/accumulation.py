@@ -1,40 +1,15 @@
-"""Gradient accumulation planned together with checkpointing: which micro-batch, and which plan.
-
-# NOTE [ Accumulation and checkpointing, planned together ]
-A global batch of G sequences can run as k = G / m micro-batches of m sequences, their gradients
-summed in ``.grad`` before one optimizer step. A smaller m keeps fewer activations, so fewer blocks
-need recomputing, but each forward and backward does less work per kernel call; a larger m is more
-efficient per token but may need more recomputation to fit. So for each m (the powers of two that
-divide G, and G itself) the step is profiled at micro-batch m (measured, one profile per m) and the
-fastest plan under the budget is solved; the (m, plan) with the highest predicted tokens/s wins.
-
-- Time. A profile's ``step_ms`` is one forward, backward *and optimizer step* at micro-batch m, but
-  an accumulated step runs the optimizer once per k micro-batches. So the predicted time of one
-  optimizer step is k * (plan step_ms - opt_ms) + opt_ms, with opt_ms the optimizer step's time,
-  measured once here (it does not depend on m); tokens/s = G * seq / that. Charging every micro
-  step an optimizer step instead would favour large m by k - 1 optimizer steps.
-- Memory. With k > 1 every micro-batch after the first starts with all gradients live, which the
-  single-step profile does not see (there gradients appear during the backward). All gradient
-  bytes on top of the single-step peak bound any micro step's peak from above: forward phases gain
-  exactly that, backward phases at most that, the optimizer step is the same. So for k > 1 the plan
-  is solved for budget - gradient bytes and its predicted peak is its estimate + gradient bytes.
-  The whole global batch of token ids is on the device through the step (micro-batches are views
-  of it), (G - m) * seq * 8 bytes more than the profiled batch, and with k > 1 each micro-batch
-  leaves its loss (a scalar) for the step's mean: charged the same way.
-- Pruning. If micro-batch m < G cannot fit (even with every block recomputed), no larger m < G can
-  (activations grow with m; the same gradient bytes are added), so those are not profiled. G itself
-  (k = 1, no gradients added) is always tried.
+"""Gradient accumulation planned together with checkpointing, the torch half: profile the step
+at each micro-batch size and time the optimizer step, then let ``remat.plan.accumulation`` choose
+(NOTE [ Accumulation and checkpointing, planned together ] is there).
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -43,11 +18,17 @@ from torch import nn
 from remat.errors import InvalidValue
 from remat.measure import step as _step
 from remat.measure.profiler import profile
-from remat.plan.costmodel import smallest_feasible
-from remat.plan.solver import InfeasibleBudget, solve
-from remat.records import OPTIONS, Plan, Profile
+from remat.plan.accumulation import (
+    AccumulationPlan,
+    Candidate,
+    InfeasibleTraining,
+    choose,
+    micro_batch_sizes,
+    summary,
+)
+from remat.records import Profile
 from remat.train.data import VOCAB_SIZE
-from remat.units import format_bytes, parse_budget
+from remat.units import parse_budget
 
 __all__ = [
     "AccumulationPlan",
@@ -59,69 +40,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-
-_ID_BYTES = 8  # token ids are int64
-_SCALAR_BYTES = 8  # a micro-batch's loss kept for the mean, and the loss / k it backpropagates
-
-
-@dataclass(frozen=True, kw_only=True)
-class Candidate:
-    """One micro-batch size considered for the global batch: one row of the planner's table."""
-
-    micro_batch: int
-    """Sequences per forward/backward."""
-    accumulation_steps: int
-    """Micro-batches per optimizer step (global batch / micro-batch)."""
-    plan_summary: str | None = None
-    """The plan's options counted, e.g. ``"3 keep, 5 recompute"``; None when none was solved."""
-    predicted_peak_bytes: int | None = None
-    """Predicted peak of a step with accumulation (NOTE [ Accumulation and checkpointing, planned
-    together ]); for a micro-batch that cannot fit, the smallest peak it could reach."""
-    fits: bool | None = None
-    """Whether a plan fits the budget; None without a budget or when not profiled."""
-    step_ms: float | None = None
-    """Predicted time of one optimizer step (all micro-batches), milliseconds."""
-    tokens_per_s: float | None = None
-    """Predicted training throughput."""
-    chosen: bool = False
-    """The candidate the run uses."""
-    note: str = ""
-    """Why a candidate was not profiled or cannot fit, for people."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class AccumulationPlan:
-    """What ``plan_accumulation`` decided."""
-
-    micro_batch: int
-    """The chosen micro-batch."""
-    plan: Plan | None
-    """The chosen checkpointing plan; None without a budget (every block kept)."""
-    candidates: list[Candidate]
-    """Every micro-batch considered, smallest first."""
-    budget_bytes: int | None = None
-    """The budget in bytes (a ``"60%"`` budget resolved); None without one."""
-
-
-class InfeasibleTraining(InfeasibleBudget):
-    """No micro-batch size with any plan fits the budget; ``candidates`` says how close each came."""
-
-    def __init__(self, message: str, *, budget_bytes: int, smallest_bytes: int, dominant: str,
-                 candidates: list[Candidate]) -> None:
-        super().__init__(message, budget_bytes=budget_bytes, smallest_bytes=smallest_bytes,
-                         dominant=dominant)
-        self.candidates = candidates
-        """Every micro-batch considered."""
-
-
-def micro_batch_sizes(global_batch: int) -> list[int]:
-    """The powers of two that divide ``global_batch``, and ``global_batch`` itself."""
-    sizes = {global_batch}
-    m = 1
-    while m < global_batch and global_batch % m == 0:
-        sizes.add(m)
-        m *= 2
-    return sorted(sizes)
 
 
 def plan_accumulation(
@@ -171,68 +89,9 @@ def plan_accumulation(
         budget_bytes = parse_budget(budget, plain_peak_bytes=whole.plain_peak_bytes)
     else:
         budget_bytes = parse_budget(budget)
-    grad_bytes = _step.trainable_bytes(model)
-    opt_ms = _optimizer_ms(model, make_optimizer, device)
-    tokens = global_batch * seq_len
-
-    rows: list[Candidate] = []
-    plans: dict[int, Plan] = {}
-    closest: tuple[int, int, str] | None = None  # (smallest peak, micro-batch, dominant)
-    too_big = False
-    for m in sizes:
-        k = global_batch // m
-        base = Candidate(micro_batch=m, accumulation_steps=k)
-        if too_big and m != global_batch:
-            rows.append(dataclasses.replace(base, note="skipped: a smaller one does not fit"))
-            continue
-        prof = get(m)
-        if prof is None:
-            rows.append(dataclasses.replace(base, fits=False, note="out of memory in profiling"))
-            too_big = too_big or m != global_batch
-            continue
-        extra = (grad_bytes + k * _SCALAR_BYTES if k > 1 else 0) + (global_batch - m) * seq_len * _ID_BYTES
-        smallest, dominant = smallest_feasible(prof)
-        if smallest + extra > budget_bytes:
-            if k > 1:
-                dominant += f", plus {format_bytes(grad_bytes)} of gradients accumulated over micro-batches"
-            if closest is None or smallest + extra < closest[0]:
-                closest = (smallest + extra, m, dominant)
-            rows.append(dataclasses.replace(
-                base, predicted_peak_bytes=smallest + extra, fits=False,
-                note="does not fit, even all recomputed"))
-            too_big = too_big or m != global_batch
-            continue
-        plan = solve(prof, budget_bytes - extra, method="optimal")
-        if k > 1:
-            plan = dataclasses.replace(plan, notes=[*plan.notes, (
-                f"solved for the budget minus {format_bytes(extra)}: gradients that stay live "
-                f"across {k} accumulated micro-batches, and the rest of the global batch")])
-        step_ms = k * max(plan.estimate.step_ms - opt_ms, 0.0) + opt_ms
-        plans[m] = plan
-        rows.append(dataclasses.replace(
-            base, plan_summary=summary(plan), predicted_peak_bytes=plan.estimate.peak_bytes + extra,
-            fits=True, step_ms=step_ms, tokens_per_s=tokens / step_ms * 1e3))
-
-    fitting = [r for r in rows if r.fits]
-    if not fitting:
-        assert closest is not None or all(r.note for r in rows)
-        low, m_low, dominant = closest if closest is not None else (0, sizes[0], "out of memory")
-        raise InfeasibleTraining(
-            f"budget {format_bytes(budget_bytes)} is below the smallest feasible peak of every "
-            f"micro-batch size of the global batch of {global_batch} sequences: the lowest is "
-            f"{format_bytes(low)} at micro-batch {m_low} ({dominant}); raise the budget, or "
-            "shorten the sequences (--seq) or the model",
-            budget_bytes=budget_bytes, smallest_bytes=low, dominant=dominant, candidates=rows)
-    best = max(fitting, key=lambda r: (r.tokens_per_s or 0.0, r.micro_batch))
-    rows = [dataclasses.replace(r, chosen=True) if r is best else r for r in rows]
-    return AccumulationPlan(micro_batch=best.micro_batch, plan=plans[best.micro_batch],
-                            candidates=rows, budget_bytes=budget_bytes)
-
-
-def summary(plan: Plan) -> str:
-    """``"3 keep, 5 recompute"``: how many blocks take each option, in ``OPTIONS`` order."""
-    counts = {o: sum(1 for c in plan.choices.values() if c == o) for o in OPTIONS}
-    return ", ".join(f"{n} {o}" for o, n in counts.items() if n)
+    return choose(sizes, get, budget_bytes=budget_bytes, global_batch=global_batch, seq_len=seq_len,
+                  grad_bytes=_step.trainable_bytes(model),
+                  opt_ms=_optimizer_ms(model, make_optimizer, device))
 
 
 def _profile(model: nn.Module, m: int, *, seq_len: int, loss_fn: Any, make_optimizer: Any,

@@ -20,16 +20,10 @@ Evaluation and memory measurement draw no random numbers, so they may differ bet
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
-import math
-import random
-import signal
-import threading
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -37,11 +31,7 @@ import torch
 from torch import nn
 
 from remat.applier import apply
-from remat.errors import InvalidValue
 from remat.manual.blocks import fingerprint
-from remat.measure import step as _step
-from remat.measure.tracer import MemoryTracer
-from remat.models import lm_loss
 from remat.records import Plan
 from remat.train.accumulation import AccumulationPlan, Candidate, plan_accumulation
 from remat.train.config import PRECISIONS, TrainConfig, validate
@@ -57,6 +47,16 @@ from remat.train.state import (
     save_checkpoint,
     set_rng_state,
     write_outputs,
+)
+from remat.train.steps import (
+    HeldInterrupt,
+    accumulate,
+    autocast_for,
+    build_optimizer,
+    evaluate,
+    lr_factor,
+    peak_meter,
+    seed_everything,
 )
 
 __all__ = [
@@ -75,7 +75,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-_MIN_LR_RATIO = 0.1  # the cosine decays to 10% of the peak learning rate (nanoGPT, Chinchilla)
 
 
 class TrainInterrupted(KeyboardInterrupt):
@@ -103,285 +102,187 @@ def train(
     overwritten), and ``TrainInterrupted`` (a ``KeyboardInterrupt``) after saving on Ctrl-C.
     """
     validate(config)
-    device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    data = load_text(config.text)
-    out = Path(config.out) if config.out is not None else None
-    ckpt_path = out / "checkpoint.pt" if out is not None else None
-    expected = config_dict(config, data.sha256)
-    state: dict[str, Any] | None = None
-    if resume:
-        if ckpt_path is None:
-            raise CheckpointError("resume needs the run's folder: set out= (--out) to it")
-        state = load_checkpoint(ckpt_path, expected)
-    elif ckpt_path is not None and ckpt_path.exists():
-        raise CheckpointError(
-            f"{ckpt_path} already holds a training checkpoint; resume it (--resume), or choose "
-            "another --out (or delete the file) to start a new run"
-        )
-
-    _seed_everything(config.seed)
-    model = build_text_model(config.model, seq_len=config.seq_len, device=device)
-    model.train()
-    sampler = Sampler(data, seq_len=config.seq_len, seed=config.seed)
-    windows = eval_windows(data, seq_len=config.seq_len)
-    optimizer = _make_optimizer(model.parameters(), config)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_factor(config))
-    scaler = torch.amp.GradScaler(device.type, enabled=config.precision == "fp16")
-    autocast = _autocast(device, config.precision)
-
-    plan: Plan | None
-    if state is not None:
-        if state["fingerprint"] != fingerprint(model):
-            raise CheckpointError(
-                f"{ckpt_path} was written by a model of another structure (fingerprint "
-                f"{state['fingerprint']}, this model has {fingerprint(model)}); it was left as it is"
-            )
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
-        scaler.load_state_dict(state["scaler"])
-        sampler.load_state_dict(state["sampler"])
-        set_rng_state(state["rng"])
-        plan = Plan.from_json(state["plan"]) if state["plan"] is not None else None
-        micro = int(state["micro_batch"])
-        history = state["history"]
-        start = int(state["step"])
-        decided = AccumulationPlan(
-            micro_batch=micro, plan=plan, candidates=[Candidate(**c) for c in history["candidates"]],
-            budget_bytes=history["budget_bytes"])
-    else:
-        decided = plan_accumulation(
-            model, budget=config.budget, global_batch=config.global_batch,
-            micro_batch=config.micro_batch, seq_len=config.seq_len, loss_fn=text_loss,
-            make_optimizer=lambda params: _make_optimizer(params, config), autocast=autocast,
-            device=device,
-        )
-        plan, micro = decided.plan, decided.micro_batch
-        history = {"steps": [], "evals": [], "measured_peak_bytes": None,
-                   "candidates": [dataclasses.asdict(c) for c in decided.candidates],
-                   "budget_bytes": decided.budget_bytes}
-        start = 0
+    run = _Run(config, resume=resume)
     if on_plan is not None:
-        on_plan(decided)
-    if plan is not None:
-        apply(model, plan)
-
-    def save(step: int) -> Path | None:
-        if ckpt_path is None:
-            return None
-        save_checkpoint(ckpt_path, {
-            "config": expected, "fingerprint": fingerprint(model), "step": step,
-            "model": model.state_dict(), "optimizer": optimizer.state_dict(),
-            "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(),
-            "sampler": sampler.state_dict(), "rng": rng_state(),
-            "plan": plan.to_json() if plan is not None else None, "micro_batch": micro,
-            "history": history,
-        })
-        return ckpt_path
-
-    def result(step: int) -> TrainResult:
-        return TrainResult(
-            config=config, steps=[StepLog(**s) for s in history["steps"]],
-            evals=[EvalLog(**e) for e in history["evals"]], plan=plan, micro_batch=micro,
-            accumulation_steps=config.global_batch // micro, candidates=decided.candidates,
-            budget_bytes=decided.budget_bytes,
-            measured_peak_bytes=history["measured_peak_bytes"], completed_steps=step,
-            checkpoint=ckpt_path if ckpt_path is not None and ckpt_path.exists() else None,
-        )
-
-    params = [p for p in model.parameters() if p.requires_grad]
-    tokens = config.global_batch * config.seq_len
-    completed, saved_at, in_step, traced = start, -1, False, False
+        on_plan(run.decided)
+    if run.plan is not None:
+        apply(run.model, run.plan)
+    completed, saved_at, in_step = run.start, -1, False
     try:
-        with _HeldInterrupt() as interrupt:
-            for index in range(start, config.steps):
+        with HeldInterrupt() as interrupt:
+            for index in range(run.start, config.steps):
                 in_step = True
-                t0 = time.perf_counter()
-                ids = sampler.next(config.global_batch, device)
-                lr = optimizer.param_groups[0]["lr"]
-                # The first step builds AdamW's state only at its end: measure a step that has it.
-                trace = not traced and bool(optimizer.state)
-                traced = traced or trace
-                optimizer.zero_grad(set_to_none=True)
-                with _peak_meter(model, optimizer, ids, device, trace=trace) as meter:
-                    loss = accumulate(model, ids, micro_batch=micro, loss_fn=text_loss,
-                                      autocast=autocast, scaler=scaler)
-                    scaler.unscale_(optimizer)
-                    norm = nn.utils.clip_grad_norm_(params, config.clip) if config.clip else None
-                    scale = scaler.get_scale()
-                    scaler.step(optimizer)
-                    scaler.update()
-                    if scaler.get_scale() >= scale:  # a lower fp16 scale: inf grads, step skipped
-                        scheduler.step()
-                loss_value = float(loss)  # waits for the device
-                grad_norm = float(norm) if norm is not None else None
-                elapsed = time.perf_counter() - t0
-                del ids, loss, norm  # freed here, not inside the next step's memory trace
+                entry = run.step(index)
                 in_step, completed = False, index + 1
-                peak = meter.peak_bytes
-                if peak is not None:
-                    history["measured_peak_bytes"] = max(peak, history["measured_peak_bytes"] or 0)
-                entry = StepLog(step=completed, loss=loss_value, lr=lr, tokens_per_s=tokens / elapsed,
-                                grad_norm=grad_norm, peak_bytes=peak)
-                history["steps"].append(dataclasses.asdict(entry))
-                last = completed == config.steps
-                if last or (config.eval_every and completed % config.eval_every == 0):
-                    eval_loss = evaluate(model, windows.to(device), micro_batch=micro, autocast=autocast)
-                    history["evals"].append(dataclasses.asdict(EvalLog(step=completed, loss=eval_loss)))
-                if last or (config.checkpoint_every and completed % config.checkpoint_every == 0):
-                    save(completed)
+                if run.after_step(completed):
                     saved_at = completed
                 if on_step is not None:
                     on_step(entry)
                 if interrupt.pending:
                     raise KeyboardInterrupt
     except KeyboardInterrupt:
-        path = ckpt_path if ckpt_path is not None and ckpt_path.exists() else None
+        raise run.stopped(completed, saved_at=saved_at, in_step=in_step) from None
+    return run.finish(completed)
+
+
+class _Run:
+    """One run's state (NOTE [ Exact resume ]): built fresh, or restored from its checkpoint."""
+
+    def __init__(self, config: TrainConfig, *, resume: bool) -> None:
+        self.config = config
+        self.device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        data = load_text(config.text)
+        self.out = Path(config.out) if config.out is not None else None
+        self.ckpt_path = self.out / "checkpoint.pt" if self.out is not None else None
+        self.expected = config_dict(config, data.sha256)
+        state = self._checkpoint_to_resume(resume)
+        seed_everything(config.seed)
+        self.model = build_text_model(config.model, seq_len=config.seq_len, device=self.device)
+        self.model.train()
+        self.sampler = Sampler(data, seq_len=config.seq_len, seed=config.seed)
+        self.windows = eval_windows(data, seq_len=config.seq_len)
+        self.optimizer = build_optimizer(self.model.parameters(), config)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_factor(config))
+        self.scaler = torch.amp.GradScaler(self.device.type, enabled=config.precision == "fp16")
+        self.autocast = autocast_for(self.device, config.precision)
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.traced = False
+        if state is not None:
+            self._restore(state)
+        else:
+            self._plan()
+
+    def _checkpoint_to_resume(self, resume: bool) -> dict[str, Any] | None:
+        if resume:
+            if self.ckpt_path is None:
+                raise CheckpointError("resume needs the run's folder: set out= (--out) to it")
+            return load_checkpoint(self.ckpt_path, self.expected)
+        if self.ckpt_path is not None and self.ckpt_path.exists():
+            raise CheckpointError(
+                f"{self.ckpt_path} already holds a training checkpoint; resume it (--resume), or "
+                "choose another --out (or delete the file) to start a new run"
+            )
+        return None
+
+    def _restore(self, state: dict[str, Any]) -> None:
+        if state["fingerprint"] != fingerprint(self.model):
+            raise CheckpointError(
+                f"{self.ckpt_path} was written by a model of another structure (fingerprint "
+                f"{state['fingerprint']}, this model has {fingerprint(self.model)}); it was left "
+                "as it is"
+            )
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.scaler.load_state_dict(state["scaler"])
+        self.sampler.load_state_dict(state["sampler"])
+        set_rng_state(state["rng"])
+        self.plan = Plan.from_json(state["plan"]) if state["plan"] is not None else None
+        self.micro = int(state["micro_batch"])
+        self.history = state["history"]
+        self.start = int(state["step"])
+        self.decided = AccumulationPlan(
+            micro_batch=self.micro, plan=self.plan, budget_bytes=self.history["budget_bytes"],
+            candidates=[Candidate(**c) for c in self.history["candidates"]])
+
+    def _plan(self) -> None:
+        config = self.config
+        self.decided = plan_accumulation(
+            self.model, budget=config.budget, global_batch=config.global_batch,
+            micro_batch=config.micro_batch, seq_len=config.seq_len, loss_fn=text_loss,
+            make_optimizer=lambda params: build_optimizer(params, config), autocast=self.autocast,
+            device=self.device,
+        )
+        self.plan, self.micro = self.decided.plan, self.decided.micro_batch
+        self.history = {"steps": [], "evals": [], "measured_peak_bytes": None,
+                        "candidates": [dataclasses.asdict(c) for c in self.decided.candidates],
+                        "budget_bytes": self.decided.budget_bytes}
+        self.start = 0
+
+    def step(self, index: int) -> StepLog:
+        """Optimizer step ``index + 1``: its micro-batches, clipping, the update; logged."""
+        config, optimizer, scaler = self.config, self.optimizer, self.scaler
+        t0 = time.perf_counter()
+        ids = self.sampler.next(config.global_batch, self.device)
+        lr = optimizer.param_groups[0]["lr"]
+        # The first step builds AdamW's state only at its end: measure a step that has it.
+        trace = not self.traced and bool(optimizer.state)
+        self.traced = self.traced or trace
+        optimizer.zero_grad(set_to_none=True)
+        with peak_meter(self.model, optimizer, ids, self.device, trace=trace) as meter:
+            loss = accumulate(self.model, ids, micro_batch=self.micro, loss_fn=text_loss,
+                              autocast=self.autocast, scaler=scaler)
+            scaler.unscale_(optimizer)
+            norm = nn.utils.clip_grad_norm_(self.params, config.clip) if config.clip else None
+            scale = scaler.get_scale()
+            scaler.step(optimizer)
+            scaler.update()
+            if scaler.get_scale() >= scale:  # a lower fp16 scale: inf grads, step skipped
+                self.scheduler.step()
+        loss_value = float(loss)  # waits for the device
+        grad_norm = float(norm) if norm is not None else None
+        elapsed = time.perf_counter() - t0
+        del ids, loss, norm  # freed here, not inside the next step's memory trace
+        peak = meter.peak_bytes
+        if peak is not None:
+            self.history["measured_peak_bytes"] = max(peak, self.history["measured_peak_bytes"] or 0)
+        entry = StepLog(step=index + 1, loss=loss_value, lr=lr, grad_norm=grad_norm, peak_bytes=peak,
+                        tokens_per_s=config.global_batch * config.seq_len / elapsed)
+        self.history["steps"].append(dataclasses.asdict(entry))
+        return entry
+
+    def after_step(self, completed: int) -> bool:
+        """Evaluate and save when it is time; whether a checkpoint was written."""
+        config = self.config
+        last = completed == config.steps
+        if last or (config.eval_every and completed % config.eval_every == 0):
+            eval_loss = evaluate(self.model, self.windows.to(self.device), micro_batch=self.micro,
+                                 autocast=self.autocast)
+            self.history["evals"].append(dataclasses.asdict(EvalLog(step=completed, loss=eval_loss)))
+        if last or (config.checkpoint_every and completed % config.checkpoint_every == 0):
+            self.save(completed)
+            return True
+        return False
+
+    def save(self, step: int) -> Path | None:
+        if self.ckpt_path is None:
+            return None
+        save_checkpoint(self.ckpt_path, {
+            "config": self.expected, "fingerprint": fingerprint(self.model), "step": step,
+            "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict(),
+            "sampler": self.sampler.state_dict(), "rng": rng_state(),
+            "plan": self.plan.to_json() if self.plan is not None else None,
+            "micro_batch": self.micro, "history": self.history,
+        })  # fmt: skip
+        return self.ckpt_path
+
+    def stopped(self, completed: int, *, saved_at: int, in_step: bool) -> TrainInterrupted:
+        """Ctrl-C: save between steps (inside one, the last checkpoint stands), write outputs."""
+        path = self.ckpt_path if self.ckpt_path is not None and self.ckpt_path.exists() else None
         if not in_step and saved_at != completed:
-            path = save(completed)
+            path = self.save(completed)
         elif in_step:
-            completed = saved_at if saved_at >= 0 else start
+            completed = saved_at if saved_at >= 0 else self.start
             log.warning("stopped inside step %d: the last checkpoint (step %d) stands",
                         completed + 1, completed)
-        if out is not None and path is not None:
-            write_outputs(result(completed), out)
-        raise TrainInterrupted(step=completed, checkpoint=path) from None
-    final = result(completed)
-    if out is not None:
-        write_outputs(final, out)
-    return final
+        if self.out is not None and path is not None:
+            write_outputs(self.result(completed), self.out)
+        return TrainInterrupted(step=completed, checkpoint=path)
 
+    def finish(self, completed: int) -> TrainResult:
+        final = self.result(completed)
+        if self.out is not None:
+            write_outputs(final, self.out)
+        return final
 
-# --- pieces ---------------------------------------------------------------------------------------
-
-
-def accumulate(
-    model: nn.Module,
-    ids: torch.Tensor,
-    *,
-    micro_batch: int,
-    loss_fn: Callable[[Any, Any], torch.Tensor] = lm_loss,
-    autocast: Callable[[], contextlib.AbstractContextManager[Any]] | None = None,
-    scaler: torch.amp.GradScaler | None = None,
-) -> torch.Tensor:
-    """Forward and backward of ``ids`` (global batch, seq) in micro-batches of ``micro_batch`` rows.
-
-    Each micro-batch's mean loss is divided by the number of micro-batches before its backward, so
-    the gradients that add up in ``.grad`` are those of the whole batch's mean loss (micro-batches
-    of equal size: the mean of their means is the mean). Returns that mean loss, detached.
-    """
-    if ids.shape[0] % micro_batch:
-        raise InvalidValue(f"micro_batch={micro_batch} does not divide the batch of {ids.shape[0]}")
-    chunks = ids.split(micro_batch)
-    losses = []
-    for chunk in chunks:
-        with autocast() if autocast is not None else contextlib.nullcontext():
-            loss = _step.forward_loss(model, (chunk,), loss_fn)
-        losses.append(loss.detach())
-        if len(chunks) > 1:  # one micro-batch: no extra tensor, the very step that was profiled
-            loss = loss / len(chunks)
-        (scaler.scale(loss) if scaler is not None else loss).backward()
-        del loss
-    return torch.stack(losses).float().mean() if len(losses) > 1 else losses[0].float()
-
-
-def evaluate(
-    model: nn.Module,
-    windows: torch.Tensor,
-    *,
-    micro_batch: int,
-    autocast: Callable[[], contextlib.AbstractContextManager[Any]] | None = None,
-) -> float:
-    """Mean next-byte loss on ``windows`` in eval mode, without gradients (so checkpointed blocks
-    run plainly). Draws no random numbers."""
-    was_training = model.training
-    model.eval()
-    try:
-        total = 0.0
-        with torch.no_grad(), autocast() if autocast is not None else contextlib.nullcontext():
-            for chunk in windows.split(micro_batch):
-                total += float(text_loss(model(chunk), (chunk,))) * len(chunk)
-        return total / len(windows)
-    finally:
-        model.train(was_training)
-
-
-def _make_optimizer(params: Any, config: TrainConfig) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(params, lr=config.lr, betas=(0.9, 0.95),
-                             weight_decay=config.weight_decay)
-
-
-def _lr_factor(config: TrainConfig) -> Callable[[int], float]:
-    """Linear warm-up to 1 over ``warmup`` steps, then a cosine from 1 to 0.1 at ``steps``."""
-    warmup, steps = config.warmup, config.steps
-
-    def factor(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        progress = min(1.0, (step - warmup) / max(1, steps - warmup))
-        return _MIN_LR_RATIO + (1 - _MIN_LR_RATIO) * 0.5 * (1 + math.cos(math.pi * progress))
-
-    return factor
-
-
-def _autocast(device: torch.device, precision: str) -> Callable[[], contextlib.AbstractContextManager[Any]] | None:
-    dtype = PRECISIONS[precision]
-    if dtype is None:
-        return None
-    return lambda: torch.autocast(device.type, dtype=dtype)
-
-
-def _seed_everything(seed: int) -> None:
-    random.seed(seed)
-    torch.manual_seed(seed)  # seeds every CUDA device too
-
-
-@dataclass
-class _Meter:
-    peak_bytes: int | None = None
-
-
-@contextlib.contextmanager
-def _peak_meter(model: nn.Module, optimizer: torch.optim.Optimizer, ids: torch.Tensor,
-                device: torch.device, *, trace: bool) -> Iterator[_Meter]:
-    """The step's measured peak: CUDA's allocator counters every step; on the CPU the allocator
-    trace of ``MemoryTracer`` when ``trace`` (once per process: it slows the step down)."""
-    meter = _Meter()
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-        yield meter
-        meter.peak_bytes = torch.cuda.max_memory_allocated(device)
-        return
-    if not trace:
-        yield meter
-        return
-    seen: set[int] = set()
-    base = _step.storage_bytes([*model.parameters(), *model.buffers(), ids], seen=seen)
-    base += _step.storage_bytes([dict(s) for s in optimizer.state.values()], seen=seen)
-    with MemoryTracer(device) as tracer:
-        yield meter
-    meter.peak_bytes = base + tracer.trace.peak_bytes
-
-
-class _HeldInterrupt:
-    """Ctrl-C during a step sets ``pending`` (the loop stops after the step); a second one raises.
-    Only the main thread can own SIGINT; elsewhere KeyboardInterrupt arrives as usual."""
-
-    def __init__(self) -> None:
-        self.pending = False
-        self._previous: Any = None
-
-    def _handler(self, signum: int, frame: Any) -> None:
-        if self.pending:
-            raise KeyboardInterrupt
-        self.pending = True
-
-    def __enter__(self) -> _HeldInterrupt:
-        if threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGINT, self._handler)
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        if self._previous is not None:
-            signal.signal(signal.SIGINT, self._previous)
-
+    def result(self, step: int) -> TrainResult:
+        config, history, ckpt = self.config, self.history, self.ckpt_path
+        return TrainResult(
+            config=config, steps=[StepLog(**s) for s in history["steps"]],
+            evals=[EvalLog(**e) for e in history["evals"]], plan=self.plan, micro_batch=self.micro,
+            accumulation_steps=config.global_batch // self.micro,
+            candidates=self.decided.candidates, budget_bytes=self.decided.budget_bytes,
+            measured_peak_bytes=history["measured_peak_bytes"], completed_steps=step,
+            checkpoint=ckpt if ckpt is not None and ckpt.exists() else None,
+        )
