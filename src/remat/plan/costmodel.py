@@ -227,41 +227,57 @@ def chain_constraints(profile: Profile, options: Sequence[str] | None = None) ->
     options = tuple(o for o in OPTIONS if o in options) + tuple(
         o for o in options if o not in OPTIONS
     )
-    pre, post, gather = profile.pre, profile.post, profile.gather_bytes
-    lead = profile.base_bytes + pre.kept_bytes
-    grads_after = profile.post.grad_bytes + sum(b.grad_bytes for b in profile.blocks)
-    kept_rows, need_rows, ms_rows = [], [], []
     for block in profile.blocks:
-        grads_after -= block.grad_bytes  # now: the head's grads and those of the blocks after
-        costs = [block.options[o] for o in options]
-        for o, c in zip(options, costs):
-            if not math.isfinite(c.extra_ms):
+        for o in options:
+            if not math.isfinite(block.options[o].extra_ms):
                 raise InvalidValue(
-                    f"block {block.name!r} option {o!r} has extra_ms={c.extra_ms}; expected a "
-                    "finite number of milliseconds (re-profile the model)"
+                    f"block {block.name!r} option {o!r} has extra_ms={block.options[o].extra_ms}; "
+                    "expected a finite number of milliseconds (re-profile the model)"
                 )
-        kept_rows.append(tuple(c.kept_bytes for c in costs))
-        need_rows.append(
-            tuple(
-                lead + gather + max(c.fwd_peak_bytes, grads_after + c.kept_bytes + c.bwd_peak_bytes)
-                for c in costs
-            )
-        )
-        ms_rows.append(tuple(c.extra_ms for c in costs))
-    all_grads = post.grad_bytes + sum(b.grad_bytes for b in profile.blocks)
-    fixed = max(
-        profile.base_bytes + pre.fwd_peak_bytes,
-        lead + all_grads + pre.bwd_peak_bytes,
-        profile.base_bytes + all_grads + pre.grad_bytes + profile.optimizer_peak_bytes,
-    )
+    columns = [[b.options[o] for b in profile.blocks] for o in options]
+    needs, tail, fixed = _prefix_terms(profile, columns)
     return ChainConstraints(
         options=options,
-        kept_bytes=tuple(kept_rows),
-        need_bytes=tuple(need_rows),
-        extra_ms=tuple(ms_rows),
-        tail_bytes=lead + max(post.fwd_peak_bytes, post.kept_bytes + post.bwd_peak_bytes),
+        kept_bytes=tuple(tuple(c[i].kept_bytes for c in columns) for i in range(len(profile.blocks))),
+        need_bytes=tuple(tuple(row) for row in needs),
+        extra_ms=tuple(tuple(c[i].extra_ms for c in columns) for i in range(len(profile.blocks))),
+        tail_bytes=tail,
         fixed_bytes=fixed,
     )
+
+
+def _prefix_terms(
+    profile: Profile, columns: Sequence[Sequence[OptionCost]]
+) -> tuple[list[list[int]], int, int]:
+    """Replay the step (NOTE [ The step's schedule ]) with the blocks' kept bytes left out, as
+    NOTE [ Every peak candidate is a prefix sum ] writes it: per block and option column the
+    higher of its two candidates minus the prefix kept before it, the head's (minus all blocks'
+    kept bytes), and the highest candidate no choice changes."""
+    n = len(profile.blocks)
+    needs: list[list[int]] = [[] for _ in range(n)]
+    tails: list[int] = []
+    fixed: list[int] = []
+    acts = grads = 0  # live bytes outside what the blocks keep
+    for phase in step_phases(n):
+        level = profile.base_bytes + acts + grads
+        if phase.block is not None:
+            terms = []
+            for costs in columns:
+                kept, transient, _ = _numbers(profile, costs, phase)
+                own = kept if phase.stage == "backward" else 0  # its backward: its own kept too
+                terms.append(level + own + transient)
+            row = needs[phase.block]  # the forward's terms, when this is the backward
+            needs[phase.block] = [max(a, b) for a, b in zip(row, terms)] if row else terms
+            if phase.stage == "backward":
+                grads += profile.blocks[phase.block].grad_bytes
+            continue
+        kept, transient, grad = _numbers(profile, [], phase)
+        (tails if phase.part == "post" else fixed).append(level + transient)
+        if phase.stage == "forward":
+            acts += kept
+        elif phase.stage == "backward":
+            acts, grads = acts - kept, grads + grad
+    return needs, max(tails), max(fixed)
 
 
 # --- the floor ---------------------------------------------------------------------------------

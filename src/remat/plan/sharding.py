@@ -50,6 +50,7 @@ import dataclasses
 
 from remat.errors import InvalidType, InvalidValue
 from remat.plan.costmodel import estimate
+from remat.plan.schedule import Phase, step_phases
 from remat.records import BlockProfile, Profile
 
 __all__ = ["per_rank_profile"]
@@ -98,26 +99,26 @@ def _sharded(profile: Profile, world_size: int) -> Profile:
     root = max(0, profile.param_bytes - sum(full))
     params = shard(root) + sum(shard(p) for p in full)
     optimizer = shard(profile.optimizer_bytes)
-    gather = (1 + buffers) * max(full, default=0)
-    blocks = []
-    for i, block in enumerate(profile.blocks):
-        before = full[i - 1] if i > 0 else 0
-        after = full[i + 1] if i + 1 < len(full) else 0
-        fwd = (1 + buffers) * full[i] - gather
-        bwd = full[i] + buffers * before + after - gather
-        blocks.append(_sharded_block(block, shard(full[i]), fwd, bwd))
-    last = full[-1] if full else 0
+    # The parameter bytes FSDP2 holds unsharded during each phase of the step, beyond the shards.
+    held = {(ph.stage, ph.part, ph.block): _gathered(ph, full, root, buffers)
+            for ph in step_phases(len(full))}  # fmt: skip
+    gather = max((held["forward", "block", i] for i in range(len(full))), default=0)
+    blocks = [
+        _sharded_block(block, shard(full[i]), held["forward", "block", i] - gather,
+                       held["backward", "block", i] - gather)
+        for i, block in enumerate(profile.blocks)
+    ]  # fmt: skip
     pre, post = profile.pre, profile.post
     pre = dataclasses.replace(
         pre,
         kept_bytes=pre.kept_bytes + root,
-        fwd_peak_bytes=pre.fwd_peak_bytes + (1 + buffers) * root,
+        fwd_peak_bytes=pre.fwd_peak_bytes + held["forward", "pre", None],
         grad_bytes=pre.grad_bytes - root + shard(root),
     )
     post = dataclasses.replace(
         post,
-        fwd_peak_bytes=post.fwd_peak_bytes + buffers * last,
-        bwd_peak_bytes=post.bwd_peak_bytes + buffers * last,
+        fwd_peak_bytes=post.fwd_peak_bytes + held["forward", "post", None],
+        bwd_peak_bytes=post.bwd_peak_bytes + held["backward", "post", None],
     )
     return dataclasses.replace(
         profile,
@@ -132,6 +133,25 @@ def _sharded(profile: Profile, world_size: int) -> Profile:
         blocks=blocks,
         gather_bytes=gather,
     )
+
+
+def _gathered(phase: Phase, full: list[int], root: int, buffers: int) -> int:
+    """Parameter bytes held unsharded during ``phase`` beyond the shards (NOTE [ Per-rank memory
+    under FSDP2 ]): a block's own, its all-gather buffer and its neighbours' in flight; the
+    root's in the embeddings' forward (after it, the root's stay as ``pre``'s kept bytes); the
+    last block's buffer around the head."""
+    if phase.block is not None:
+        i = phase.block
+        if phase.stage == "forward":
+            return (1 + buffers) * full[i]
+        before = full[i - 1] if i > 0 else 0
+        after = full[i + 1] if i + 1 < len(full) else 0
+        return full[i] + buffers * before + after
+    if phase.part == "pre" and phase.stage == "forward":
+        return (1 + buffers) * root
+    if phase.part == "post":
+        return buffers * (full[-1] if full else 0)
+    return 0
 
 
 def _sharded_block(block: BlockProfile, shard: int, fwd: int, bwd: int) -> BlockProfile:
