@@ -93,6 +93,39 @@ def test_the_import_graph_has_no_cycle() -> None:
     assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
 
 
+# The floors, lowest first: a module imports only from its own floor and those below it.
+FLOORS = [
+    ("remat.errors", "remat.units", "remat.records", "remat.devices", "remat.models"),
+    ("remat.plan",),
+    ("remat.manual",),
+    ("remat.measure",),
+    ("remat.applier",),
+    ("remat.distributed", "remat.verifier"),
+    ("remat.autoplan",),
+    ("remat.report", "remat.gradnorm"),
+    ("remat.train", "remat.demo"),
+    ("remat.cli", "remat.__main__"),
+]
+
+
+def _floor(module: str) -> int:
+    for i, prefixes in enumerate(FLOORS):
+        if any(module == p or module.startswith(p + ".") for p in prefixes):
+            return i
+    raise AssertionError(f"{module} has no floor in tests/test_layout.py: FLOORS; give it one")
+
+
+def test_imports_only_go_down_the_floors() -> None:
+    graph = _graph()
+    upward = [
+        f"{m} (floor {_floor(m)}) imports {d} (floor {_floor(d)})"
+        for m in sorted(graph) if m != "remat"
+        for d in sorted(graph[m])
+        if _floor(d) > _floor(m)
+    ]
+    assert not upward, "\n".join(upward)
+
+
 def test_the_cycle_finder_finds_one() -> None:
     assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert _cycle({"a": {"b"}, "b": set(), "c": {"a", "b"}}) is None

@@ -3,6 +3,21 @@
 The public surface is a handful of verbs; everything heavy is imported on first use so that
 ``import remat`` stays cheap and the pure planner (``remat.plan``) never pulls in torch.
 
+# NOTE [ The house ]
+Folders by job, each importing only from the floors below it (``tests/test_layout.py`` checks, with
+no import circle, function-level imports counted):
+- ``errors``, ``units``, ``records`` (Profile, Plan, the option vocabulary), ``devices``; ``models``
+  (built-in models, the zoo, transformers builders): the ground.
+- ``plan/``: the step's schedule, the cost model, the solvers and their exact search, per-rank
+  sharding, the pure half of accumulation planning. No torch anywhere below it.
+- ``manual/``: ``checkpoint`` and friends, the per-module option, finding blocks.
+- ``measure/``: the step's calling convention, the memory tracer, fake tensors, the profiler and
+  its attribution (traces -> numbers).
+- ``applier`` (apply, remove, the wrapping order) <- ``distributed``, ``verifier`` <- ``autoplan``.
+- ``report/`` (tables, plots), ``gradnorm``; ``train/`` (config, loop, steps, state, data, the torch
+  half of accumulation) and ``demo``; ``cli/`` on top.
+No submodule is named after an exported name (a ``remat/apply/`` would replace ``remat.apply``).
+
 # NOTE [ Lazy at run time, real to a type checker ]
 At run time ``remat.solve`` is found by ``__getattr__`` below, which imports its module on first
 use. A type checker does not run that: under ``TYPE_CHECKING`` the same names are real imports, so
