@@ -13,6 +13,7 @@ from remat.applier import apply, remove
 from remat.profiler import profile
 from remat.records import Plan
 from remat.solver import solve
+from remat.step import resolve_loss_fn
 from remat.verifier import Report
 from remat.verifier import verify as _verify
 
@@ -59,6 +60,7 @@ def auto(
     Raises ``remat.InfeasibleBudget`` (naming the smallest budget that can be met) when no plan
     fits; the model is then left as it was.
     """
+    loss_fn = resolve_loss_fn(loss_fn)  # before any work: a loss_fn of neither form is refused
     remove(model)  # profile the model as the user wrote it
     prof = profile(model, batch, loss_fn=loss_fn, optimizer=optimizer, blocks=blocks, repeats=repeats)
     plan = solve(prof, budget, method=method)

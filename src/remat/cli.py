@@ -327,7 +327,7 @@ def main(show_traceback: bool) -> None:
               metavar="DIR",
               help="Folder for profile.json, plan.json, the plots and results.json (default: "
                    "remat-out).")
-@click.option("--quick", is_flag=True, help="A much smaller GPT and fewer budgets (~15 s).")
+@click.option("--quick", is_flag=True, help="A much smaller GPT and fewer budgets (~10 s).")
 @click.option("--json", "as_json", is_flag=True, help="Print results.json instead of the table.")
 @_handle_errors
 def demo(out: Path, quick: bool, as_json: bool) -> None:
@@ -341,7 +341,7 @@ def demo(out: Path, quick: bool, as_json: bool) -> None:
 
     \b
     Examples:
-      remat demo                       # ~1-2 minutes on two cores
+      remat demo                       # under a minute on two cores
       remat demo --quick --out /tmp/remat-demo
       remat demo --json | jq '.rows[] | {label, measured_peak_bytes, measured_overhead}'
     """
@@ -363,12 +363,26 @@ def demo(out: Path, quick: bool, as_json: bool) -> None:
         f"({result.smallest_feasible_reason})"
     )
     _print_table(comparison_table(comparison_rows(result)))
+    noise = (
+        f"plain against itself {result.plain_self_overhead * 100:+.1f}%, steps up to "
+        f"{result.step_ms_spread * 100:.0f}% over their fastest"
+    )
+    if result.timings_meaningful:
+        click.echo(
+            f"step times: process CPU time on one thread, plain and plans in turns, medians of "
+            f"{result.setup.rounds}; {noise}"
+        )
+    else:
+        click.echo(
+            f"step times withheld: {noise} in this run, so the machine is too loaded for an "
+            f"overhead to mean anything; the bytes are exact (run again on a quieter machine)"
+        )
     report = chosen.report
+    step = f"step time {report.measured_overhead * 100:+.1f}%, " if result.timings_meaningful else ""
     click.echo(
         f"plan.json: {chosen.label}, budget {format_bytes(chosen.plan.budget_bytes or 0)}: "
         f"measured peak {format_bytes(report.measured_peak_bytes)} "
-        f"({report.measured_peak_bytes / report.plain_peak_bytes:.0%} of plain), "
-        f"step time {report.measured_overhead * 100:+.1f}%, "
+        f"({report.measured_peak_bytes / report.plain_peak_bytes:.0%} of plain), {step}"
         f"gradients {'equal to' if report.grads_equal else 'DIFFERENT from'} plain"
     )
     names = ", ".join(p.name for p in result.files.values())

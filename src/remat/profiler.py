@@ -72,7 +72,8 @@ def profile(
             inside ``FakeTensorMode``, so nothing is allocated).
         batch: the example batch (see ``remat.step`` for the calling convention); in estimated mode
             it may be a factory too.
-        loss_fn: ``loss_fn(output, batch) -> scalar``; default: see ``remat.step``.
+        loss_fn: ``loss_fn(output, batch) -> scalar`` or ``loss_fn(output)``; default: see
+            ``remat.step``.
         optimizer: an optimizer over the model's parameters, or a factory ``params -> optimizer``
             (needed in estimated mode). Its state counts towards the step's memory.
         blocks: glob patterns or modules; found automatically when None.
@@ -85,6 +86,7 @@ def profile(
     """
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
+    loss_fn = _step.resolve_loss_fn(loss_fn)
     if device is None or (isinstance(device, str) and device.split(":")[0] in ("cuda",)):
         if not isinstance(model, nn.Module):
             raise TypeError(
@@ -208,15 +210,14 @@ def _base_keys(model: nn.Module, optimizer: Any, batch: Any) -> set[int]:
 
 
 class _Clock:
-    """Wall-clock marks for the timed steps (synchronising CUDA at each)."""
+    """Marks for the timed steps on the step clock (NOTE [ CPU time on a shared CPU ])."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.times: dict[str, float] = {}
 
     def mark(self, label: str) -> None:
-        _step.sync(self.device)
-        self.times[label] = time.perf_counter() * 1e3
+        self.times[label] = _step.step_clock_ms(self.device)
 
 
 # --- turning traces into numbers ----------------------------------------------------------------
@@ -342,6 +343,10 @@ def _assemble(
                 med = statistics.median(series[i] for i in members)
                 for i in members:
                     series[i] = med
+        # Selective is worth the bytes it keeps only when it is clearly cheaper than a full
+        # recompute. Within timing noise of it (10%) it costs what recompute costs, so that a
+        # rerun on a loaded machine does not flip plans between the two.
+        sel_extra = [fwd[i] if sel_extra[i] > 0.9 * fwd[i] else sel_extra[i] for i in range(n)]
     out: list[BlockProfile] = []
     for i, (name, module) in enumerate(named):
         options: dict[str, OptionCost] = {"keep": _cost(keep_blocks[i], 0.0)}
@@ -443,14 +448,16 @@ def _measured(
                 with MemoryTracer(device) as tracer:
                     hooks = _marked_step(model, named, batch, loss_fn, optimizer, tracer.mark, keys)
                 traces[option] = (tracer.trace, hooks)
-        for option in ("keep", "selective"):
-            runs = []
-            with _every_block(named, option):
-                for _ in range(repeats):
-                    clock = _Clock(device)
-                    hooks = _marked_step(model, named, batch, loss_fn, optimizer, clock.mark)
-                    runs.append(_phase_times(clock.times, hooks.order))
-            times[option] = _median_times(runs)
+        # Timed in turns, so that a change in the machine's load hits both options alike.
+        runs: dict[str, list[dict[str, float]]] = {"keep": [], "selective": []}
+        with _step.no_gc():
+            for _ in range(repeats):
+                for option, option_runs in runs.items():
+                    with _every_block(named, option):
+                        clock = _Clock(device)
+                        hooks = _marked_step(model, named, batch, loss_fn, optimizer, clock.mark)
+                        option_runs.append(_phase_times(clock.times, hooks.order))
+        times.update((option, _median_times(option_runs)) for option, option_runs in runs.items())
     return _assemble(
         model=model,
         named=named,
@@ -495,7 +502,7 @@ def _estimated(
 ) -> Profile:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from remat.fake import FakeMeter
+    from remat.fake import FakeMeter, convertible_parameters
 
     if isinstance(factory, nn.Module):
         raise TypeError(
@@ -511,7 +518,8 @@ def _estimated(
     traces: dict[str, tuple[Trace, _Hooks]] = {}
     times: dict[str, dict[str, float]] = {}
     with fake_mode:
-        model = factory()
+        with convertible_parameters(fake_mode):
+            model = factory()
         if not isinstance(model, nn.Module):
             raise TypeError(f"the model factory returned a {type(model).__name__}, not an nn.Module")
         fake_batch = batch() if callable(batch) else _to_fake(fake_mode, batch)
