@@ -127,3 +127,84 @@ def test_plan_file_applies_to_a_fresh_instance_and_refuses_another(tmp_path: Pat
         remat.apply(gpt, loaded)
     assert applied_plan(gpt) is None
     assert path.read_text() == text  # the user's plan file is never touched
+
+
+# --- a verified plan fits (NOTE [ A verified plan fits ]) ----------------------------------------
+
+
+class _SideBlock(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(d)
+        self.fc1, self.fc2 = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(self, x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        h = self.ln(x)
+        a = torch.softmax(h @ h.transpose(-1, -2) + bias, -1) @ h
+        return x + self.fc2(torch.nn.functional.gelu(self.fc1(a)))
+
+
+class SideInput(nn.Module):
+    """A position bias made in the forward and passed to every block: each checkpointed block
+    holds it until its own backward, longer than the plain step does, which the per-block cost
+    model does not see (the 60% plan measures 512 KiB, the bias, over its prediction)."""
+
+    def __init__(self, d: int = 32, n: int = 6, seq: int = 128) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(64, d)
+        self.blocks = nn.ModuleList(_SideBlock(d) for _ in range(n))
+        self.pos = nn.Parameter(torch.zeros(seq, seq))
+        self.head = nn.Linear(d, 64)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.emb(ids)
+        bias = (self.pos * 2).expand(ids.shape[0], -1, -1).contiguous()
+        for block in self.blocks:
+            x = block(x, bias)
+        return self.head(x)
+
+
+def _side_loss(out: torch.Tensor, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    return torch.nn.functional.cross_entropy(out.flatten(0, 1), batch[0].flatten())
+
+
+def test_verified_auto_solves_again_until_the_plan_measures_within_budget(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from remat.measure.tracer import measure_step
+
+    torch.manual_seed(0)
+    model, batch = SideInput(), (torch.randint(0, 64, (8, 128)),)
+    plain = measure_step(model, batch, loss_fn=_side_loss, repeats=0).peak_bytes
+    budget = int(0.6 * plain)
+    first = solve(profile(model, batch, loss_fn=_side_loss, repeats=1), budget)
+    remat.apply(model, first)
+    over = measure_step(model, batch, loss_fn=_side_loss, repeats=0).peak_bytes
+    remat.remove(model)
+    assert over > budget, "the open-loop plan no longer measures over: pick another budget"
+    with caplog.at_level("WARNING", logger="remat.autoplan"):
+        plan, report = remat.auto(model, batch, budget, loss_fn=_side_loss, repeats=1, verify=True)
+    assert report.fits and report.measured_peak_bytes <= budget == plan.budget_bytes
+    assert report.grads_equal
+    assert "solving again" in caplog.text
+    assert applied_plan(model) == plan
+    remat.remove(model)
+
+
+def test_verified_auto_raises_with_the_measured_numbers(monkeypatch: pytest.MonkeyPatch) -> None:
+    import dataclasses
+
+    from remat import autoplan
+
+    model, batch, loss_fn = build("gpt")
+    real = autoplan._verify
+
+    def always_over(*args: object, **kwargs: object) -> remat.Report:
+        report = real(*args, **kwargs)  # type: ignore[arg-type]
+        return dataclasses.replace(report, measured_peak_bytes=(report.budget_bytes or 0) + 2**20)
+
+    monkeypatch.setattr(autoplan, "_verify", always_over)
+    with pytest.raises(InfeasibleBudget, match=r"no plan measured within the budget .* measured") as e:
+        remat.auto(model, batch, "80%", loss_fn=loss_fn, repeats=1, verify=True)
+    assert "raise the budget to at least" in str(e.value)
+    assert applied_plan(model) is None

@@ -359,6 +359,10 @@ def quick_demo(
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(demo_module, "run_demo", spy)
+        # Timings shown whatever the load, so that the golden text has one shape; the withheld
+        # form has a test of its own.
+        mp.setattr(demo_module, "NOISY", float("inf"))
+        mp.setattr(demo_module, "DISTURBED", float("inf"))
         result = run("demo", "--quick", "--out", out)
     yield out, result, results[0]
 
@@ -391,10 +395,29 @@ def test_demo_golden(quick_demo: tuple[Path, Result, demo_module.DemoResult]) ->
         r"[\d.]+ ms",  # the plain step's time
         r"in \d+ s$",  # the demo's own time
         r"^plan\.json: .*",  # the chosen plan's measurements
+        r"^step times: .*",  # the run's noise
         # timing picks remat's plans, so their peaks vary too: predicted, measured, error, overhead
         r"[\d.]+ [KMG]iB\s+[\d.]+ [KMG]iB\s+[+-][\d.]+%\s+[+-][\d.]+%(?=\s+[✓✗—])",
     )
     check_golden("cli_demo_quick.txt", text)
+
+
+def test_demo_withholds_timings_on_a_loaded_machine(
+    quick_demo: tuple[Path, Result, demo_module.DemoResult], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    out, _, result = quick_demo
+    assert result.timings_meaningful  # (the fixture's thresholds)
+    loaded = dataclasses.replace(result, timings_meaningful=False, plain_self_overhead=0.123)
+    monkeypatch.setattr(demo_module, "run_demo", lambda *a, **k: loaded)
+    text = run("demo", "--quick", "--out", out).stdout
+    assert "step times withheld: plain against itself +12.3%" in text
+    assert "too loaded" in text and "step time" not in text.split("plan.json:")[1].split("\n")[0]
+    table = text.split("plan.json:")[0]
+    assert "+0.0%" in table  # the errors of predicted peaks are exact...
+    for line in table.splitlines():
+        if "MiB" in line and line.rstrip().endswith(("=", "≠")):  # ...but no overhead: "—"
+            cells = line.split()
+            assert cells[-3] == "—", line
 
 
 def test_demo_json(

@@ -1,7 +1,19 @@
-"""auto(): profile -> solve -> apply (-> verify), in one call."""
+"""auto(): profile -> solve -> apply (-> verify), in one call.
+
+# NOTE [ A verified plan fits ]
+The cost model can under-predict a model it has not seen (a tensor that crosses blocks and lives
+longer under checkpointing than in the plain step, say). With ``verify=True``, ``auto`` therefore
+never returns a plan whose measured peak is over the budget: when the measurement exceeds it, the
+plan is solved again for the budget less the measured excess (a warning says so, with the
+numbers), applied and measured again, up to ``RESOLVES`` times; when no plan is predicted to fit
+the tightened budget, or the last one still measures over, it raises ``InfeasibleBudget`` with the
+measured numbers and leaves the model without a plan. The returned plan keeps the user's budget,
+so its report's ``fits`` is judged against what the user asked for.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Sequence
 from typing import Any, Literal, overload
@@ -10,13 +22,20 @@ import torch
 from torch import nn
 
 from remat.applier import apply, remove
+from remat.errors import InfeasibleBudget
 from remat.measure.profiler import profile
+from remat.measure.step import resolve_loss_fn
 from remat.plan.solver import solve
-from remat.records import Plan
+from remat.records import Plan, Profile
+from remat.units import format_bytes
 from remat.verifier import Report
 from remat.verifier import verify as _verify
 
-__all__ = ["auto"]
+__all__ = ["RESOLVES", "auto"]
+
+#: Re-solves with the measured excess before a verified ``auto`` gives up (NOTE [ A verified
+#: plan fits ]).
+RESOLVES = 3
 
 log = logging.getLogger(__name__)
 
@@ -57,8 +76,10 @@ def auto(
     ``verify=True`` also the ``Report`` of real steps measured with it.
 
     Raises ``remat.InfeasibleBudget`` (naming the smallest budget that can be met) when no plan
-    fits; the model is then left as it was.
+    fits; the model is then left as it was. With ``verify=True`` the returned plan's measured peak
+    is within the budget (NOTE [ A verified plan fits ]).
     """
+    loss_fn = resolve_loss_fn(loss_fn)  # before any work: a loss_fn of neither form is refused
     remove(model)  # profile the model as the user wrote it
     prof = profile(model, batch, loss_fn=loss_fn, optimizer=optimizer, blocks=blocks, repeats=repeats)
     plan = solve(prof, budget, method=method)
@@ -69,5 +90,50 @@ def auto(
     )
     if not verify:
         return plan
+    return _fitted(model, batch, prof, plan, loss_fn=loss_fn, optimizer=optimizer, method=method)
+
+
+def _fitted(
+    model: nn.Module, batch: Any, prof: Profile, plan: Plan, *, loss_fn: Any, optimizer: Any,
+    method: str,
+) -> tuple[Plan, Report]:
+    """Verify ``plan``; re-solve with the measured excess until it fits (NOTE [ A verified plan
+    fits ])."""
+    budget = plan.budget_bytes
     report = _verify(model, batch, plan, loss_fn=loss_fn, optimizer=optimizer)
-    return plan, report
+    if budget is None:
+        return plan, report
+    target = budget
+    for _ in range(RESOLVES):
+        if report.fits:
+            return plan, report
+        target -= report.measured_peak_bytes - budget
+        log.warning(
+            "remat: the plan measured %s against its budget %s (predicted %s); solving again "
+            "for %s, the budget less the excess",
+            format_bytes(report.measured_peak_bytes), format_bytes(budget),
+            format_bytes(plan.estimate.peak_bytes), format_bytes(max(target, 0)),
+        )  # fmt: skip
+        try:
+            tighter = solve(prof, target, method=method) if target > 0 else None
+        except InfeasibleBudget:
+            tighter = None
+        if tighter is None:
+            break
+        plan = dataclasses.replace(tighter, budget_bytes=budget)
+        apply(model, plan)
+        report = _verify(model, batch, plan, loss_fn=loss_fn, optimizer=optimizer)
+    if report.fits:
+        return plan, report
+    remove(model)
+    raise InfeasibleBudget(
+        f"no plan measured within the budget {format_bytes(budget)}: the last one measured "
+        f"{format_bytes(report.measured_peak_bytes)} (predicted "
+        f"{format_bytes(report.predicted_peak_bytes)}), and the cost model found none that fits "
+        f"the budget less the measured excess ({format_bytes(max(target, 0))}); raise the "
+        f"budget to at least {format_bytes(report.measured_peak_bytes)}, or lower the batch. "
+        "The model was left without a plan.",
+        budget_bytes=budget,
+        smallest_bytes=report.measured_peak_bytes,
+        dominant="the measured peak of the last plan tried",
+    )

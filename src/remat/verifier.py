@@ -3,12 +3,24 @@
 A plan passes when its measured peak is within its budget and its gradients equal the plain
 model's. Predicted vs measured peak and step time are reported, never adjusted: a plan whose
 measured peak exceeds its budget is reported as failed.
+
+# NOTE [ Step times in turns ]
+Overheads are ratios of medians taken in one run: the plain step and every plan are timed in
+turns (round r starts at a different place in the list and every other round runs backwards), so
+a change in the machine's load hits all of them alike; on a CPU the clock is this process's CPU
+time (NOTE [ CPU time on a shared CPU ]). The plain step is timed twice per round, as two
+configurations, and the second over the first is reported as ``plain_self_overhead``: what
+"plain against itself" measures in that same run is the noise floor of every overhead next to
+it; and the median over the fastest of each configuration's times says how much the machine
+disturbed the steps. A plan that changes nothing (every block kept) is the plain step: it gets the plain step's
+numbers, overhead 0 by construction.
 """
 
 from __future__ import annotations
 
 import json
 import statistics
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -21,7 +33,7 @@ from remat.measure import step as _step
 from remat.measure.tracer import StepMemory, measure_step
 from remat.records import Plan
 
-__all__ = ["Report", "verify"]
+__all__ = ["Report", "verify", "verify_many"]
 
 REPORT_SCHEMA = 1
 
@@ -53,7 +65,13 @@ class Report:
     max_grad_diff: float
     """The largest absolute difference between a gradient and the plain model's."""
     repeats: int
-    """Timed steps of each kind (alternating plain and plan)."""
+    """Timed steps of each kind (taken in turns: NOTE [ Step times in turns ])."""
+    plain_self_overhead: float | None = None
+    """A second plain step timed in the same turns, its median over the plain median minus one:
+    the noise floor of ``measured_overhead`` in this run (NOTE [ Step times in turns ])."""
+    step_ms_spread: float | None = None
+    """The largest of the median over the fastest of the plain step's and this plan's step
+    times, minus one: how much the machine disturbed the steps (0.02 on a quiet CPU)."""
     schema_version: int = REPORT_SCHEMA
     """The record's schema version."""
     plain: StepMemory | None = field(default=None, compare=False, repr=False)
@@ -97,44 +115,95 @@ def verify(
     The model ends as it began: with whatever plan it had applied (or none), its weights,
     gradients, optimizer state and RNG state untouched.
     """
+    (report,) = verify_many(
+        model, batch, [plan], loss_fn=loss_fn, optimizer=optimizer, repeats=repeats, seed=seed
+    )
+    return report
+
+
+def verify_many(
+    model: nn.Module,
+    batch: Any,
+    plans: Sequence[Plan],
+    *,
+    loss_fn: Any = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    repeats: int = 5,
+    seed: int = 0,
+) -> list[Report]:
+    """``verify`` for several plans of one model, in one run: the plain step is measured once,
+    plans with the same choices once, and all step times are taken in turns (NOTE [ Step times
+    in turns ]). One report per plan, in order, each judged against its own budget.
+    """
     if repeats < 1:
         raise InvalidValue(f"repeats must be >= 1, got {repeats}")
+    loss_fn = _step.resolve_loss_fn(loss_fn)
+    unique: dict[tuple[tuple[str, str], ...], Plan] = {}
+    for plan in plans:
+        if any(option != "keep" for option in plan.choices.values()):
+            unique.setdefault(_key(plan), plan)
     previous = applied_plan(model)
     try:
         remove(model)
         plain_mem = measure_step(model, batch, loss_fn=loss_fn, optimizer=optimizer, repeats=0)
         plain_grads = _grads(model, batch, loss_fn, optimizer, seed)
-        apply(model, plan)
-        plan_mem = measure_step(model, batch, loss_fn=loss_fn, optimizer=optimizer, repeats=0)
-        plan_grads = _grads(model, batch, loss_fn, optimizer, seed)
-        plain_ms, plan_ms = _alternating_times(model, plan, batch, loss_fn, optimizer, repeats)
+        measured: dict[tuple[tuple[str, str], ...], tuple[StepMemory, list[torch.Tensor]]] = {}
+        for key, plan in unique.items():
+            apply(model, plan)
+            mem = measure_step(model, batch, loss_fn=loss_fn, optimizer=optimizer, repeats=0)
+            measured[key] = (mem, _grads(model, batch, loss_fn, optimizer, seed))
+            remove(model)
+        configs: list[Plan | None] = [None, *unique.values(), None]
+        times = _times_in_turns(model, configs, batch, loss_fn, optimizer, repeats)
     finally:
         remove(model)
         if previous is not None:
             apply(model, previous)
+    plain_ms = statistics.median(times[0])
+    plan_ms = {key: statistics.median(t) for key, t in zip(unique, times[1:-1])}
+    spreads = [statistics.median(t) / min(t) - 1.0 for t in times]
+    plain_spread = max(spreads[0], spreads[-1])
+    plan_spread = {key: max(plain_spread, s) for key, s in zip(unique, spreads[1:-1])}
+    self_overhead = statistics.median(times[-1]) / plain_ms - 1.0
+    reports = []
+    for plan in plans:
+        key = _key(plan)
+        mem, grads = measured.get(key, (plain_mem, plain_grads))
+        ms = plan_ms.get(key, plain_ms)
+        diff, equal = _compare(plain_grads, grads)
+        reports.append(Report(
+            method=plan.method,
+            budget_bytes=plan.budget_bytes,
+            predicted_peak_bytes=plan.estimate.peak_bytes,
+            measured_peak_bytes=mem.peak_bytes,
+            plain_peak_bytes=plain_mem.peak_bytes,
+            predicted_overhead=plan.estimate.overhead,
+            measured_overhead=ms / plain_ms - 1.0,
+            plain_step_ms=plain_ms,
+            step_ms=ms,
+            grads_equal=equal,
+            max_grad_diff=diff,
+            repeats=repeats,
+            plain_self_overhead=self_overhead,
+            step_ms_spread=plan_spread.get(key, plain_spread),
+            plain=plain_mem,
+            planned=mem,
+        ))  # fmt: skip
+    return reports
+
+
+def _key(plan: Plan) -> tuple[tuple[str, str], ...]:
+    return tuple(sorted(plan.choices.items()))
+
+
+def _compare(plain: list[torch.Tensor], planned: list[torch.Tensor]) -> tuple[float, bool]:
+    """(largest absolute difference, bit-for-bit equal) of two lists of loss and gradients."""
     diff = max(
-        (float((a - b).abs().max()) if a.numel() else 0.0 for a, b in zip(plain_grads, plan_grads)),
+        (float((a - b).abs().max()) if a.numel() else 0.0 for a, b in zip(plain, planned)),
         default=0.0,
     )
-    equal = len(plain_grads) == len(plan_grads) and all(
-        torch.equal(a, b) for a, b in zip(plain_grads, plan_grads)
-    )
-    return Report(
-        method=plan.method,
-        budget_bytes=plan.budget_bytes,
-        predicted_peak_bytes=plan.estimate.peak_bytes,
-        measured_peak_bytes=plan_mem.peak_bytes,
-        plain_peak_bytes=plain_mem.peak_bytes,
-        predicted_overhead=plan.estimate.overhead,
-        measured_overhead=plan_ms / plain_ms - 1.0,
-        plain_step_ms=plain_ms,
-        step_ms=plan_ms,
-        grads_equal=equal,
-        max_grad_diff=diff,
-        repeats=repeats,
-        plain=plain_mem,
-        planned=plan_mem,
-    )
+    equal = len(plain) == len(planned) and all(torch.equal(a, b) for a, b in zip(plain, planned))
+    return diff, equal
 
 
 def _grads(model: nn.Module, batch: Any, loss_fn: Any, optimizer: Any, seed: int) -> list[torch.Tensor]:
@@ -149,22 +218,39 @@ def _grads(model: nn.Module, batch: Any, loss_fn: Any, optimizer: Any, seed: int
     return out
 
 
-def _alternating_times(
-    model: nn.Module, plan: Plan, batch: Any, loss_fn: Any, optimizer: Any, repeats: int
-) -> tuple[float, float]:
-    """Median plain and planned step times, measured alternately so drift hits both alike."""
+def _times_in_turns(
+    model: nn.Module,
+    configs: list[Plan | None],
+    batch: Any,
+    loss_fn: Any,
+    optimizer: Any,
+    repeats: int,
+) -> list[list[float]]:
+    """Step times (ms) of each configuration (None: plain), ``repeats`` each, taken in turns
+    (NOTE [ Step times in turns ])."""
     device = _step.batch_device(model, batch)
-    plain: list[float] = []
-    planned: list[float] = []
+    times: list[list[float]] = [[] for _ in configs]
+    n = len(configs)
+
+    def run(i: int, timed: bool) -> None:
+        plan = configs[i]
+        if plan is not None:
+            apply(model, plan)
+        try:
+            if timed:
+                times[i].append(_step.timed_step(model, batch, loss_fn, optimizer, device=device))
+            else:
+                _step.train_step(model, batch, loss_fn, optimizer)
+        finally:
+            remove(model)
+
     with _step.preserved(model, optimizer):
-        for _ in range(2):  # warm-up of both
-            remove(model)
-            _step.train_step(model, batch, loss_fn, optimizer)
-            apply(model, plan)
-            _step.train_step(model, batch, loss_fn, optimizer)
-        for _ in range(repeats):
-            remove(model)
-            plain += _step.timed_steps(model, batch, loss_fn, optimizer, repeats=1, device=device)
-            apply(model, plan)
-            planned += _step.timed_steps(model, batch, loss_fn, optimizer, repeats=1, device=device)
-    return statistics.median(plain), statistics.median(planned)
+        for i in range(n):  # one untimed step of each: lazy state, the allocator's caches
+            run(i, timed=False)
+        for r in range(repeats):
+            shift = r * n // repeats
+            order = list(range(shift, n)) + list(range(shift))
+            with _step.no_gc():  # collected between rounds, never inside a timed step
+                for i in reversed(order) if r % 2 else order:
+                    run(i, timed=True)
+    return times

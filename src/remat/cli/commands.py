@@ -24,6 +24,7 @@ from remat.cli.common import (
     given,
     handle_errors,
     model_flags,
+    print_demo,
     print_table,
     profile_target,
     report_row,
@@ -93,7 +94,7 @@ def main(show_traceback: bool) -> None:
               metavar="DIR",
               help="Folder for profile.json, plan.json, the plots and results.json (default: "
                    "remat-out).")
-@click.option("--quick", is_flag=True, help="A much smaller GPT and fewer budgets (~15 s).")
+@click.option("--quick", is_flag=True, help="A much smaller GPT and fewer budgets (~10 s).")
 @click.option("--json", "as_json", is_flag=True, help="Print results.json instead of the table.")
 @handle_errors
 def demo(out: Path, quick: bool, as_json: bool) -> None:
@@ -107,42 +108,18 @@ def demo(out: Path, quick: bool, as_json: bool) -> None:
 
     \b
     Examples:
-      remat demo                       # ~1-2 minutes on two cores
+      remat demo                       # under a minute on two cores
       remat demo --quick --out /tmp/remat-demo
       remat demo --json | jq '.rows[] | {label, measured_peak_bytes, measured_overhead}'
     """
-    from remat.demo import comparison_rows, results_dict, run_demo
-    from remat.report import comparison_table
+    from remat.demo import results_dict, run_demo
 
     with StageProgress() as progress:
         result = run_demo(out, quick=quick, progress=progress)
     if as_json:
         click.echo(json.dumps(results_dict(result), indent=2))
         return
-    prof, chosen = result.profile, result.chosen
-    name = result.setup.model if isinstance(result.setup.model, str) else "a small GPT"
-    shape = "×".join(str(d) for d in prof.batch_shape)
-    click.echo(
-        f"{name} ({prof.model}, {len(prof.blocks)} blocks), batch {shape}, AdamW, {prof.device}: "
-        f"plain step peak {format_bytes(prof.plain_peak_bytes)}, {prof.plain_step_ms:.0f} ms; "
-        f"smallest feasible {format_bytes(result.smallest_feasible_bytes)} "
-        f"({result.smallest_feasible_reason})"
-    )
-    print_table(comparison_table(comparison_rows(result)))
-    report = chosen.report
-    click.echo(
-        f"plan.json: {chosen.label}, budget {format_bytes(chosen.plan.budget_bytes or 0)}: "
-        f"measured peak {format_bytes(report.measured_peak_bytes)} "
-        f"({report.measured_peak_bytes / report.plain_peak_bytes:.0%} of plain), "
-        f"step time {report.measured_overhead * 100:+.1f}%, "
-        f"gradients {'equal to' if report.grads_equal else 'DIFFERENT from'} plain"
-    )
-    names = ", ".join(p.name for p in result.files.values())
-    click.echo(f"wrote {names} to {out} in {result.seconds:.0f} s")
-    click.echo(
-        f"check the plan again: remat verify --model {result.setup.factory} "
-        f"--plan {result.files['plan']}"
-    )
+    print_demo(result, out)
 
 
 @main.command("profile", short_help="Measure (or estimate) what each block of a model costs.")

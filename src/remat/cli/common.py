@@ -35,6 +35,7 @@ from remat.errors import RematError
 from remat.units import format_bytes, parse_budget
 
 if TYPE_CHECKING:
+    from remat.demo import DemoResult
     from remat.records import Plan, Profile
     from remat.report import ComparisonRow
     from remat.verifier import Report
@@ -297,3 +298,48 @@ def defaults_from_plan(
     if dtype is None and plan.dtype in _DTYPES:
         dtype = plan.dtype
     return batch, seq, dtype
+
+
+def print_demo(result: DemoResult, out: Path) -> None:
+    """``remat demo``'s report for people: the setup, the comparison table, timing, the files."""
+    from remat.demo import comparison_rows
+    from remat.report import comparison_table
+
+    prof, chosen = result.profile, result.chosen
+    name = result.setup.model if isinstance(result.setup.model, str) else "a small GPT"
+    shape = "×".join(str(d) for d in prof.batch_shape)
+    click.echo(
+        f"{name} ({prof.model}, {len(prof.blocks)} blocks), batch {shape}, AdamW, {prof.device}: "
+        f"plain step peak {format_bytes(prof.plain_peak_bytes)}, {prof.plain_step_ms:.0f} ms; "
+        f"smallest feasible {format_bytes(result.smallest_feasible_bytes)} "
+        f"({result.smallest_feasible_reason})"
+    )
+    print_table(comparison_table(comparison_rows(result)))
+    noise = (
+        f"plain against itself {result.plain_self_overhead * 100:+.1f}%, steps up to "
+        f"{result.step_ms_spread * 100:.0f}% over their fastest"
+    )
+    if result.timings_meaningful:
+        click.echo(
+            f"step times: process CPU time on one thread, plain and plans in turns, medians of "
+            f"{result.setup.rounds}; {noise}"
+        )
+    else:
+        click.echo(
+            f"step times withheld: {noise} in this run, so the machine is too loaded for an "
+            f"overhead to mean anything; the bytes are exact (run again on a quieter machine)"
+        )
+    report = chosen.report
+    step = f"step time {report.measured_overhead * 100:+.1f}%, " if result.timings_meaningful else ""
+    click.echo(
+        f"plan.json: {chosen.label}, budget {format_bytes(chosen.plan.budget_bytes or 0)}: "
+        f"measured peak {format_bytes(report.measured_peak_bytes)} "
+        f"({report.measured_peak_bytes / report.plain_peak_bytes:.0%} of plain), {step}"
+        f"gradients {'equal to' if report.grads_equal else 'DIFFERENT from'} plain"
+    )
+    names = ", ".join(p.name for p in result.files.values())
+    click.echo(f"wrote {names} to {out} in {result.seconds:.0f} s")
+    click.echo(
+        f"check the plan again: remat verify --model {result.setup.factory} "
+        f"--plan {result.files['plan']}"
+    )

@@ -157,6 +157,10 @@ def assemble(
     fwd, bwd, sel_extra = _block_times(times, len(named))
     if smooth:
         _share_medians(named, [fwd, bwd, sel_extra], param_bytes, hooks_keep.in_bytes, keep_blocks)
+        # Selective is worth the bytes it keeps only when it is clearly cheaper than a full
+        # recompute. Within timing noise of it (10%) it costs what recompute costs, so that a
+        # rerun on a loaded machine does not flip plans between the two.
+        sel_extra = [fwd[i] if sel_extra[i] > 0.9 * fwd[i] else sel_extra[i] for i in range(len(named))]
     blocks = [
         BlockProfile(
             name=name,

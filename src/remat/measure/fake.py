@@ -13,6 +13,9 @@ uncounted when it is freed (a weakref on the storage, as torch's own MemTracker 
 storage once. Kernel workspaces are invisible here (they are not tensors), which is why estimated
 and measured CPU bytes can differ by a kernel's scratch space.
 
+Building the model there: a factory may convert it (``.to(torch.bfloat16)``, ``.half()``), as users
+write. See NOTE [ Converting fake parameters ].
+
 Time: each kernel costs max(FLOPs / peak FLOP/s, bytes moved / bandwidth) + a launch overhead, with
 FLOPs from torch's FlopCounterMode registry and the peaks derated by ``ROOFLINE_EFFICIENCY``. Views
 cost nothing.
@@ -20,9 +23,10 @@ cost nothing.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -33,7 +37,7 @@ from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sd
 from remat.devices import ROOFLINE_EFFICIENCY, DeviceSpec
 from remat.measure.tracer import Mark, Trace
 
-__all__ = ["FakeMeter", "storage_key"]
+__all__ = ["FakeMeter", "convertible_parameters", "storage_key"]
 
 aten = torch.ops.aten
 
@@ -49,6 +53,41 @@ def _cpu_flash_flops(query: Any, key: Any, value: Any, *args: Any, **kwargs: Any
 
 def _cpu_flash_bwd_flops(grad_out: Any, query: Any, key: Any, value: Any, *args: Any, **kw: Any) -> int:
     return int(sdpa_backward_flop_count(grad_out.shape, query.shape, key.shape, value.shape))
+
+
+class _NoMemo(weakref.WeakValueDictionary):  # type: ignore[type-arg]
+    """A memo that remembers nothing (NOTE [ Converting fake parameters ])."""
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        return None
+
+
+@contextlib.contextmanager
+def convertible_parameters(fake_mode: Any) -> Iterator[None]:
+    """Inside it, modules built in ``fake_mode`` can be converted (``.to(dtype)``, ``.half()``).
+
+    # NOTE [ Converting fake parameters ]
+    ``Module._apply`` (behind ``.to``, ``.half``, ``.bfloat16``) always replaces a fake parameter
+    with ``torch.utils.swap_tensors``, which refuses a tensor that has a weak reference. The fake
+    mode's converter keeps one to every tensor it makes from a meta tensor (a memo, so that the
+    same meta tensor gives the same fake tensor), new parameters included, so the first ``.to``
+    in a factory fails with "Couldn't swap Embedding.weight". While a factory builds the model
+    nothing needs that memo (every tensor is new), so this mode's own converter memoises nothing
+    for that while; it is restored afterwards for the step, where real batch tensors are turned
+    into fake ones. Only this one mode object is touched: no process-wide state.
+    """
+    converter: Any = getattr(
+        getattr(fake_mode, "fake_tensor_converter", None), "meta_converter", None
+    )
+    memo = getattr(converter, "tensor_memo", None)
+    if memo is None:  # another torch: nothing to work around (tests check the conversion works)
+        yield
+        return
+    converter.tensor_memo = _NoMemo()
+    try:
+        yield
+    finally:
+        converter.tensor_memo = memo
 
 
 # The CPU flash kernel is what fake CPU tensors take; count it as the GPU kernels are counted.

@@ -61,7 +61,8 @@ def profile(
             inside ``FakeTensorMode``, so nothing is allocated).
         batch: the example batch (see ``remat.measure.step`` for the calling convention); in estimated mode
             it may be a factory too.
-        loss_fn: ``loss_fn(output, batch) -> scalar``; default: see ``remat.measure.step``.
+        loss_fn: ``loss_fn(output, batch) -> scalar`` or ``loss_fn(output)``; default: see
+            ``remat.measure.step``.
         optimizer: an optimizer over the model's parameters, or a factory ``params -> optimizer``
             (needed in estimated mode). Its state counts towards the step's memory.
         blocks: glob patterns or modules; found automatically when None.
@@ -74,6 +75,7 @@ def profile(
     """
     if repeats < 1:
         raise InvalidValue(f"repeats must be >= 1, got {repeats}")
+    loss_fn = _step.resolve_loss_fn(loss_fn)
     if device is None or (isinstance(device, str) and device.split(":")[0] in ("cuda",)):
         if not isinstance(model, nn.Module):
             raise InvalidType(
@@ -193,15 +195,14 @@ def _base_keys(model: nn.Module, optimizer: Any, batch: Any) -> set[int]:
 
 
 class _Clock:
-    """Wall-clock marks for the timed steps (synchronising CUDA at each)."""
+    """Marks for the timed steps on the step clock (NOTE [ CPU time on a shared CPU ])."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.times: dict[str, float] = {}
 
     def mark(self, label: str) -> None:
-        _step.sync(self.device)
-        self.times[label] = time.perf_counter() * 1e3
+        self.times[label] = _step.step_clock_ms(self.device)
 
 
 def _dtype_name(model: nn.Module) -> str:
@@ -240,14 +241,16 @@ def _measured(
                 with MemoryTracer(device) as tracer:
                     hooks = _marked_step(model, named, batch, loss_fn, optimizer, tracer.mark, keys)
                 traces[option] = (tracer.trace, hooks)
-        for option in ("keep", "selective"):
-            runs = []
-            with _every_block(named, option):
-                for _ in range(repeats):
-                    clock = _Clock(device)
-                    hooks = _marked_step(model, named, batch, loss_fn, optimizer, clock.mark)
-                    runs.append(phase_times(clock.times, hooks.order))
-            times[option] = median_times(runs)
+        # Timed in turns, so that a change in the machine's load hits both options alike.
+        runs: dict[str, list[dict[str, float]]] = {"keep": [], "selective": []}
+        with _step.no_gc():
+            for _ in range(repeats):
+                for option, option_runs in runs.items():
+                    with _every_block(named, option):
+                        clock = _Clock(device)
+                        hooks = _marked_step(model, named, batch, loss_fn, optimizer, clock.mark)
+                        option_runs.append(phase_times(clock.times, hooks.order))
+        times.update((option, median_times(option_runs)) for option, option_runs in runs.items())
     return assemble(
         model=model,
         named=named,
@@ -292,7 +295,7 @@ def _estimated(
 ) -> Profile:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from remat.measure.fake import FakeMeter
+    from remat.measure.fake import FakeMeter, convertible_parameters
 
     if isinstance(factory, nn.Module):
         raise InvalidType(
@@ -308,7 +311,8 @@ def _estimated(
     traces: dict[str, tuple[Trace, _Hooks]] = {}
     times: dict[str, dict[str, float]] = {}
     with fake_mode:
-        model = factory()
+        with convertible_parameters(fake_mode):
+            model = factory()
         if not isinstance(model, nn.Module):
             raise InvalidType(f"the model factory returned a {type(model).__name__}, not an nn.Module")
         fake_batch = batch() if callable(batch) else _to_fake(fake_mode, batch)

@@ -2,8 +2,13 @@
 
 The calling convention for a user's model and batch:
 - ``batch`` a tensor: ``model(batch)``; a tuple or list: ``model(*batch)``; a dict: ``model(**batch)``.
-- ``loss_fn(output, batch) -> scalar``. Without one: the output itself when it is a scalar, its
-  ``.loss`` when it has one (transformers models given labels), else the mean of the output.
+- ``loss_fn(output, batch) -> scalar`` or ``loss_fn(output) -> scalar``, told apart by its
+  signature (``resolve_loss_fn``, called at every public edge). Without one: the output itself
+  when it is a scalar, its ``.loss`` when it has one (transformers models given labels), else the
+  mean of the output.
+
+Step times come from ``step_clock_ms``: this process's CPU time on a CPU, synchronised wall-clock
+time on CUDA (NOTE [ CPU time on a shared CPU ]).
 
 ``preserved(model, optimizer)`` puts back everything a measuring run changes (weights, buffers such
 as BatchNorm statistics, gradients, optimizer state, RNG state), so that profiling or verifying a
@@ -13,6 +18,8 @@ model never alters what the user gave.
 from __future__ import annotations
 
 import contextlib
+import gc
+import inspect
 import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -28,12 +35,16 @@ __all__ = [
     "batch_bytes",
     "batch_shape",
     "forward_loss",
+    "no_gc",
     "optimizer_bytes",
     "param_bytes",
     "preserved",
+    "resolve_loss_fn",
+    "step_clock_ms",
     "storage_bytes",
     "sync",
     "tensors_in",
+    "timed_step",
     "train_step",
 ]
 
@@ -63,6 +74,55 @@ def default_loss(output: Any, batch: Batch) -> torch.Tensor:
             "pass loss_fn=lambda output, batch: ... that returns a scalar tensor"
         )
     return output if output.dim() == 0 else output.float().mean()
+
+
+class _OutputOnly:
+    """A one-argument ``loss_fn(output)`` in the two-argument form every stage calls."""
+
+    def __init__(self, fn: Callable[[Any], torch.Tensor]) -> None:
+        self.fn = fn
+
+    def __call__(self, output: Any, batch: Batch) -> torch.Tensor:
+        return self.fn(output)
+
+    def __repr__(self) -> str:
+        return f"{self.fn!r} (called as loss_fn(output))"
+
+
+def _takes(signature: inspect.Signature, n: int) -> bool:
+    try:
+        signature.bind(*range(n))
+    except TypeError:
+        return False
+    return True
+
+
+def resolve_loss_fn(loss_fn: Any) -> LossFn | None:
+    """``loss_fn`` as ``loss_fn(output, batch)``: a one-argument ``loss_fn(output)`` is wrapped.
+
+    Which form it is is decided by its signature, here at the public edge, so that a function of
+    neither form is refused before any work, with both forms named.
+    """
+    if loss_fn is None or isinstance(loss_fn, _OutputOnly):
+        return loss_fn
+    if not callable(loss_fn):
+        raise InvalidType(
+            f"loss_fn must be a function, loss_fn(output) or loss_fn(output, batch) returning a "
+            f"scalar tensor; got a {type(loss_fn).__name__}"
+        )
+    try:
+        signature = inspect.signature(loss_fn)
+    except (TypeError, ValueError):  # a builtin without a signature: the documented form
+        return loss_fn
+    if _takes(signature, 2):
+        return loss_fn
+    if _takes(signature, 1):
+        return _OutputOnly(loss_fn)
+    name = getattr(loss_fn, "__qualname__", type(loss_fn).__name__)
+    raise InvalidType(
+        f"loss_fn must take loss_fn(output) or loss_fn(output, batch) and return a scalar "
+        f"tensor; {name}{signature} takes neither"
+    )
 
 
 def forward_loss(model: Callable[..., Any], batch: Batch, loss_fn: LossFn | None) -> torch.Tensor:
@@ -108,6 +168,38 @@ def sync(device: torch.device | str) -> None:
         torch.cuda.synchronize(device)
 
 
+def step_clock_ms(device: torch.device | str) -> float:
+    """Now, in milliseconds, on the clock that step times are taken with on ``device``.
+
+    # NOTE [ CPU time on a shared CPU ]
+    On a CPU shared with other processes, a step's wall-clock time depends on how much of the
+    cores the others take at that moment: on a 2-core machine, plain steps of one model varied by
+    +-30% from one step to the next while another process ran, and a plan measured against plain
+    could come out faster than plain. The CPU time this process spends (``time.process_time``,
+    all its threads) counts the step's work, not its waiting. So on a CPU every step time and
+    every option cost is process CPU time; on CUDA it is wall-clock time after synchronising, the
+    only meaningful clock there. (Intra-op threads that spin while waiting for a core also count
+    as CPU time; the demo times on one thread for that reason.)
+    """
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+        return time.perf_counter() * 1e3
+    return time.process_time() * 1e3
+
+
+@contextlib.contextmanager
+def no_gc() -> Iterator[None]:
+    """The garbage collector runs before, not inside, what this times."""
+    gc.collect()
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
 def timed_steps(
     model: nn.Module,
     batch: Batch,
@@ -117,15 +209,23 @@ def timed_steps(
     repeats: int,
     device: torch.device,
 ) -> list[float]:
-    """Milliseconds of ``repeats`` steps (the caller warms up first)."""
-    times = []
-    for _ in range(repeats):
-        sync(device)
-        t0 = time.perf_counter()
-        train_step(model, batch, loss_fn, optimizer)
-        sync(device)
-        times.append((time.perf_counter() - t0) * 1e3)
-    return times
+    """Milliseconds of ``repeats`` steps on ``step_clock_ms`` (the caller warms up first)."""
+    with no_gc():
+        return [timed_step(model, batch, loss_fn, optimizer, device=device) for _ in range(repeats)]
+
+
+def timed_step(
+    model: nn.Module,
+    batch: Batch,
+    loss_fn: LossFn | None,
+    optimizer: torch.optim.Optimizer | None,
+    *,
+    device: torch.device,
+) -> float:
+    """Milliseconds of one step on ``step_clock_ms`` (the caller holds the garbage collector)."""
+    t0 = step_clock_ms(device)
+    train_step(model, batch, loss_fn, optimizer)
+    return step_clock_ms(device) - t0
 
 
 # --- bytes ---------------------------------------------------------------------------------------

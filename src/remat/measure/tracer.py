@@ -252,6 +252,7 @@ def measure_step(
         raise InvalidType(f"measure_step expects an nn.Module, got {type(model).__name__}")
     if repeats < 0 or warmup < 0:
         raise InvalidValue(f"repeats and warmup must be >= 0, got repeats={repeats}, warmup={warmup}")
+    loss_fn = _step.resolve_loss_fn(loss_fn)
     device = _step.batch_device(model, batch)
     with _step.preserved(model, optimizer):
         for _ in range(warmup):

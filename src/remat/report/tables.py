@@ -56,8 +56,9 @@ class ComparisonRow:
     """The cost model's predicted peak bytes (None when not predicted)."""
     measured_peak_bytes: int
     """Measured peak bytes of the step."""
-    overhead: float
-    """Measured step time over the plain step's, minus one (0.12 = 12% slower)."""
+    overhead: float | None
+    """Measured step time over the plain step's, minus one (0.12 = 12% slower); None when the
+    timing was withheld (a machine too loaded for it to mean anything)."""
     fits: bool | None = None
     """Whether the measured peak is within the budget (None without a budget)."""
     grads_equal: bool | None = None
@@ -222,7 +223,7 @@ def comparison_table(rows: Sequence[ComparisonRow]) -> Table:
             "—" if r.predicted_peak_bytes is None else format_bytes(r.predicted_peak_bytes),
             format_bytes(r.measured_peak_bytes),
             error,
-            _percent(r.overhead),
+            "—" if r.overhead is None else _percent(r.overhead),
             _mark(r.fits, "✓", "✗"),
             _mark(r.grads_equal, "=", "≠"),
             style="bold" if r.method == "optimal" else None,

@@ -8,7 +8,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import statistics
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -63,6 +62,7 @@ def plan_accumulation(
     ``micro_batch`` given: only that size is considered. The model is left as it was.
     Raises ``InfeasibleTraining`` when no candidate fits.
     """
+    loss_fn = _step.resolve_loss_fn(loss_fn) or _step.default_loss
     sizes = [micro_batch] if micro_batch is not None else micro_batch_sizes(global_batch)
     if budget is None:
         m = sizes[-1]
@@ -120,9 +120,7 @@ def _optimizer_ms(model: nn.Module, make_optimizer: Callable[[Any], torch.optim.
         optimizer.step()  # creates the state
         times = []
         for _ in range(repeats):
-            _step.sync(device)
-            t0 = time.perf_counter()
+            t0 = _step.step_clock_ms(device)
             optimizer.step()
-            _step.sync(device)
-            times.append((time.perf_counter() - t0) * 1e3)
+            times.append(_step.step_clock_ms(device) - t0)
     return statistics.median(times)
