@@ -244,17 +244,20 @@ def test_checkpoint_sequential_matches_and_checks_segments() -> None:
     seq = nn.Sequential(*[Layer(p=0.1) for _ in range(6)])
     ref = copy.deepcopy(seq)
     x = torch.randn(4, 16)
-    torch.manual_seed(5)
-    remat.checkpoint_sequential(seq, x, segments=3).sum().backward()
-    torch.manual_seed(5)
-    ref(x).sum().backward()
-    _assert_same_grads(seq, ref)
+    for checkpoint_last in (False, True):
+        seq.zero_grad()
+        ref.zero_grad()
+        torch.manual_seed(5)
+        remat.checkpoint_sequential(seq, 3, x, checkpoint_last=checkpoint_last).sum().backward()
+        torch.manual_seed(5)
+        ref(x).sum().backward()
+        _assert_same_grads(seq, ref)
     with pytest.raises(ValueError, match="between 1 and the number of blocks \\(6\\), got 7"):
-        remat.checkpoint_sequential(seq, x, segments=7)
+        remat.checkpoint_sequential(seq, 7, x)
     with pytest.raises(ValueError, match="got 0"):
-        remat.checkpoint_sequential(seq, x, segments=0)
+        remat.checkpoint_sequential(seq, 0, x)
     with pytest.raises(ValueError, match="no blocks"):
-        remat.checkpoint_sequential([], x, segments=1)
+        remat.checkpoint_sequential([], 1, x)
 
 
 def test_checkpoint_sequential_keeps_only_segment_inputs() -> None:
@@ -272,7 +275,7 @@ def test_checkpoint_sequential_keeps_only_segment_inputs() -> None:
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             if self.segments is None:
                 return self.seq(x)
-            return remat.checkpoint_sequential(self.seq, x, segments=self.segments)
+            return remat.checkpoint_sequential(self.seq, self.segments, x, checkpoint_last=True)
 
     act = 32 * 64 * 4
     plain = measure_step(Wrap(None), x, loss_fn=lambda o, b: o.sum(), repeats=0)
