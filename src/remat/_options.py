@@ -108,6 +108,8 @@ def torch_options(
             "context_fn must be a function returning two context managers (forward, recompute), "
             f"got {type(context_fn).__name__}"
         )
+    if context_fn is _tc.noop_context_fn:  # torch's default, passed explicitly
+        context_fn = None
     return TorchOptions(
         preserve_rng_state=preserve_rng_state,
         determinism_check=determinism_check,
