@@ -395,7 +395,7 @@ def _train_bn(model: nn.Module, steps: int, errors: list[BaseException]) -> None
         x = torch.randn(8, 4, 5, 5)
         for _ in range(steps):
             model(x).sum().backward()
-    except BaseException as e:  # noqa: BLE001 (reported by the test)
+    except BaseException as e:  # reported by the test
         errors.append(e)
 
 
@@ -421,3 +421,23 @@ def test_batchnorm_fix_is_thread_safe_and_scoped() -> None:
     assert errors == []
     for model in [*checkpointed, plain]:
         assert [int(block[1].num_batches_tracked) for block in model] == [steps] * 3
+
+
+_GLOBAL_BN = nn.BatchNorm1d(4)
+
+
+def _through_global(x: torch.Tensor) -> torch.Tensor:
+    return _GLOBAL_BN(x).tanh()
+
+
+def test_batchnorm_found_through_closures_partials_globals_and_arguments() -> None:
+    import functools
+
+    bns = [nn.BatchNorm1d(4) for _ in range(4)]
+    x = torch.randn(8, 4, requires_grad=True)
+    remat.checkpoint(lambda t: bns[0](t).tanh(), x).sum().backward()  # a closure
+    remat.checkpoint(functools.partial(lambda m, t: m(t).tanh(), bns[1]), x).sum().backward()
+    remat.checkpoint(lambda m, t: m(t).tanh(), bns[2], x).sum().backward()  # an argument
+    checkpoint_call(lambda t: bns[3](t).tanh(), (x,), mode="recompute_offload").sum().backward()
+    remat.checkpoint(_through_global, x).sum().backward()
+    assert [int(bn.num_batches_tracked) for bn in [*bns, _GLOBAL_BN]] == [1] * 5

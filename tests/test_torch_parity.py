@@ -489,3 +489,36 @@ def test_a_keyword_of_fn_named_like_a_torch_option(context: str) -> None:
             return t + early_stop
 
     assert torch.equal(checkpoint_module(WithOption())(x, early_stop=True), x + 1)
+    with pytest.raises(TypeError, match="WithOption also has a parameter 'early_stop'"):
+        remat.checkpoint(WithOption(), x, early_stop=True)
+
+
+# --- torch's options composed with remat's own modes ----------------------------------------
+
+
+def test_context_fn_composes_with_remat_selective() -> None:
+    log: list[str] = []
+    x, w = torch.randn(16, 16, requires_grad=True), torch.randn(16, 16, requires_grad=True)
+    out = checkpoint_call(lambda t: _mm_chain(t, w), (x,), mode="selective", policy=[torch.ops.aten.mm],
+                          context_fn=lambda: (_Counting(log, "fwd"), _Counting(log, "rec")))
+    with FlopCounterMode(display=False) as counter:
+        out.sum().backward()
+    assert log == ["fwd", "rec"]
+    assert counter.get_total_flops() == 4 * 2 * 16**3  # the mms kept: nothing of them re-run
+
+
+@pytest.mark.usefixtures("quiet_logging_tensor")
+@pytest.mark.parametrize("mode", ["recompute", "selective", "recompute_offload"])
+def test_global_debug_switch_with_every_mode(mode: str) -> None:
+    torch.manual_seed(0)
+    block = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Tanh())
+    ref = copy.deepcopy(block)
+    checkpoint_module(block, mode=mode)
+    x = torch.randn(4, 8)
+    with tc.set_checkpoint_debug_enabled(True):
+        block(x).sum().backward()
+        with pytest.raises(tc.CheckpointError, match="dumping logs of latest computation"):
+            checkpoint_call(_nondeterministic([]), (torch.randn(4, requires_grad=True),), mode=mode).backward()
+    ref(x).sum().backward()
+    _assert_same(_grads(block.parameters()), _grads(ref.parameters()))
+    assert int(block[1].num_batches_tracked) == 1

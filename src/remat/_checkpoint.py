@@ -175,7 +175,11 @@ def run(
             torch_kwargs["context_fn"] = functools.partial(
                 create_selective_checkpoint_contexts, policy, allow_cache_entry_mutation
             )
-        return _torch_checkpoint(functools.partial(fn, **kwargs), *args, use_reentrant=False, **torch_kwargs)
+        if options.context_fn is None and mode == "recompute":
+            del torch_kwargs["context_fn"]  # dynamo takes only a function or partial it can see
+        if set(kwargs) & {*TORCH_OPTIONS, "function"}:  # fn's own, not torch's: bind them
+            fn, kwargs = functools.partial(fn, **kwargs), {}
+        return _torch_checkpoint(fn, *args, use_reentrant=False, **torch_kwargs, **kwargs)
     if mode == "recompute_offload":
         return _recompute_offloaded(fn, args, kwargs, torch_kwargs)
     staged = _Staged(fn, kwargs, policy, allow_cache_entry_mutation, args)

@@ -120,8 +120,9 @@ def torch_options(
 
 
 def _declared(fn: Callable[..., Any]) -> set[str]:
+    target = fn.forward if isinstance(fn, torch.nn.Module) else fn  # not __call__'s (*args, **kwargs)
     try:
-        params = inspect.signature(fn).parameters.values()
+        params = inspect.signature(target).parameters.values()
     except (TypeError, ValueError):  # builtins and C callables without a signature
         return set()
     kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
