@@ -12,7 +12,9 @@ from torch import nn
 from remat.applier import apply, remove
 from remat.profiler import profile
 from remat.records import Plan
-from remat.solver import solve
+from remat.solver import InfeasibleBudget, check_method, in_eval_mode, solve
+from remat.step import check_trainable
+from remat.units import check_budget
 from remat.verifier import Report
 from remat.verifier import verify as _verify
 
@@ -59,9 +61,21 @@ def auto(
     Raises ``remat.InfeasibleBudget`` (naming the smallest budget that can be met) when no plan
     fits; the model is then left as it was.
     """
+    # Validate at the edge: every mistake that solve() would find is found before profiling.
+    check_trainable(model, "remat.auto")
+    check_method(method)
+    if budget is None and method in ("optimal", "greedy"):
+        raise ValueError(f"remat.auto needs a budget for method={method!r}, e.g. budget='60%'")
+    if budget is not None:
+        check_budget(budget)
     remove(model)  # profile the model as the user wrote it
     prof = profile(model, batch, loss_fn=loss_fn, optimizer=optimizer, blocks=blocks, repeats=repeats)
-    plan = solve(prof, budget, method=method)
+    try:
+        plan = solve(prof, budget, method=method)
+    except InfeasibleBudget as e:
+        if model.training:
+            raise
+        raise in_eval_mode(e) from None
     apply(model, plan)
     log.info(
         "remat: %s plan, predicted peak %d bytes (budget %s), predicted overhead %.1f%%",

@@ -56,6 +56,7 @@ from remat.train_state import (
     set_rng_state,
     write_outputs,
 )
+from remat.units import check_budget
 
 __all__ = [
     "PRECISIONS",
@@ -149,7 +150,7 @@ def train(
     overwritten), and ``TrainInterrupted`` (a ``KeyboardInterrupt``) after saving on Ctrl-C.
     """
     _validate(config)
-    device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = _device(config.device)
     data = load_text(config.text)
     out = Path(config.out) if config.out is not None else None
     ckpt_path = out / "checkpoint.pt" if out is not None else None
@@ -182,19 +183,25 @@ def train(
                 f"{ckpt_path} was written by a model of another structure (fingerprint "
                 f"{state['fingerprint']}, this model has {fingerprint(model)}); it was left as it is"
             )
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
-        scaler.load_state_dict(state["scaler"])
-        sampler.load_state_dict(state["sampler"])
-        set_rng_state(state["rng"])
-        plan = Plan.from_json(state["plan"]) if state["plan"] is not None else None
-        micro = int(state["micro_batch"])
-        history = state["history"]
-        start = int(state["step"])
-        decided = AccumulationPlan(
-            micro_batch=micro, plan=plan, candidates=[Candidate(**c) for c in history["candidates"]],
-            budget_bytes=history["budget_bytes"])
+        try:  # a checksummed file of this run that still does not fit: say so, not a traceback
+            model.load_state_dict(state["model"])
+            optimizer.load_state_dict(state["optimizer"])
+            scheduler.load_state_dict(state["scheduler"])
+            scaler.load_state_dict(state["scaler"])
+            sampler.load_state_dict(state["sampler"])
+            set_rng_state(state["rng"])
+            plan = Plan.from_json(state["plan"]) if state["plan"] is not None else None
+            micro = int(state["micro_batch"])
+            history = state["history"]
+            start = int(state["step"])
+            decided = AccumulationPlan(
+                micro_batch=micro, plan=plan,
+                candidates=[Candidate(**c) for c in history["candidates"]],
+                budget_bytes=history["budget_bytes"])
+        except (RuntimeError, ValueError, TypeError, KeyError, IndexError) as e:
+            reason = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
+            raise CheckpointError(f"{ckpt_path} does not fit this run's model and settings "
+                                  f"({reason}); it was left as it is") from None
     else:
         decided = plan_accumulation(
             model, budget=config.budget, global_batch=config.global_batch,
@@ -284,7 +291,12 @@ def train(
     except KeyboardInterrupt:
         path = ckpt_path if ckpt_path is not None and ckpt_path.exists() else None
         if not in_step and saved_at != completed:
-            path = save(completed)
+            try:
+                path = save(completed)
+            except KeyboardInterrupt:  # another Ctrl-C while saving: the file on disk stands
+                log.warning("stopped while saving step %d: the last checkpoint stands", completed)
+                completed = saved_at if saved_at >= 0 else start
+                path = ckpt_path if ckpt_path is not None and ckpt_path.exists() else None
         elif in_step:
             completed = saved_at if saved_at >= 0 else start
             log.warning("stopped inside step %d: the last checkpoint (step %d) stands",
@@ -374,6 +386,29 @@ def _validate(config: TrainConfig) -> None:
         raise ValueError(f"lr must be a finite number > 0, got {config.lr!r}")
     if config.clip is not None and not (math.isfinite(config.clip) and config.clip >= 0):
         raise ValueError(f"clip must be a finite number >= 0 (0: no clipping), got {config.clip!r}")
+    if config.budget is not None:
+        check_budget(config.budget)
+    _device(config.device)
+
+
+def _device(name: str | None) -> torch.device:
+    """The device of ``TrainConfig.device``, checked: one torch knows, and one this machine has."""
+    if name is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"unknown device {name!r}; expected cpu, cuda or cuda:N") from None
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"remat train runs on cpu or cuda[:N], not {name!r}")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {name!r}: CUDA is not available here (torch "
+                             f"{torch.__version__}); train on the CPU with device='cpu'")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ValueError(f"device {name!r}: this machine has {torch.cuda.device_count()} "
+                             "CUDA device(s)")
+    return device
 
 
 def _make_optimizer(params: Any, config: TrainConfig) -> torch.optim.Optimizer:

@@ -98,6 +98,12 @@ def verify(
     """
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
+    _step.check_trainable(model, "remat.verify")
+    if not isinstance(plan, Plan):
+        raise TypeError(
+            f"remat.verify expects a remat Plan, got {type(plan).__name__}; load one with "
+            "Plan.load(path)"
+        )
     previous = applied_plan(model)
     try:
         remove(model)
