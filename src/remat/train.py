@@ -199,7 +199,7 @@ def train(
                 candidates=[Candidate(**c) for c in history["candidates"]],
                 budget_bytes=history["budget_bytes"])
         except (RuntimeError, ValueError, TypeError, KeyError, IndexError) as e:
-            reason = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
+            reason = " ".join(str(e).split())[:300] or type(e).__name__
             raise CheckpointError(f"{ckpt_path} does not fit this run's model and settings "
                                   f"({reason}); it was left as it is") from None
     else:
