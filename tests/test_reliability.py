@@ -440,8 +440,7 @@ def test_did_you_mean_ignores_case() -> None:
 def test_a_closed_pipe_exits_quietly(profile_file: Path) -> None:
     env = {**os.environ, "PYTHONPATH": str(Path(remat.__file__).parents[1])}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "remat", "plan", "--profile", str(profile_file), "--method", "all",
-         "--json"],
+        [sys.executable, "-m", "remat", "plan", "--profile", str(profile_file), "--method", "all"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
     )  # fmt: skip
     assert proc.stdout is not None and proc.stderr is not None

@@ -471,8 +471,6 @@ def plan_cmd(
     from remat.records import Profile
     from remat.report import plan_table
     from remat.solver import InfeasibleBudget, in_eval_mode, solve
-    from remat.targets import nn_module
-
     model_options = ("model", "batch", "seq", "dtype", "optimizer", "blocks", "device", "repeats")
     if (model is None) == (profile_path is None):
         raise click.UsageError("give either --model (to profile it now) or --profile FILE")
@@ -491,7 +489,7 @@ def plan_cmd(
     if model is not None:
         args = ModelArgs(model, batch, seq, dtype, optimizer, blocks)
         target = load_target(args, device=device)
-        training = not isinstance(target.model, nn_module()) or target.model.training
+        training = bool(getattr(target.model, "training", True))  # a factory when estimating
         prof = _profile(target, args, device=device, repeats=repeats)
     else:
         assert profile_path is not None

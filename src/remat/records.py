@@ -323,9 +323,40 @@ def _build(cls: Any, data: Any, where: str) -> Any:
         raise _FieldError(f"{cls.__name__}{' at ' + where if where else ''} misses the fields "
                           f"{missing}")
     hints = _hints(cls)
-    kwargs = {name: _value(value, hints[name], f"{where}.{name}" if where else name)
-              for name, value in data.items()}
+    kwargs = {}
+    for name, value in data.items():
+        at = f"{where}.{name}" if where else name
+        kwargs[name] = _in_range(cls, name, _value(value, hints[name], at), at)
     return cls(**kwargs)
+
+
+#: The largest byte count and time a record holds (1 PiB, ~11.6 days): far above any real step,
+#: and low enough that the solvers' sums over thousands of blocks stay exact in int64.
+_MAX_FIELD_BYTES = 2**50
+_MAX_FIELD_MS = 1e9
+_SIGNED = ("grad_bytes", "extra_ms", "step_ms")  # net changes, measured differences, and sums of them
+
+
+def _in_range(cls: Any, name: str, value: Any, where: str) -> Any:
+    """Numbers in a record file within what a step can have: a file is checked where it is read,
+    so that every stage after it (cost model, solvers, apply) sees numbers it can sum."""
+    if isinstance(value, list):
+        if name == "batch_shape" and any(d < 0 for d in value):
+            raise _FieldError(f"{where}: dimensions cannot be negative, got {value}")
+        return value
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return value
+    limit: float = _MAX_FIELD_BYTES if isinstance(value, int) else _MAX_FIELD_MS
+    if cls in (Plan, Estimate):  # a budget remat.units takes; sums of a profile's numbers
+        limit = MAX_BYTES if isinstance(value, int) else 1e300
+    if abs(value) > limit:
+        shown = str(limit) if isinstance(value, int) else f"{limit:g}"
+        raise _FieldError(f"{where}: {value!r} is out of range (at most {shown} in size)")
+    if name == "world_size" and value < 1:
+        raise _FieldError(f"{where}: expected at least 1 rank, got {value}")
+    if value < 0 and name not in _SIGNED and name.endswith(("_bytes", "_ms")):
+        raise _FieldError(f"{where}: cannot be negative, got {value!r}")
+    return value
 
 
 def _value(value: Any, hint: Any, where: str) -> Any:

@@ -56,13 +56,6 @@ class ModelArgs:
     blocks: tuple[str, ...]
 
 
-def nn_module() -> type:
-    """``torch.nn.Module``, imported when first needed (the CLI starts without torch)."""
-    from torch import nn
-
-    return nn.Module
-
-
 def optimizer_factory(name: str) -> Callable[[Any], Any] | None:
     import torch
 
