@@ -160,6 +160,15 @@ def test_out_equal_to_the_input_is_refused(profile_file: Path, monkeypatch: pyte
     assert profile_file.read_bytes() == before
 
 
+def test_train_refuses_a_text_that_is_one_of_its_outputs(tmp_path: Path) -> None:
+    log = tmp_path / "log.json"
+    log.write_text("some text to train on. " * 400)
+    before = log.read_bytes()
+    with pytest.raises(ValueError, match="is the run's own log.json"):
+        train(dataclasses.replace(SMALL, text=str(log), out=str(tmp_path)))
+    assert log.read_bytes() == before
+
+
 def test_atomic_write_keeps_the_old_file_when_writing_fails(tmp_path: Path) -> None:
     path = tmp_path / "out.json"
     path.write_text("old")

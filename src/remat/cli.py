@@ -9,7 +9,10 @@ verification. 2: the command line itself is malformed, which click reports befor
 an unknown option, a missing one, a value of the wrong form (a budget that does not parse, an
 unknown device, method or dtype). remat's own errors are ``ValueError`` subclasses with messages
 that teach; they become one ``Error: ...`` line (``remat --traceback ...`` shows the traceback).
-With ``--json``, an error is also written to stdout as ``{"error": ..., "type": ...}``.
+With ``--json``, an error is also written to stdout as ``{"error": ..., "type": ...}``. A closed
+stdout (``remat ... | head``) ends the command quietly with 1, as click does. Outputs (``--out``)
+are written only when the command succeeds, atomically, and never onto an input (NOTE [ Atomic
+outputs ] in ``remat.files``).
 """
 
 from __future__ import annotations

@@ -41,6 +41,7 @@ from remat.accumulation import AccumulationPlan, Candidate, plan_accumulation
 from remat.applier import apply
 from remat.blocks import fingerprint
 from remat.data import Sampler, build_text_model, eval_windows, load_text, text_loss
+from remat.files import same_file
 from remat.measure import MemoryTracer
 from remat.models import GPTConfig, LlamaConfig, lm_loss
 from remat.records import Plan
@@ -389,6 +390,11 @@ def _validate(config: TrainConfig) -> None:
     if config.budget is not None:
         check_budget(config.budget)
     _device(config.device)
+    if config.text is not None and config.out is not None:
+        for name in ("checkpoint.pt", "log.json", "loss.png"):
+            if same_file(config.text, Path(config.out) / name):
+                raise ValueError(f"the text {config.text} is the run's own {name}, which the run "
+                                 "rewrites; train on another file, or choose another out folder")
 
 
 def _device(name: str | None) -> torch.device:
