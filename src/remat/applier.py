@@ -10,7 +10,6 @@ of the user's model, so optimizers, FSDP, ``save_pretrained`` and checkpoint fil
 
 from __future__ import annotations
 
-import difflib
 import functools
 import logging
 from typing import Any
@@ -19,7 +18,9 @@ from torch import nn
 
 from remat import _checkpoint
 from remat.blocks import fingerprint
+from remat.errors import did_you_mean
 from remat.records import OPTIONS, Plan
+from remat.step import check_compiled
 
 __all__ = ["PlanMismatch", "applied_plan", "apply", "remove"]
 
@@ -40,6 +41,7 @@ def apply(model: nn.Module, plan: Plan, *, strict: bool = True) -> nn.Module:
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"apply expects an nn.Module, got {type(model).__name__}")
+    check_compiled(model, "remat.apply")
     if not isinstance(plan, Plan):
         raise TypeError(f"apply expects a remat Plan, got {type(plan).__name__}; load one with Plan.load(path)")
     from remat.distributed import check_wrapping
@@ -48,8 +50,7 @@ def apply(model: nn.Module, plan: Plan, *, strict: bool = True) -> nn.Module:
     modules = dict(model.named_modules())
     for name, option in plan.choices.items():
         if name not in modules:
-            close = difflib.get_close_matches(name, [n for n in modules if n], n=1)
-            hint = f"; did you mean {close[0]!r}?" if close else ""
+            hint = did_you_mean(name, modules)
             raise PlanMismatch(
                 f"the plan was made for a {plan.model}; its block {name!r} is not in this "
                 f"{type(model).__name__}{hint}"

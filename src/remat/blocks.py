@@ -8,13 +8,14 @@ children of a top-level ``nn.Sequential``. Named: glob patterns over module name
 
 from __future__ import annotations
 
-import difflib
 import fnmatch
 import hashlib
 from collections import Counter
 from collections.abc import Sequence
 
 from torch import nn
+
+from remat.errors import did_you_mean
 
 __all__ = ["BlockError", "find_blocks", "fingerprint"]
 
@@ -92,8 +93,7 @@ def _by_pattern(model: nn.Module, patterns: list[str]) -> list[tuple[str, nn.Mod
     for pattern in patterns:
         hits = [(n, m) for n, m in modules if fnmatch.fnmatchcase(n, pattern)]
         if not hits:
-            close = difflib.get_close_matches(pattern, [n for n, _ in modules], n=3)
-            hint = f"; did you mean {', '.join(repr(c) for c in close)}?" if close else ""
+            hint = did_you_mean(pattern, [n for n, _ in modules], n=3)
             raise BlockError(f"the pattern {pattern!r} matches no module of {type(model).__name__}{hint}")
         found.extend(h for h in hits if h not in found)
     # A pattern like "layers.*" also matches "layers.0.attn": keep the outermost matches only.

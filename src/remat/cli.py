@@ -9,7 +9,10 @@ verification. 2: the command line itself is malformed, which click reports befor
 an unknown option, a missing one, a value of the wrong form (a budget that does not parse, an
 unknown device, method or dtype). remat's own errors are ``ValueError`` subclasses with messages
 that teach; they become one ``Error: ...`` line (``remat --traceback ...`` shows the traceback).
-With ``--json``, an error is also written to stdout as ``{"error": ..., "type": ...}``.
+With ``--json``, an error is also written to stdout as ``{"error": ..., "type": ...}``. A closed
+stdout (``remat ... | head``) ends the command quietly with 1, as click does. Outputs (``--out``)
+are written only when the command succeeds, atomically, and never onto an input (NOTE [ Atomic
+outputs ] in ``remat.files``).
 """
 
 from __future__ import annotations
@@ -28,10 +31,11 @@ from rich.table import Table
 
 from remat import __version__
 from remat.devices import DEVICES
+from remat.files import same_file
 from remat.solver import METHODS
 from remat.targets import DTYPES as _DTYPES
 from remat.targets import ModelArgs, Target, load_target, measured_device
-from remat.units import format_bytes, parse_budget
+from remat.units import check_budget, format_bytes, parse_budget
 
 if TYPE_CHECKING:
 
@@ -130,8 +134,8 @@ def _handle_errors(fn: _F) -> _F:
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
             return fn(*args, **kwargs)
-        except click.ClickException:
-            raise
+        except (click.ClickException, BrokenPipeError):
+            raise  # click exits quietly with status 1 on a closed pipe (`remat ... | head`)
         except (*_USER_ERRORS, RuntimeError) as e:
             if isinstance(e, RuntimeError) and not _out_of_memory(e):
                 raise
@@ -174,7 +178,7 @@ def _check_budget(ctx: click.Context, param: click.Parameter, value: str | None)
     """Refuse a budget that does not parse now, before a long profile; "60%" is resolved later."""
     if value is not None:
         try:
-            parse_budget(value, plain_peak_bytes=2**40)
+            check_budget(value)
         except ValueError as e:
             raise click.BadParameter(str(e)) from None
     return value
@@ -483,11 +487,14 @@ def plan_cmd(
     """
     from remat.records import Profile
     from remat.report import plan_table
-    from remat.solver import solve
-
+    from remat.solver import InfeasibleBudget, in_eval_mode, solve
     model_options = ("model", "batch", "seq", "dtype", "optimizer", "blocks", "device", "repeats")
     if (model is None) == (profile_path is None):
         raise click.UsageError("give either --model (to profile it now) or --profile FILE")
+    if out is not None and profile_path is not None and same_file(out, profile_path):
+        raise click.UsageError(
+            f"--out {out} is the --profile it reads; write the plan to another file"
+        )
     if profile_path is not None and _given(ctx, *model_options):
         raise click.UsageError(
             f"{', '.join(_given(ctx, *model_options))} describe the model to profile; "
@@ -495,9 +502,12 @@ def plan_cmd(
         )
     if method in _BUDGET_METHODS and budget is None and model is not None and device in (None, "cpu"):
         raise click.UsageError(f"--method {method} needs a --budget, e.g. --budget 60%")
+    training = True  # the model profiled was in train() mode (a factory's may not be)
     if model is not None:
         args = ModelArgs(model, batch, seq, dtype, optimizer, blocks)
-        prof = _profile(load_target(args, device=device), args, device=device, repeats=repeats)
+        target = load_target(args, device=device)
+        training = bool(getattr(target.model, "training", True))  # a factory when estimating
+        prof = _profile(target, args, device=device, repeats=repeats)
     else:
         assert profile_path is not None
         prof = Profile.load(profile_path)
@@ -515,10 +525,15 @@ def plan_cmd(
             raise click.UsageError(f"--method {method} needs a --budget, e.g. --budget 60%")
         budget_bytes = prof.device_memory_bytes
         _say(f"budget: the {prof.device}'s memory, {format_bytes(budget_bytes)}", as_json=True)
-    plan = solve(prof, budget_bytes, method=method, k=k)
-    if out is not None:
-        plan.save(_save_to(out))
+    try:
+        plan = solve(prof, budget_bytes, method=method, k=k)
+    except InfeasibleBudget as e:
+        if training:
+            raise
+        raise in_eval_mode(e) from None
     ok, verdict = _verdict(plan, prof)
+    if out is not None and ok is not False:  # NOTE [ Atomic outputs ]: only after success
+        plan.save(_save_to(out))
     notes = [n for n in plan.notes if not n.startswith("does not fit")]
     if as_json:
         from remat.costmodel import smallest_feasible
@@ -542,7 +557,8 @@ def plan_cmd(
             click.echo(f"note: {note}")
         click.echo(verdict)
     if out is not None:
-        _say(f"wrote {out}", as_json=as_json)
+        _say(f"wrote {out}" if ok is not False else
+             f"did not write {out}: the plan does not fit", as_json=as_json)  # fmt: skip
     if ok is False:
         ctx.exit(1)
 

@@ -9,11 +9,11 @@ assignment reaches. Pure numbers: no torch, no numpy, no I/O.
 
 from __future__ import annotations
 
-import difflib
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from remat.errors import did_you_mean
 from remat.records import OPTIONS, Estimate, OptionCost, Profile
 from remat.units import format_bytes
 
@@ -150,8 +150,7 @@ def _chosen_costs(profile: Profile, choices: Mapping[str, str]) -> list[OptionCo
 
 
 def _did_you_mean(word: str, candidates: Sequence[str]) -> str:
-    close = difflib.get_close_matches(word, candidates, n=1)
-    return f"; did you mean {close[0]!r}?" if close else ""
+    return did_you_mean(word, candidates)
 
 
 def _preview(names: Sequence[str], limit: int = 4) -> str:

@@ -39,6 +39,7 @@ from torch import nn
 
 from remat import zoo
 from remat.costmodel import smallest_feasible
+from remat.files import atomic_write
 from remat.models import Batch, GPTConfig, LossFn
 from remat.profiler import profile
 from remat.records import Plan, Profile
@@ -247,7 +248,7 @@ def run_demo(
         files=files,
         seconds=time.perf_counter() - started,
     )
-    files["results"].write_text(json.dumps(results_dict(result), indent=2) + "\n")
+    atomic_write(files["results"], json.dumps(results_dict(result), indent=2) + "\n")
     report_progress("done", 3, 3)
     return result
 

@@ -6,8 +6,9 @@ to what kernels reach in practice. Sources are given per entry.
 
 from __future__ import annotations
 
-import difflib
 from dataclasses import dataclass, field
+
+from remat.errors import close_matches
 
 __all__ = ["DEVICES", "DeviceSpec", "get_device"]
 
@@ -135,7 +136,7 @@ def get_device(device: str | DeviceSpec) -> DeviceSpec:
     key = device.lower().replace("_", "-")
     if key in DEVICES:
         return DEVICES[key]
-    close = difflib.get_close_matches(key, DEVICES, n=3)
+    close = close_matches(key, DEVICES, n=3)
     hint = f" Did you mean {', '.join(close)}?" if close else ""
     raise ValueError(
         f"unknown device {device!r}: expected one of {', '.join(DEVICES)}, or a "

@@ -562,5 +562,7 @@ def _save(fig: Any, path: str | Path) -> Path:
     path = Path(path)
     if not path.parent.is_dir():
         raise FileNotFoundError(f"cannot write {path}: the folder {path.parent} does not exist")
-    fig.savefig(path, dpi=DPI)
+    from remat.files import atomic_write
+
+    atomic_write(path, lambda f: fig.savefig(f, dpi=DPI, format=path.suffix.lstrip(".") or "png"))
     return path

@@ -41,6 +41,7 @@ from remat.accumulation import AccumulationPlan, Candidate, plan_accumulation
 from remat.applier import apply
 from remat.blocks import fingerprint
 from remat.data import Sampler, build_text_model, eval_windows, load_text, text_loss
+from remat.files import same_file
 from remat.measure import MemoryTracer
 from remat.models import GPTConfig, LlamaConfig, lm_loss
 from remat.records import Plan
@@ -56,6 +57,7 @@ from remat.train_state import (
     set_rng_state,
     write_outputs,
 )
+from remat.units import check_budget
 
 __all__ = [
     "PRECISIONS",
@@ -149,7 +151,7 @@ def train(
     overwritten), and ``TrainInterrupted`` (a ``KeyboardInterrupt``) after saving on Ctrl-C.
     """
     _validate(config)
-    device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = _device(config.device)
     data = load_text(config.text)
     out = Path(config.out) if config.out is not None else None
     ckpt_path = out / "checkpoint.pt" if out is not None else None
@@ -182,19 +184,25 @@ def train(
                 f"{ckpt_path} was written by a model of another structure (fingerprint "
                 f"{state['fingerprint']}, this model has {fingerprint(model)}); it was left as it is"
             )
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
-        scaler.load_state_dict(state["scaler"])
-        sampler.load_state_dict(state["sampler"])
-        set_rng_state(state["rng"])
-        plan = Plan.from_json(state["plan"]) if state["plan"] is not None else None
-        micro = int(state["micro_batch"])
-        history = state["history"]
-        start = int(state["step"])
-        decided = AccumulationPlan(
-            micro_batch=micro, plan=plan, candidates=[Candidate(**c) for c in history["candidates"]],
-            budget_bytes=history["budget_bytes"])
+        try:  # a checksummed file of this run that still does not fit: say so, not a traceback
+            model.load_state_dict(state["model"])
+            optimizer.load_state_dict(state["optimizer"])
+            scheduler.load_state_dict(state["scheduler"])
+            scaler.load_state_dict(state["scaler"])
+            sampler.load_state_dict(state["sampler"])
+            set_rng_state(state["rng"])
+            plan = Plan.from_json(state["plan"]) if state["plan"] is not None else None
+            micro = int(state["micro_batch"])
+            history = state["history"]
+            start = int(state["step"])
+            decided = AccumulationPlan(
+                micro_batch=micro, plan=plan,
+                candidates=[Candidate(**c) for c in history["candidates"]],
+                budget_bytes=history["budget_bytes"])
+        except (RuntimeError, ValueError, TypeError, KeyError, IndexError) as e:
+            reason = " ".join(str(e).split())[:300] or type(e).__name__
+            raise CheckpointError(f"{ckpt_path} does not fit this run's model and settings "
+                                  f"({reason}); it was left as it is") from None
     else:
         decided = plan_accumulation(
             model, budget=config.budget, global_batch=config.global_batch,
@@ -284,7 +292,12 @@ def train(
     except KeyboardInterrupt:
         path = ckpt_path if ckpt_path is not None and ckpt_path.exists() else None
         if not in_step and saved_at != completed:
-            path = save(completed)
+            try:
+                path = save(completed)
+            except KeyboardInterrupt:  # another Ctrl-C while saving: the file on disk stands
+                log.warning("stopped while saving step %d: the last checkpoint stands", completed)
+                completed = saved_at if saved_at >= 0 else start
+                path = ckpt_path if ckpt_path is not None and ckpt_path.exists() else None
         elif in_step:
             completed = saved_at if saved_at >= 0 else start
             log.warning("stopped inside step %d: the last checkpoint (step %d) stands",
@@ -374,6 +387,34 @@ def _validate(config: TrainConfig) -> None:
         raise ValueError(f"lr must be a finite number > 0, got {config.lr!r}")
     if config.clip is not None and not (math.isfinite(config.clip) and config.clip >= 0):
         raise ValueError(f"clip must be a finite number >= 0 (0: no clipping), got {config.clip!r}")
+    if config.budget is not None:
+        check_budget(config.budget)
+    _device(config.device)
+    if config.text is not None and config.out is not None:
+        for name in ("checkpoint.pt", "log.json", "loss.png"):
+            if same_file(config.text, Path(config.out) / name):
+                raise ValueError(f"the text {config.text} is the run's own {name}, which the run "
+                                 "rewrites; train on another file, or choose another out folder")
+
+
+def _device(name: str | None) -> torch.device:
+    """The device of ``TrainConfig.device``, checked: one torch knows, and one this machine has."""
+    if name is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"unknown device {name!r}; expected cpu, cuda or cuda:N") from None
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"remat train runs on cpu or cuda[:N], not {name!r}")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {name!r}: CUDA is not available here (torch "
+                             f"{torch.__version__}); train on the CPU with device='cpu'")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ValueError(f"device {name!r}: this machine has {torch.cuda.device_count()} "
+                             "CUDA device(s)")
+    return device
 
 
 def _make_optimizer(params: Any, config: TrainConfig) -> torch.optim.Optimizer:

@@ -136,6 +136,13 @@ def verify_many(
     """
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
+    _step.check_trainable(model, "remat.verify")
+    bad = next((p for p in plans if not isinstance(p, Plan)), None)
+    if bad is not None:
+        raise TypeError(
+            f"remat.verify expects a remat Plan, got {type(bad).__name__}; load one with "
+            "Plan.load(path)"
+        )
     loss_fn = _step.resolve_loss_fn(loss_fn)
     unique: dict[tuple[tuple[str, str], ...], Plan] = {}
     for plan in plans:

@@ -13,12 +13,12 @@ estimate a 70B model on a laptop. Batches and losses follow NOTE [ Batch and los
 from __future__ import annotations
 
 import dataclasses
-import difflib
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from remat.errors import did_you_mean
 from remat.models import (
     Batch,
     BertConfig,
@@ -147,8 +147,7 @@ def names() -> list[str]:
 def _lookup(name: str) -> ZooEntry:
     if name in ZOO:
         return ZOO[name]
-    close = difflib.get_close_matches(name, list(ZOO), n=1)
-    hint = f"; did you mean {close[0]!r}?" if close else ""
+    hint = did_you_mean(str(name), ZOO)
     raise ValueError(f"unknown model {name!r}{hint} Known models: {', '.join(ZOO)}")
 
 
