@@ -10,12 +10,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 import remat
-from remat.manual.checkpoint import (
-    checkpoint_call,
-    checkpoint_module,
-    is_checkpointed,
-    uncheckpoint_module,
-)
+from remat.manual.checkpoint import checkpoint_call
+from remat.manual.module_form import checkpoint_module, is_checkpointed, uncheckpoint_module
 
 
 def _grads(module: nn.Module) -> dict[str, torch.Tensor]:
@@ -244,17 +240,20 @@ def test_checkpoint_sequential_matches_and_checks_segments() -> None:
     seq = nn.Sequential(*[Layer(p=0.1) for _ in range(6)])
     ref = copy.deepcopy(seq)
     x = torch.randn(4, 16)
-    torch.manual_seed(5)
-    remat.checkpoint_sequential(seq, x, segments=3).sum().backward()
-    torch.manual_seed(5)
-    ref(x).sum().backward()
-    _assert_same_grads(seq, ref)
+    for checkpoint_last in (False, True):
+        seq.zero_grad()
+        ref.zero_grad()
+        torch.manual_seed(5)
+        remat.checkpoint_sequential(seq, 3, x, checkpoint_last=checkpoint_last).sum().backward()
+        torch.manual_seed(5)
+        ref(x).sum().backward()
+        _assert_same_grads(seq, ref)
     with pytest.raises(ValueError, match="between 1 and the number of blocks \\(6\\), got 7"):
-        remat.checkpoint_sequential(seq, x, segments=7)
+        remat.checkpoint_sequential(seq, 7, x)
     with pytest.raises(ValueError, match="got 0"):
-        remat.checkpoint_sequential(seq, x, segments=0)
+        remat.checkpoint_sequential(seq, 0, x)
     with pytest.raises(ValueError, match="no blocks"):
-        remat.checkpoint_sequential([], x, segments=1)
+        remat.checkpoint_sequential([], 1, x)
 
 
 def test_checkpoint_sequential_keeps_only_segment_inputs() -> None:
@@ -272,7 +271,7 @@ def test_checkpoint_sequential_keeps_only_segment_inputs() -> None:
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             if self.segments is None:
                 return self.seq(x)
-            return remat.checkpoint_sequential(self.seq, x, segments=self.segments)
+            return remat.checkpoint_sequential(self.seq, self.segments, x, checkpoint_last=True)
 
     act = 32 * 64 * 4
     plain = measure_step(Wrap(None), x, loss_fn=lambda o, b: o.sum(), repeats=0)
@@ -336,3 +335,105 @@ def test_every_block_checkpointing_on_the_builtin_gpt() -> None:
     ckpt = measure_step(model, batch, loss_fn=loss_fn, repeats=0)
     assert ckpt.kept_bytes <= 0.15 * plain.kept_bytes  # >= 85% less (the issue's bar: 70%)
     assert ckpt.peak_bytes <= 0.50 * plain.peak_bytes  # >= 50% less (the issue's bar: 40%)
+
+
+# --- copies, pickling and threads (issue 16) ---------------------------------------------------
+
+
+def test_deepcopy_of_a_checkpointed_model_computes_with_its_own_weights() -> None:
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 1))
+    checkpoint_module(m[0])
+    keys = {k: v.clone() for k, v in m.state_dict().items()}
+    c = copy.deepcopy(m)
+    with torch.no_grad():
+        c[0].weight.mul_(2)  # the copy differs: its output must show it
+    x = torch.randn(4, 8)
+    out = c(x)
+    out.sum().backward()
+    assert c[0].weight.grad is not None and m[0].weight.grad is None
+    assert is_checkpointed(c[0]) == "recompute" and c[0].forward.module is c[0]
+    ref = copy.deepcopy(c)
+    uncheckpoint_module(ref[0])
+    assert torch.equal(out, ref(x))
+    assert m.state_dict().keys() == keys.keys()
+    assert all(torch.equal(v, keys[k]) for k, v in m.state_dict().items())
+
+
+@pytest.mark.parametrize("how", ["pickle", "torch.save"])
+def test_a_checkpointed_model_pickles(how: str) -> None:
+    import io
+    import pickle
+
+    torch.manual_seed(0)
+    m = nn.Sequential(Layer(), Layer(), nn.BatchNorm1d(16))
+    checkpoint_module(m[0])
+    checkpoint_module(m[1], mode="selective", policy=[torch.ops.aten.addmm])
+    if how == "pickle":
+        c = pickle.loads(pickle.dumps(m))
+    else:
+        buf = io.BytesIO()
+        torch.save(m, buf)
+        buf.seek(0)
+        c = torch.load(buf, weights_only=False)
+    assert [is_checkpointed(b) for b in c] == ["recompute", "selective", None]
+    assert list(c.state_dict()) == list(m.state_dict())
+    x = torch.randn(4, 16)
+    c(x).sum().backward()
+    m(x).sum().backward()
+    assert m[0].lin.weight.grad is not None
+    _assert_same_grads(c, m)
+    assert c[0].forward.module is c[0]
+
+
+def _train_bn(model: nn.Module, steps: int, errors: list[BaseException]) -> None:
+    try:
+        x = torch.randn(8, 4, 5, 5)
+        for _ in range(steps):
+            model(x).sum().backward()
+    except BaseException as e:  # reported by the test
+        errors.append(e)
+
+
+def test_batchnorm_fix_is_thread_safe_and_scoped() -> None:
+    import threading
+
+    steps = 60
+
+    def bn_model() -> nn.Sequential:
+        return nn.Sequential(*[nn.Sequential(nn.Conv2d(4, 4, 3, padding=1), nn.BatchNorm2d(4)) for _ in range(3)])
+
+    checkpointed = [bn_model(), bn_model()]
+    for model in checkpointed:
+        for block in model:
+            checkpoint_module(block)
+    plain = bn_model()
+    errors: list[BaseException] = []
+    threads = [threading.Thread(target=_train_bn, args=(m, steps, errors)) for m in [*checkpointed, plain]]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    for model in [*checkpointed, plain]:
+        assert [int(block[1].num_batches_tracked) for block in model] == [steps] * 3
+
+
+_GLOBAL_BN = nn.BatchNorm1d(4)
+
+
+def _through_global(x: torch.Tensor) -> torch.Tensor:
+    return _GLOBAL_BN(x).tanh()
+
+
+def test_batchnorm_found_through_closures_partials_globals_and_arguments() -> None:
+    import functools
+
+    bns = [nn.BatchNorm1d(4) for _ in range(4)]
+    x = torch.randn(8, 4, requires_grad=True)
+    remat.checkpoint(lambda t: bns[0](t).tanh(), x).sum().backward()  # a closure
+    remat.checkpoint(functools.partial(lambda m, t: m(t).tanh(), bns[1]), x).sum().backward()
+    remat.checkpoint(lambda m, t: m(t).tanh(), bns[2], x).sum().backward()  # an argument
+    checkpoint_call(lambda t: bns[3](t).tanh(), (x,), mode="recompute_offload").sum().backward()
+    remat.checkpoint(_through_global, x).sum().backward()
+    assert [int(bn.num_batches_tracked) for bn in [*bns, _GLOBAL_BN]] == [1] * 5

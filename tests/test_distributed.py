@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import gc
 import json
 import os
 import subprocess
@@ -35,6 +34,7 @@ from remat.distributed import (
     estimate_distributed,
     per_rank_profile,
 )
+from remat.measure.step import no_gc
 from remat.plan.costmodel import estimate, smallest_feasible
 from remat.plan.solver import solve
 from remat.records import BlockProfile, OptionCost, Profile, Segment
@@ -112,23 +112,12 @@ def ids(batch_size: int = 2) -> tuple[torch.Tensor, ...]:
     return (torch.zeros(batch_size, 32, dtype=torch.long),)
 
 
-@contextlib.contextmanager
-def no_cyclic_gc() -> Iterator[None]:
-    """Python's cyclic garbage collector off, after one collection.
-
-    Selective checkpointing leaves its cache of saved outputs in a reference cycle (remat's
-    per-call recompute context class), freed whenever the collector happens to run: a step's
-    bytes then depend on what ran before in the process (measured: 16 KiB on one Llama block's
-    selective backward). Counting with the collector off makes both sides count the same bytes.
-    """
-    gc.collect()
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
+# Python's cyclic garbage collector off, after one collection. Selective checkpointing leaves its
+# cache of saved outputs in a reference cycle (remat's per-call recompute context class), freed
+# whenever the collector happens to run: a step's bytes then depend on what ran before in the
+# process (measured: 16 KiB on one Llama block's selective backward). Counting with the collector
+# off makes both sides count the same bytes.
+no_cyclic_gc = no_gc
 
 
 @functools.cache

@@ -13,7 +13,7 @@ from torch import nn
 
 from remat import models
 from remat.manual.blocks import BlockError, find_blocks
-from remat.manual.checkpoint import checkpoint_module, uncheckpoint_module
+from remat.manual.module_form import checkpoint_module, uncheckpoint_module
 from remat.measure.profiler import ProfileError, profile
 from remat.measure.tracer import measure_step
 from remat.plan.costmodel import estimate

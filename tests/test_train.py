@@ -249,7 +249,9 @@ def test_cli_interrupt_resume_and_infeasible_budget(tmp_path: Path, monkeypatch:
     assert code == 130, out
     assert "Interrupted after step 2" in out and f"--out {tmp_path / 'b'} --resume" in out
     monkeypatch.setattr(cli_train._Bar, "step", original)
-    code, out = _cli(["--out", str(tmp_path / "b"), "--resume"])  # the rest from the checkpoint
+    # The rest from the checkpoint; a factory's run resumes only when the command names it too
+    # (NOTE [ Code that runs ] in remat.cli.train).
+    code, out = _cli(["--model", "test_train:tiny_gpt", "--out", str(tmp_path / "b"), "--resume"])
     assert code == 0, out
     resumed = json.loads((tmp_path / "b" / "log.json").read_text())
     assert [s["loss"] for s in resumed["steps"]] == [s["loss"] for s in straight["steps"]]
@@ -257,7 +259,8 @@ def test_cli_interrupt_resume_and_infeasible_budget(tmp_path: Path, monkeypatch:
 
     code, out = _cli([*common, "--out", str(tmp_path / "b")])
     assert code == 1 and "already holds a training checkpoint" in out
-    code, out = _cli(["--out", str(tmp_path / "b"), "--resume", "--seq", "8"])
+    code, out = _cli(["--model", "test_train:tiny_gpt", "--out", str(tmp_path / "b"), "--resume",
+                      "--seq", "8"])
     assert code == 1 and "belongs to another run" in out
 
     code, out = _cli(["--model", "test_train:tiny_gpt", "--global-batch", "1", "--seq", "16",

@@ -35,13 +35,8 @@ if TYPE_CHECKING:
     from remat.autoplan import auto
     from remat.errors import InfeasibleBudget, RematError
     from remat.gradnorm import GradNorm
-    from remat.manual.checkpoint import (
-        checkpoint,
-        checkpoint_call,
-        checkpoint_module,
-        checkpoint_sequential,
-        uncheckpoint_module,
-    )
+    from remat.manual.checkpoint import checkpoint, checkpoint_call, checkpoint_sequential
+    from remat.manual.module_form import checkpoint_module, uncheckpoint_module
     from remat.manual.options import option_of
     from remat.measure.profiler import profile
     from remat.measure.tracer import StepMemory, measure_step
@@ -63,8 +58,8 @@ _EXPORTS = {
     "checkpoint": "remat.manual.checkpoint",
     "checkpoint_call": "remat.manual.checkpoint",
     "checkpoint_sequential": "remat.manual.checkpoint",
-    "checkpoint_module": "remat.manual.checkpoint",
-    "uncheckpoint_module": "remat.manual.checkpoint",
+    "checkpoint_module": "remat.manual.module_form",
+    "uncheckpoint_module": "remat.manual.module_form",
     "option_of": "remat.manual.options",
     "measure_step": "remat.measure.tracer",
     "StepMemory": "remat.measure.tracer",

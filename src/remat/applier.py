@@ -2,7 +2,7 @@
 
 # NOTE [ Applying without replacing modules ]
 remat never swaps a block for a wrapper module: it replaces the block's ``forward`` on the
-instance (``remat.manual.checkpoint.checkpoint_module``), or, for transformers layers that have their own
+instance (``remat.manual.module_form.checkpoint_module``), or, for transformers layers that have their own
 checkpointing hook (``GradientCheckpointingLayer``), it sets that hook. Parameter names,
 ``state_dict`` keys and values, ``named_modules``, hooks and ``train()/eval()`` stay exactly those
 of the user's model, so optimizers, FSDP, ``save_pretrained`` and checkpoint files are unaffected.
@@ -36,6 +36,7 @@ from torch import nn
 from remat.errors import InvalidType, PlanMismatch, WrappingError, did_you_mean
 from remat.manual.blocks import fingerprint
 from remat.manual.options import clear_option, set_option
+from remat.measure.step import check_compiled
 from remat.records import OPTIONS, Plan
 
 __all__ = ["PlanMismatch", "WrappingError", "applied_plan", "apply", "check_wrapping", "remove"]
@@ -87,6 +88,7 @@ def apply(model: nn.Module, plan: Plan, *, strict: bool = True) -> nn.Module:
     """
     if not isinstance(model, nn.Module):
         raise InvalidType(f"apply expects an nn.Module, got {type(model).__name__}")
+    check_compiled(model, "remat.apply")
     if not isinstance(plan, Plan):
         raise InvalidType(f"apply expects a remat Plan, got {type(plan).__name__}; load one with Plan.load(path)")
     wrapper, model = model, check_wrapping(model)  # NOTE [ Order: remat first, then DDP or fully_shard ]

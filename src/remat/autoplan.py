@@ -22,12 +22,12 @@ import torch
 from torch import nn
 
 from remat.applier import apply, remove
-from remat.errors import InfeasibleBudget
+from remat.errors import InfeasibleBudget, InvalidValue
 from remat.measure.profiler import profile
-from remat.measure.step import resolve_loss_fn
-from remat.plan.solver import solve
+from remat.measure.step import check_trainable, resolve_loss_fn
+from remat.plan.solver import check_method, in_eval_mode, solve
 from remat.records import Plan, Profile
-from remat.units import format_bytes
+from remat.units import check_budget, format_bytes
 from remat.verifier import Report
 from remat.verifier import verify as _verify
 
@@ -79,10 +79,22 @@ def auto(
     fits; the model is then left as it was. With ``verify=True`` the returned plan's measured peak
     is within the budget (NOTE [ A verified plan fits ]).
     """
-    loss_fn = resolve_loss_fn(loss_fn)  # before any work: a loss_fn of neither form is refused
+    # Validate at the edge: every mistake that solve() would find is found before profiling.
+    loss_fn = resolve_loss_fn(loss_fn)  # a loss_fn of neither form is refused
+    check_trainable(model, "remat.auto")
+    check_method(method)
+    if budget is None and method in ("optimal", "greedy"):
+        raise InvalidValue(f"remat.auto needs a budget for method={method!r}, e.g. budget='60%'")
+    if budget is not None:
+        check_budget(budget)
     remove(model)  # profile the model as the user wrote it
     prof = profile(model, batch, loss_fn=loss_fn, optimizer=optimizer, blocks=blocks, repeats=repeats)
-    plan = solve(prof, budget, method=method)
+    try:
+        plan = solve(prof, budget, method=method)
+    except InfeasibleBudget as e:
+        if model.training:
+            raise
+        raise in_eval_mode(e) from None
     apply(model, plan)
     log.info(
         "remat: %s plan, predicted peak %d bytes (budget %s), predicted overhead %.1f%%",

@@ -37,6 +37,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from remat.files import atomic_write
 from remat.measure.profiler import profile
 from remat.models import Batch, GPTConfig, LossFn, zoo
 from remat.plan.costmodel import smallest_feasible
@@ -246,7 +247,7 @@ def run_demo(
         files=files,
         seconds=time.perf_counter() - started,
     )
-    files["results"].write_text(json.dumps(results_dict(result), indent=2) + "\n")
+    atomic_write(files["results"], json.dumps(results_dict(result), indent=2) + "\n")
     report_progress("done", 3, 3)
     return result
 

@@ -120,13 +120,25 @@ class CheckpointError(RematError, ValueError):
 # --- did you mean -------------------------------------------------------------------------------
 
 
-def close_matches(word: str, candidates: Iterable[str], *, n: int = 1) -> list[str]:
-    """The up to ``n`` candidates closest to ``word``, closest first (none when nothing is close)."""
-    return difflib.get_close_matches(str(word), list(candidates), n=n)
+_CUTOFF = 0.6  # difflib.get_close_matches's
 
 
-def did_you_mean(word: str, candidates: Iterable[str], *, n: int = 1) -> str:
-    """``"; did you mean 'gpt2'?"`` for the candidates closest to ``word``, or ``""``: the tail of
-    an error message about an unknown name."""
-    close = close_matches(word, candidates, n=n)
+def close_matches(word: str, choices: Iterable[str], *, n: int = 1) -> list[str]:
+    """Up to ``n`` of ``choices`` closest to ``word``, best first, compared without case
+    (``GPT-tiny`` is ``gpt-tiny``, not ``vit-tiny``); among equals, the one closer in case."""
+    word = str(word)
+    scored = []
+    for choice in dict.fromkeys(c for c in choices if c):
+        folded = difflib.SequenceMatcher(None, word.lower(), choice.lower()).ratio()
+        if folded >= _CUTOFF:
+            exact = difflib.SequenceMatcher(None, word, choice).ratio()
+            scored.append((folded, exact, choice))
+    scored.sort(key=lambda s: (-s[0], -s[1]))
+    return [choice for _, _, choice in scored[:n]]
+
+
+def did_you_mean(word: str, choices: Iterable[str], *, n: int = 1) -> str:
+    """``"; did you mean 'gpt-tiny'?"`` (or with ``n`` > 1, several, comma-separated), or ``""``
+    when nothing is close: to append to an "unknown ..." message."""
+    close = close_matches(word, choices, n=n)
     return f"; did you mean {', '.join(repr(c) for c in close)}?" if close else ""

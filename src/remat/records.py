@@ -14,13 +14,18 @@ as fixed segments. The cost model (``remat.plan.costmodel``) replays these numbe
 
 from __future__ import annotations
 
-import dataclasses
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, TypeAlias, TypeVar, get_args
+from typing import Literal, TypeAlias, get_args
 
-from remat.errors import InvalidType, RecordError
+from remat.errors import RecordError
+from remat.record_json import (
+    dump_record,
+    load_record_text,
+    parse_json,
+    read_record_text,
+    write_record_text,
+)
 
 __all__ = [
     "CHECKPOINT_OPTIONS",
@@ -174,18 +179,18 @@ class Profile:
         return tuple(o for o in OPTIONS if o in common)
 
     def to_json(self) -> str:
-        return _dump(self, "profile")
+        return dump_record(self, "profile")
 
     @classmethod
     def from_json(cls, text: str) -> Profile:
-        return _load(cls, text, "profile", PROFILE_SCHEMA)
+        return load_record_text(cls, text, "profile", PROFILE_SCHEMA)
 
     def save(self, path: str | Path) -> None:
-        _atomic_write(Path(path), self.to_json())
+        write_record_text(Path(path), self.to_json())
 
     @classmethod
     def load(cls, path: str | Path) -> Profile:
-        return cls.from_json(_read(Path(path)))
+        return cls.from_json(read_record_text(Path(path)))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -230,112 +235,27 @@ class Plan:
     """Free-form remarks from the solver (e.g. what dominates the peak)."""
 
     def to_json(self) -> str:
-        return _dump(self, "plan")
+        return dump_record(self, "plan")
 
     @classmethod
     def from_json(cls, text: str) -> Plan:
-        return _load(cls, text, "plan", PLAN_SCHEMA)
+        return load_record_text(cls, text, "plan", PLAN_SCHEMA)
 
     def save(self, path: str | Path) -> None:
-        _atomic_write(Path(path), self.to_json())
+        write_record_text(Path(path), self.to_json())
 
     @classmethod
     def load(cls, path: str | Path) -> Plan:
-        return cls.from_json(_read(Path(path)))
+        return cls.from_json(read_record_text(Path(path)))
 
 
 def load_record(path: str | Path) -> Profile | Plan:
     """Read a Profile or a Plan file, whichever it holds."""
-    text = _read(Path(path))
-    try:
-        kind = json.loads(text).get("kind")
-    except (json.JSONDecodeError, AttributeError) as e:
-        raise RecordError(f"{path}: not a remat JSON record ({e})") from None
+    text = read_record_text(Path(path))
+    data = parse_json(text, "record")
+    kind = data.get("kind") if isinstance(data, dict) else None
     if kind == "profile":
         return Profile.from_json(text)
     if kind == "plan":
         return Plan.from_json(text)
     raise RecordError(f"{path}: expected a remat 'profile' or 'plan' record, found kind={kind!r}")
-
-
-# --- JSON --------------------------------------------------------------------------------------
-
-_T = TypeVar("_T")
-
-
-def _dump(record: Any, kind: str) -> str:
-    data = {"kind": kind, **dataclasses.asdict(record)}
-    return json.dumps(data, indent=2) + "\n"
-
-
-def _read(path: Path) -> str:
-    try:
-        return path.read_text()
-    except FileNotFoundError:
-        raise RecordError(f"no such file: {path}") from None
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
-
-
-def _load(cls: type[_T], text: str, kind: str, schema: int) -> _T:
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise RecordError(f"not a remat {kind} file: invalid JSON ({e})") from None
-    if not isinstance(data, dict) or data.get("kind") != kind:
-        found = data.get("kind") if isinstance(data, dict) else type(data).__name__
-        raise RecordError(f"expected a remat {kind} record, found kind={found!r}")
-    version = data.get("schema_version")
-    if version != schema:
-        raise RecordError(
-            f"this {kind} file has schema version {version!r}, but this remat reads version "
-            f"{schema}; recreate it with this version (e.g. `remat {kind} ... --out FILE`)"
-        )
-    data.pop("kind")
-    try:
-        return _build(cls, data)
-    except (TypeError, KeyError) as e:
-        raise RecordError(f"malformed {kind} record: {e}") from None
-
-
-def _build(cls: Any, data: dict[str, Any]) -> Any:
-    kwargs: dict[str, Any] = {}
-    for f in dataclasses.fields(cls):
-        if f.name not in data:
-            continue
-        value = data[f.name]
-        kwargs[f.name] = _convert(cls, f.name, value)
-    unknown = set(data) - {f.name for f in dataclasses.fields(cls)}
-    if unknown:
-        raise InvalidType(f"unknown fields {sorted(unknown)} for {cls.__name__}")
-    return cls(**kwargs)
-
-
-_NESTED: dict[tuple[str, str], Any] = {}
-
-
-def _convert(cls: Any, name: str, value: Any) -> Any:
-    nested = _NESTED.get((cls.__name__, name))
-    if nested is None:
-        return value
-    kind, sub = nested
-    if kind == "one":
-        return _build(sub, value)
-    if kind == "list":
-        return [_build(sub, v) for v in value]
-    return {k: _build(sub, v) for k, v in value.items()}
-
-
-_NESTED.update(
-    {
-        ("Profile", "pre"): ("one", Segment),
-        ("Profile", "post"): ("one", Segment),
-        ("Profile", "blocks"): ("list", BlockProfile),
-        ("BlockProfile", "options"): ("dict", OptionCost),
-        ("Plan", "estimate"): ("one", Estimate),
-    }
-)

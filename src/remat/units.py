@@ -5,11 +5,16 @@ Inside remat every byte count is an ``int``; strings exist only where a person t
 
 from __future__ import annotations
 
+import math
 import re
 
 from remat.errors import InvalidType, InvalidValue
 
-__all__ = ["axis_unit", "format_bytes", "parse_budget", "parse_bytes"]
+__all__ = ["MAX_BYTES", "axis_unit", "check_budget", "format_bytes", "parse_budget", "parse_bytes"]
+
+#: The largest byte count remat takes (4 EiB): far above any machine's memory, far below int64
+#: overflow, so that a budget of ``1e400`` or ``inf`` is an error that says so, not an overflow.
+MAX_BYTES = 2**62
 
 _UNITS = {
     "": 1,
@@ -27,22 +32,19 @@ _UNITS = {
     "g": 2**30,
     "t": 2**40,
 }
-_BYTES_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+_BYTES_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
 _PERCENT_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*%\s*$")
 
 
 def parse_bytes(value: int | float | str) -> int:
-    """``6442450944``, ``"6GiB"``, ``"6.5GB"``, ``"800MiB"``, ``"512k"`` -> bytes as an int."""
+    """``6442450944``, ``"6GiB"``, ``"6.5GB"``, ``"800MiB"``, ``"512k"`` -> bytes as an int.
+
+    Raises ``TypeError`` for a value of another type and ``ValueError`` for one that does not
+    parse, is not finite, is below one byte or above ``MAX_BYTES``."""
     if isinstance(value, bool):
         raise InvalidType(f"expected a byte count (int) or a string like '6GiB', got {value!r}")
-    if isinstance(value, int):
-        if value <= 0:
-            raise InvalidValue(f"a byte count must be positive, got {value}")
-        return value
-    if isinstance(value, float):
-        if value <= 0 or value != value:
-            raise InvalidValue(f"a byte count must be positive, got {value}")
-        return int(value)
+    if isinstance(value, int | float):
+        return _checked(value, repr(value), noun="a byte count")
     if not isinstance(value, str):
         raise InvalidType(
             f"expected a byte count (int) or a string like '6GiB', got {type(value).__name__}"
@@ -54,10 +56,20 @@ def parse_bytes(value: int | float | str) -> int:
             f"cannot read {value!r} as a size: expected a number with an optional unit "
             "(B, KB, MB, GB, TB, KiB, MiB, GiB, TiB), e.g. '6GiB', '6.5GB', '800MiB'"
         )
-    number = float(match.group(1))
+    return _checked(float(match.group(1)) * _UNITS[unit], repr(value), noun="a size")
+
+
+def _checked(number: int | float, shown: str, *, noun: str) -> int:
+    """``number`` of bytes as an int, or a ValueError that shows the value as the user gave it."""
+    if isinstance(number, float) and not math.isfinite(number):
+        raise InvalidValue(f"{noun} must be a finite number of bytes, got {shown}")
     if number <= 0:
-        raise InvalidValue(f"a size must be positive, got {value!r}")
-    return int(number * _UNITS[unit])
+        raise InvalidValue(f"{noun} must be positive, got {shown}")
+    if number < 1:
+        raise InvalidValue(f"{noun} must be at least 1 byte, got {shown} (a fraction of a byte)")
+    if number > MAX_BYTES:
+        raise InvalidValue(f"{noun} must be at most {MAX_BYTES} bytes (4 EiB), got {shown}")
+    return int(number)
 
 
 def parse_budget(value: int | float | str, *, plain_peak_bytes: int | None = None) -> int:
@@ -73,8 +85,20 @@ def parse_budget(value: int | float | str, *, plain_peak_bytes: int | None = Non
                 )
             if share <= 0:
                 raise InvalidValue(f"a budget must be positive, got {value!r}")
-            return int(plain_peak_bytes * share)
+            return _checked(plain_peak_bytes * share, repr(value), noun="a budget")
     return parse_bytes(value)
+
+
+def check_budget(value: int | float | str) -> None:
+    """Refuse a budget that can never be resolved, before anything expensive runs; a share
+    (``"60%"``) is resolved later, against the plain step's measured peak."""
+    if isinstance(value, str):
+        match = _PERCENT_RE.match(value)
+        if match:
+            if not float(match.group(1)) > 0:
+                raise InvalidValue(f"a budget must be positive, got {value!r}")
+            return
+    parse_bytes(value)
 
 
 def format_bytes(n: int | float) -> str:

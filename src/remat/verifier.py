@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from remat.applier import applied_plan, apply, remove
-from remat.errors import InvalidValue
+from remat.errors import InvalidType, InvalidValue
 from remat.measure import step as _step
 from remat.measure.tracer import StepMemory, measure_step
 from remat.records import Plan
@@ -137,6 +137,13 @@ def verify_many(
     """
     if repeats < 1:
         raise InvalidValue(f"repeats must be >= 1, got {repeats}")
+    _step.check_trainable(model, "remat.verify")
+    bad = next((p for p in plans if not isinstance(p, Plan)), None)
+    if bad is not None:
+        raise InvalidType(
+            f"remat.verify expects a remat Plan, got {type(bad).__name__}; load one with "
+            "Plan.load(path)"
+        )
     loss_fn = _step.resolve_loss_fn(loss_fn)
     unique: dict[tuple[tuple[str, str], ...], Plan] = {}
     for plan in plans:

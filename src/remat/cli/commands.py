@@ -33,6 +33,7 @@ from remat.cli.common import (
 )
 from remat.cli.targets import ModelArgs, load_target, measured_device
 from remat.errors import InvalidValue
+from remat.files import same_file
 from remat.plan.solver import METHODS
 from remat.units import format_bytes, parse_budget
 
@@ -210,13 +211,15 @@ def plan_cmd(
       remat plan --profile profile.json --method all --json
       remat plan --model llama-8b --seq 4096 --device h100 --world-size 8 --fsdp
     """
-    from remat.plan.solver import solve
+    from remat.plan.solver import InfeasibleBudget, in_eval_mode, solve
     from remat.records import Profile
     from remat.report import plan_table
 
     model_options = ("model", "batch", "seq", "dtype", "optimizer", "blocks", "device", "repeats")
     if (model is None) == (profile_path is None):
         raise click.UsageError("give either --model (to profile it now) or --profile FILE")
+    if out is not None and profile_path is not None and same_file(out, profile_path):
+        raise click.UsageError(f"--out {out} is the --profile it reads; write the plan to another file")
     if profile_path is not None and given(ctx, *model_options):
         raise click.UsageError(
             f"{', '.join(given(ctx, *model_options))} describe the model to profile; "
@@ -224,9 +227,12 @@ def plan_cmd(
         )
     if method in BUDGET_METHODS and budget is None and model is not None and device in (None, "cpu"):
         raise click.UsageError(f"--method {method} needs a --budget, e.g. --budget 60%")
+    training = True  # the model profiled was in train() mode (a factory's may not be)
     if model is not None:
         args = ModelArgs(model, batch, seq, dtype, optimizer, blocks)
-        prof = profile_target(load_target(args, device=device), args, device=device, repeats=repeats)
+        target = load_target(args, device=device)
+        training = bool(getattr(target.model, "training", True))  # a factory when estimating
+        prof = profile_target(target, args, device=device, repeats=repeats)
     else:
         assert profile_path is not None
         prof = Profile.load(profile_path)
@@ -244,10 +250,15 @@ def plan_cmd(
             raise click.UsageError(f"--method {method} needs a --budget, e.g. --budget 60%")
         budget_bytes = prof.device_memory_bytes
         say(f"budget: the {prof.device}'s memory, {format_bytes(budget_bytes)}", as_json=True)
-    plan = solve(prof, budget_bytes, method=method, k=k)
-    if out is not None:
-        plan.save(save_to(out))
+    try:
+        plan = solve(prof, budget_bytes, method=method, k=k)
+    except InfeasibleBudget as e:
+        if training:
+            raise
+        raise in_eval_mode(e) from None
     ok, verdict = fit_verdict(plan, prof)
+    if out is not None and ok is not False:  # NOTE [ Atomic outputs ]: only after success
+        plan.save(save_to(out))
     notes = [n for n in plan.notes if not n.startswith("does not fit")]
     if as_json:
         from remat.plan.costmodel import smallest_feasible
@@ -271,7 +282,8 @@ def plan_cmd(
             click.echo(f"note: {note}")
         click.echo(verdict)
     if out is not None:
-        say(f"wrote {out}", as_json=as_json)
+        say(f"wrote {out}" if ok is not False else f"did not write {out}: the plan does not fit",
+            as_json=as_json)
     if ok is False:
         ctx.exit(1)
 

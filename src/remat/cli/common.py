@@ -12,7 +12,10 @@ messages that teach; they, a file that cannot be read or written, a missing opti
 running out of memory become one ``Error: ...`` line, exit 1 (``remat --traceback ...`` shows the
 traceback). Any other exception is a bug, in remat or in the code it ran: it shows as one, with
 its traceback, after a line asking for a report (exit 1, Python's own).
-With ``--json``, an error is also written to stdout as ``{"error": ..., "type": ...}``.
+With ``--json``, an error is also written to stdout as ``{"error": ..., "type": ...}``. A closed
+stdout (``remat ... | head``) ends the command quietly with 1, as click does. Outputs (``--out``)
+are written only when the command succeeds, atomically, and never onto an input (NOTE [ Atomic
+outputs ] in ``remat.files``).
 """
 
 from __future__ import annotations
@@ -32,7 +35,8 @@ from remat.cli.targets import DTYPES as _DTYPES
 from remat.cli.targets import ModelArgs, Target, measured_device
 from remat.devices import DEVICES
 from remat.errors import RematError
-from remat.units import format_bytes, parse_budget
+from remat.units import check_budget as units_check_budget
+from remat.units import format_bytes
 
 if TYPE_CHECKING:
     from remat.demo import DemoResult
@@ -136,8 +140,8 @@ def handle_errors(fn: _F) -> _F:
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
             return fn(*args, **kwargs)
-        except (click.ClickException, click.exceptions.Exit, click.exceptions.Abort):
-            raise
+        except (click.ClickException, click.exceptions.Exit, click.exceptions.Abort, BrokenPipeError):
+            raise  # click exits quietly with status 1 on a closed pipe (`remat ... | head`)
         except Exception as e:
             if click.get_current_context().find_root().params.get("show_traceback"):
                 raise
@@ -181,7 +185,7 @@ def check_budget(ctx: click.Context, param: click.Parameter, value: str | None) 
     """Refuse a budget that does not parse now, before a long profile; "60%" is resolved later."""
     if value is not None:
         try:
-            parse_budget(value, plain_peak_bytes=2**40)
+            units_check_budget(value)
         except ValueError as e:
             raise click.BadParameter(str(e)) from None
     return value

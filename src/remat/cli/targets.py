@@ -5,10 +5,11 @@ a loss and an optimizer factory (or, for estimated mode, factories that build th
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -20,7 +21,10 @@ from remat.units import format_bytes
 if TYPE_CHECKING:
     from torch import nn
 
-__all__ = ["ModelArgs", "Target", "load_target", "optimizer_factory"]
+__all__ = [
+    "ModelArgs", "Target", "call_factory", "cwd_on_path", "import_factory", "load_target",
+    "optimizer_factory",
+]
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -76,7 +80,7 @@ def load_target(args: ModelArgs, *, device: str | None) -> Target:
             f"--device {device} puts a zoo model on the GPU; a factory puts its model and batch "
             "where it wants them, and remat measures there (leave --device out)"
         )
-    factory = _import_factory(args.model)
+    factory = import_factory(args.model)
     if measured:
         model, batch, loss_fn = _call_factory(factory, args)
         return Target(name=args.model, model=model, batch=batch, loss_fn=loss_fn,
@@ -142,17 +146,17 @@ def _check_host_memory(args: ModelArgs, itemsize: int) -> None:
         )
 
 
-def _import_factory(ref: str) -> Callable[[], Any]:
+def import_factory(ref: str) -> Callable[[], Any]:
+    """The function ``module:function`` names, imported with the current folder on the path."""
     module_name, _, attr = ref.partition(":")
     if not module_name or not attr:
         raise InvalidValue(
             f"--model {ref!r}: expected a zoo name or module:function (e.g. mypkg.models:make)"
         )
-    if os.getcwd() not in sys.path:  # as `python -m` does: factories next to the user's code
-        sys.path.insert(0, os.getcwd())
     try:
-        obj: Any = importlib.import_module(module_name)
-    except Exception as e:  # a user's module may fail to import in any way; say which and why
+        with cwd_on_path():
+            obj: Any = importlib.import_module(module_name)
+    except (Exception, SystemExit) as e:  # a user's module may fail in any way; say which and why
         raise InvalidValue(
             f"cannot import module {module_name!r} for --model {ref}: {type(e).__name__}: {e}"
         ) from e
@@ -167,14 +171,38 @@ def _import_factory(ref: str) -> Callable[[], Any]:
     return obj  # type: ignore[no-any-return]
 
 
+@contextlib.contextmanager
+def cwd_on_path() -> Iterator[None]:
+    """The current folder first on ``sys.path`` while a module the user named on the command
+    line is imported, as ``python -m`` does, and only then: nothing else is ever imported from
+    it (a folder holding its own ``pydoc_data`` must not shadow the standard library's)."""
+    cwd = os.getcwd()
+    if cwd in sys.path:
+        yield
+        return
+    sys.path.insert(0, cwd)
+    try:
+        yield
+    finally:
+        with contextlib.suppress(ValueError):
+            sys.path.remove(cwd)
+
+
+def call_factory(factory: Callable[[], Any], name: str) -> Any:
+    """``factory()``, whose failure (any exception, or ``SystemExit``, which would end the command
+    quietly with its code) is a ``ValueError`` that names it (NOTE [ Exit codes and errors ])."""
+    try:
+        with cwd_on_path():  # the user named it: its own lazy imports of its neighbours work
+            return factory()
+    except (Exception, SystemExit) as e:
+        raise InvalidValue(f"the factory {name} raised {type(e).__name__}: {e}") from e
+
+
 def _call_factory(factory: Callable[[], Any], args: ModelArgs) -> tuple[nn.Module, Any, Any]:
     """(model, batch, loss_fn) from a factory (NOTE [ Exit codes and errors ]: its failure is 1)."""
     from torch import nn
 
-    try:
-        result = factory()
-    except Exception as e:
-        raise InvalidValue(f"the factory {args.model} raised {type(e).__name__}: {e}") from e
+    result = call_factory(factory, args.model)
     if isinstance(result, nn.Module):
         from remat.models import loss_fn_for, make_batch
 
@@ -185,7 +213,10 @@ def _call_factory(factory: Callable[[], Any], args: ModelArgs) -> tuple[nn.Modul
                 f"the factory {args.model} returned a {type(result).__name__} alone; remat can make "
                 "a batch only for its own models (remat.models), so return (model, batch, loss_fn)"
             ) from None
-        param = next(result.parameters())
+        param = next(result.parameters(), None)
+        if param is None:
+            raise InvalidValue(f"the factory {args.model} returned a {type(result).__name__} with no "
+                             "parameters: there is nothing to train")  # fmt: skip
         batch = make_batch(result, batch_size=args.batch or 1, seq_len=args.seq,
                            dtype=param.dtype, device=param.device)  # fmt: skip
         return result, batch, loss_fn

@@ -3,13 +3,18 @@
 The command is ``train_command``; ``remat.cli`` registers it on the ``remat`` group. Exit codes:
 0 done, 1 error (budget infeasible, unusable checkpoint), 2 usage, 130 interrupted (a checkpoint
 was saved; the message says how to resume).
+
+# NOTE [ Code that runs ]
+``remat train`` imports no code that the user did not name on its command line. The current
+folder is on ``sys.path`` only while a ``--model package.module:factory`` given here is imported
+(so a folder with its own ``pydoc_data`` does not replace the default text), and a checkpoint's
+config is data: a run of a factory resumes only with that ``--model`` on the command line, and the
+checkpoint is checked against it (settings, checksums) before the factory is called.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
-import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -20,6 +25,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
+from remat.cli.common import check_budget
+from remat.cli.targets import import_factory
 from remat.errors import RematError
 from remat.models import GPTConfig, LlamaConfig
 from remat.plan.solver import InfeasibleBudget
@@ -57,7 +64,7 @@ def accumulation_table(candidates: Sequence[Candidate], *, title: str | None = N
               help="A zoo language model (gpt-tiny, llama-tiny, gpt2, ...) or package.module:factory.")
 @click.option("--text", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="A text file to train on (byte-level tokens). Default: Python's pydoc_data.topics.")
-@click.option("--budget", help="Peak memory of a step: bytes, '2GiB', '800MiB', or '60%' of the "
+@click.option("--budget", callback=check_budget, help="Peak memory of a step: bytes, '2GiB', '800MiB', or '60%' of the "
               "plain step's peak with the whole global batch at once. Default: no plan.")
 @click.option("--steps", type=click.IntRange(min=1), default=200, show_default=True,
               help="Optimizer steps.")
@@ -118,14 +125,21 @@ def train_command(ctx: click.Context, **options: Any) -> None:
         except CheckpointError as e:
             raise click.ClickException(str(e)) from None
         fields = {k: v for k, v in saved.items() if k in _CONFIG_FIELDS} | given
-        fields["model"] = _model_from_json(fields["model"])
+        fields["model"] = _model_from_json(fields.get("model"), given="model" in given,
+                                           out=options["out"])
     fields["text"] = str(fields["text"]) if fields.get("text") is not None else None
     fields["out"] = str(options["out"])
-    fields["clip"] = fields["clip"] or None
-    config = TrainConfig(**{k: v for k, v in fields.items() if k in _CONFIG_FIELDS})
+    fields["clip"] = fields.get("clip") or None
+    try:
+        config = TrainConfig(**{k: v for k, v in fields.items() if k in _CONFIG_FIELDS})
+    except TypeError as e:
+        raise click.ClickException(f"unusable settings: {e}") from None
+    if isinstance(config.model, str) and ":" in config.model:
+        try:  # named on this command line (NOTE [ Code that runs ]); imported now, from here
+            import_factory(config.model)
+        except (ValueError, TypeError) as e:
+            raise click.ClickException(str(e)) from None
 
-    if os.getcwd() not in sys.path:  # as `python -m` does, and as the other commands do
-        sys.path.insert(0, os.getcwd())
     bar = _Bar(console, config)
     if resume:
         console.print(f"Resuming the run in {config.out}: its micro-batch and plan are kept.")
@@ -140,7 +154,12 @@ def train_command(ctx: click.Context, **options: Any) -> None:
         ctx.exit(130)
     except KeyboardInterrupt:
         bar.stop()
-        console.print("Interrupted before training started; nothing was saved.")
+        existing = Path(config.out) / "checkpoint.pt" if config.out is not None else None
+        if existing is not None and existing.is_file():
+            console.print(f"Interrupted; the checkpoint {existing} is as it was before.")
+            console.print(f"Resume with: remat train --out {config.out} --resume")
+        else:
+            console.print("Interrupted before training started; nothing was saved.")
         ctx.exit(130)
     except InfeasibleBudget as e:
         bar.stop()
@@ -154,12 +173,27 @@ def train_command(ctx: click.Context, **options: Any) -> None:
     _summary(console, result)
 
 
-def _model_from_json(model: Any) -> str | GPTConfig | LlamaConfig:
+def _model_from_json(model: Any, *, given: bool, out: Any) -> str | GPTConfig | LlamaConfig:
+    """The checkpoint's model, as data: a zoo name or a config. A ``module:function`` factory
+    only when the command line names it too (NOTE [ Code that runs ])."""
     if isinstance(model, str):
+        if ":" in model and not given:
+            raise click.ClickException(
+                f"the run in {out} trained the model of the factory {model!r}; remat runs no code "
+                f"that a file names, only what you name: resume with --model {model} --resume "
+                "if you trust it"
+            )
         return model
-    data = dict(model)
-    cls = {"GPTConfig": GPTConfig, "LlamaConfig": LlamaConfig}[data.pop("class")]
-    return cls(**data)
+    classes = {"GPTConfig": GPTConfig, "LlamaConfig": LlamaConfig}
+    try:
+        data = dict(model)
+        cls = classes[data.pop("class")]
+        return cls(**data)
+    except (TypeError, ValueError, KeyError) as e:
+        raise click.ClickException(
+            f"the checkpoint in {out} names a model remat cannot build ({type(e).__name__}: {e}); "
+            "it was left as it is"
+        ) from None
 
 
 class _Bar:

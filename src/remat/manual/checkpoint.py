@@ -2,7 +2,8 @@
 
 torch's non-reentrant ``torch.utils.checkpoint`` is the engine (RNG replay for dropout, autocast
 state, kwargs, nested and non-tensor inputs/outputs, inputs that do not require grad, double
-backward). remat adds what it gets wrong or leaves to the user:
+backward), with torch's options taken with torch's meaning (NOTE [ torch's option names ] in
+``_options``). remat adds what it gets wrong or leaves to the user:
 
 - BatchNorm running statistics are updated once per step, not twice (NOTE [ BatchNorm in recompute ]).
 - ``torch.no_grad()``, ``inference_mode`` and modules in ``eval()`` run the layer plainly: nothing
@@ -23,28 +24,23 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import _disable_current_modes
-from torch.utils.checkpoint import (
-    CheckpointPolicy,
-    create_selective_checkpoint_contexts,
-)
-from torch.utils.checkpoint import (
-    checkpoint as _torch_checkpoint,
-)
+from torch.utils.checkpoint import checkpoint as _torch_checkpoint
+from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
 from remat.errors import InvalidType, InvalidValue
+from remat.manual.batchnorm import RestoreRunningStats, module_roots
+from remat.manual.policy import SAVE_OPS, default_policy, resolve_policy
+from remat.manual.torch_options import TORCH_OPTIONS, TorchOptions, pop_torch_options, torch_options
 from remat.records import CHECKPOINT_OPTIONS, CheckpointOption
 
 __all__ = [
     "MODES",
     "SAVE_OPS",
+    "TORCH_OPTIONS",
     "checkpoint",
     "checkpoint_call",
-    "checkpoint_module",
     "checkpoint_sequential",
     "default_policy",
-    "is_checkpointed",
-    "uncheckpoint_module",
 ]
 
 log = logging.getLogger(__name__)
@@ -53,135 +49,24 @@ log = logging.getLogger(__name__)
 MODES = CHECKPOINT_OPTIONS  # NOTE [ One option vocabulary ] in remat.records
 
 
-def _aten_ops(*names: str) -> frozenset[Any]:
-    # Some kernels exist only in some builds (flash/cudnn attention): take the ones this torch has.
-    ops: set[Any] = set()
-    for name in names:
-        packet = getattr(torch.ops.aten, name, None)
-        if packet is not None:
-            ops.update(getattr(packet, o) for o in packet.overloads())
-    return frozenset(ops)
-
-
-#: Ops whose outputs the default selective policy keeps: the expensive ones (matmuls, convolutions,
-#: attention). Everything else (pointwise, norms, softmax, dropout) is recomputed.
-SAVE_OPS: frozenset[Any] = _aten_ops(
-    "mm",
-    "addmm",
-    "bmm",
-    "baddbmm",
-    "convolution",
-    "_convolution",
-    "_scaled_dot_product_flash_attention",
-    "_scaled_dot_product_flash_attention_for_cpu",
-    "_scaled_dot_product_efficient_attention",
-    "_scaled_dot_product_cudnn_attention",
-)
-
-
-def default_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-    """Selective policy: keep the outputs of ``SAVE_OPS``, recompute the rest."""
-    return CheckpointPolicy.MUST_SAVE if op in SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
-
-
-# NOTE [ BatchNorm in recompute ]
-# A BatchNorm in training mode updates its running statistics as a side effect of its forward.
-# Plain torch checkpointing runs that forward twice (once in the forward pass, once when the
-# backward recomputes it), so running_mean/var move twice and num_batches_tracked counts twice
-# (pytorch issue 96136). The normalisation uses the batch's statistics in training mode, never the
-# running ones, so undoing the second update changes no output. While a recompute runs, a global
-# forward pre-hook (registered for that recompute only, so it works for any callable) snapshots the
-# running statistics of every _NormBase module before its forward; when the recompute ends, even
-# when torch stops it early after the last needed tensor, the snapshots are written back.
-# (Switching track_running_stats off instead would change which tensors batch_norm saves, and
-# torch's checkpoint rightly refuses a recompute that saves a different set.)
-
-
-class _RestoreRunningStats:
-    def __init__(self, root: nn.Module | None) -> None:
-        # The root module's own forward is called directly (not through __call__) by
-        # checkpoint_module, so global hooks do not see it: snapshot its tree up front.
-        self._root = root
-        self._saved: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self._handle: Any = None
-
-    def _pre_hook(self, module: nn.Module, args: Any) -> None:
-        if isinstance(module, nn.modules.batchnorm._NormBase) and module.training:
-            for name in ("running_mean", "running_var", "num_batches_tracked"):
-                buf = getattr(module, name, None)
-                if isinstance(buf, torch.Tensor):
-                    # Outside any dispatch mode: selective checkpointing's recompute mode would
-                    # take this clone for an op of the block and refuse it.
-                    with _disable_current_modes():
-                        self._saved.append((buf, buf.detach().clone()))
-
-    def __enter__(self) -> None:
-        if self._root is not None:
-            for module in self._root.modules():
-                self._pre_hook(module, None)
-        self._handle = nn.modules.module.register_module_forward_pre_hook(self._pre_hook)
-
-    def __exit__(self, *exc: Any) -> None:
-        self._handle.remove()
-        with torch.no_grad(), _disable_current_modes():
-            for buf, value in reversed(self._saved):
-                buf.copy_(value)
-        self._saved.clear()
-
-
-class _Recompute:
-    """The recompute context: torch's (selective) one, and the BatchNorm restore around it.
-
-    A module-level class on purpose: a class defined per call sits in a reference cycle (every
-    class does) that would keep the selective cache of saved outputs alive until Python's cyclic
-    garbage collector runs, after the block's backward."""
-
-    def __init__(self, rec: Any, root: nn.Module | None) -> None:
-        self._rec = rec
-        self._root = root
-        self._stack: contextlib.ExitStack | None = None
-
-    def __enter__(self) -> None:
-        self._stack = contextlib.ExitStack()
-        self._stack.enter_context(self._rec)
-        self._stack.enter_context(_RestoreRunningStats(self._root))
-
-    def __exit__(self, *exc: Any) -> None:
-        stack, self._stack = self._stack, None
-        if stack is not None:
-            stack.close()
-
-
-def _contexts(mode: str, policy: Any, fn: Any = None) -> Callable[[], tuple[Any, Any]]:
-    root = fn if isinstance(fn, nn.Module) else getattr(fn, "__self__", None)
-    root = root if isinstance(root, nn.Module) else None
-
-    def make() -> tuple[Any, Any]:
-        if mode == "selective":
-            fwd, rec = create_selective_checkpoint_contexts(policy or default_policy)
-        else:
-            fwd, rec = contextlib.nullcontext(), contextlib.nullcontext()
-        return fwd, _Recompute(rec, root)
-
-    return make
-
-
-def _runs_plainly(fn: Callable[..., Any]) -> bool:
-    if not torch.is_grad_enabled():  # also off under inference_mode
-        return True
-    module = fn if isinstance(fn, nn.Module) else getattr(fn, "__self__", None)
-    return isinstance(module, nn.Module) and not module.training
-
-
 def checkpoint(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """Run ``fn(*args, **kwargs)`` without keeping its activations; recompute them in backward.
 
     ``x3 = remat.checkpoint(layer3, x2)`` behaves like ``x3 = layer3(x2)`` (same outputs, same
     gradients, same random numbers for dropout, BatchNorm statistics updated once) but keeps only
-    the inputs until the backward pass. Every keyword argument goes to ``fn``; for the other modes
-    use ``checkpoint_call``.
+    the inputs until the backward pass.
+
+    NOTE [ Keywords ]: a drop-in for ``torch.utils.checkpoint.checkpoint(fn, *args,
+    use_reentrant=False, **kwargs)``. torch's option keywords (``use_reentrant=False``,
+    ``preserve_rng_state``, ``determinism_check``, ``debug``, ``early_stop``, ``context_fn``) are
+    torch's options, with torch's meaning, under grad, ``no_grad``, ``inference_mode`` and
+    ``eval()`` alike; every other keyword goes to ``fn``. ``use_reentrant=True`` is refused. If
+    ``fn`` declares a parameter named like one of torch's options, passing it here is refused
+    (torch would silently take it); pass it with ``checkpoint_call(fn, args, kwargs)``, whose
+    ``kwargs`` all go to ``fn``. remat's own options (``mode``, ``policy``) are ``checkpoint_call``'s.
     """
-    return checkpoint_call(fn, args, kwargs)
+    options = pop_torch_options(fn, kwargs)
+    return checkpoint_call(fn, args, kwargs, **options)
 
 
 def checkpoint_call(
@@ -191,61 +76,154 @@ def checkpoint_call(
     *,
     mode: CheckpointOption = "recompute",
     policy: Callable[..., Any] | Iterable[Any] | None = None,
+    allow_cache_entry_mutation: bool = False,
+    use_reentrant: bool | None = None,
+    preserve_rng_state: bool = True,
+    determinism_check: str = "default",
+    debug: bool = False,
+    early_stop: bool = True,
+    context_fn: Callable[[], tuple[Any, Any]] | None = None,
 ) -> Any:
     """``checkpoint`` with its options spelled out, so that no name is taken from ``fn``'s kwargs.
 
     Args:
         fn: a module or any callable.
-        args, kwargs: what ``fn`` is called with.
+        args, kwargs: what ``fn`` is called with; every key of ``kwargs`` goes to ``fn``.
         mode: ``"recompute"`` (keep the inputs only), ``"selective"`` (also keep the outputs of
             matmuls/convolutions/attention, recompute the cheap ops), ``"offload"`` (run plainly,
             but move everything saved to host memory until backward), ``"recompute_offload"``
             (keep only the inputs, in host memory).
         policy: for ``mode="selective"``, a torch selective-checkpoint policy
-            ``(ctx, op, *args, **kwargs) -> CheckpointPolicy`` or a collection of aten ops to keep.
+            ``(ctx, op, *args, **kwargs) -> CheckpointPolicy`` or a collection of ops to keep
+            (``torch.ops.aten.mm.default``; a packet ``torch.ops.aten.mm`` means all its overloads).
+        allow_cache_entry_mutation: for ``mode="selective"``, as torch's
+            ``create_selective_checkpoint_contexts``: allow in-place changes of a kept output.
+        use_reentrant, preserve_rng_state, determinism_check, debug, early_stop, context_fn:
+            torch's checkpoint options, with torch's meaning (``use_reentrant=True`` is refused).
+            In ``offload`` mode nothing is recomputed, so only ``context_fn``'s forward context acts.
     """
-    kwargs = kwargs or {}
     if not callable(fn):
         raise InvalidType(
             f"remat.checkpoint expects a module or a callable as its first argument, got "
             f"{type(fn).__name__}; write remat.checkpoint(layer, x), not remat.checkpoint(x, layer)"
         )
+    options = torch_options(
+        use_reentrant=use_reentrant,
+        preserve_rng_state=preserve_rng_state,
+        determinism_check=determinism_check,
+        debug=debug,
+        early_stop=early_stop,
+        context_fn=context_fn,
+    )
+    policy_fn = check_mode(mode, policy, allow_cache_entry_mutation)
+    return run(fn, tuple(args), dict(kwargs or {}), mode, policy_fn, allow_cache_entry_mutation, options)
+
+
+def check_mode(mode: str, policy: Any, allow_cache_entry_mutation: bool) -> Callable[..., Any] | None:
+    """Validate remat's own options; the selective policy function, or None for other modes."""
     if mode not in MODES:
         raise InvalidValue(f"unknown mode {mode!r}; expected one of {', '.join(MODES)}")
-    if policy is not None and mode != "selective":
-        raise InvalidValue(f"policy= applies to mode='selective' only, got mode={mode!r}")
-    if _runs_plainly(fn):
-        return fn(*args, **kwargs)
-    if policy is not None and not callable(policy):
-        policy = _policy_from_ops(policy)
-    if mode == "offload":
-        with torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available()):
+    if not isinstance(allow_cache_entry_mutation, bool):
+        raise InvalidType(f"allow_cache_entry_mutation must be True or False, got {allow_cache_entry_mutation!r}")
+    if mode != "selective":
+        if policy is not None:
+            raise InvalidValue(f"policy= applies to mode='selective' only, got mode={mode!r}")
+        if allow_cache_entry_mutation:
+            raise InvalidValue(f"allow_cache_entry_mutation= applies to mode='selective' only, got mode={mode!r}")
+        return None
+    return resolve_policy(policy)
+
+
+def _runs_plainly(fn: Callable[..., Any]) -> bool:
+    if not torch.is_grad_enabled():  # also off under inference_mode
+        return True
+    module = fn if isinstance(fn, nn.Module) else getattr(fn, "__self__", None)
+    return isinstance(module, nn.Module) and not module.training
+
+
+def run(
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    mode: str,
+    policy: Callable[..., Any] | None,
+    allow_cache_entry_mutation: bool,
+    options: TorchOptions,
+) -> Any:
+    """The checkpointed call, its options validated (``checkpoint_call`` and the module form)."""
+    if _runs_plainly(fn) or mode == "offload":
+        # Nothing recomputed: torch's checks and the user's forward context, as torch does them.
+        offload = mode == "offload" and torch.is_grad_enabled() and not _runs_plainly(fn)
+        with options.forward_context():
+            if offload:
+                with torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available()):
+                    return fn(*args, **kwargs)
             return fn(*args, **kwargs)
+    torch_kwargs = options.torch_kwargs()
     if torch.compiler.is_compiling() and mode in ("recompute", "selective"):
-        # NOTE [ Under torch.compile ]: dynamo accepts no closure as context_fn, and the
-        # partitioner does the recompute itself (BatchNorm buffers are functionalized: updated once).
-        if mode == "recompute":
-            return _torch_checkpoint(fn, *args, use_reentrant=False, **kwargs)
-        context_fn = functools.partial(create_selective_checkpoint_contexts, policy or default_policy)
-        return _torch_checkpoint(fn, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
+        # NOTE [ Under torch.compile ]: dynamo accepts only a pair of dispatch modes from
+        # context_fn, and the partitioner does the recompute itself (BatchNorm buffers are
+        # functionalized: updated once). So remat's selective contexts are torch's own here.
+        if mode == "selective":
+            if options.context_fn is not None:
+                raise InvalidValue(
+                    "under torch.compile, mode='selective' and context_fn= cannot be combined: "
+                    "torch.compile takes one pair of dispatch modes. Pass the ops to keep as policy="
+                )
+            torch_kwargs["context_fn"] = functools.partial(
+                create_selective_checkpoint_contexts, policy, allow_cache_entry_mutation
+            )
+        if options.context_fn is None and mode == "recompute":
+            del torch_kwargs["context_fn"]  # dynamo takes only a function or partial it can see
+        if set(kwargs) & {*TORCH_OPTIONS, "function"}:  # fn's own, not torch's: bind them
+            fn, kwargs = functools.partial(fn, **kwargs), {}
+        return _torch_checkpoint(fn, *args, use_reentrant=False, **torch_kwargs, **kwargs)
     if mode == "recompute_offload":
-        return _recompute_offloaded(fn, tuple(args), kwargs)
-    return _torch_checkpoint(
-        fn,
-        *args,
-        use_reentrant=False,
-        context_fn=_contexts(mode, policy, fn),  # type: ignore[arg-type]
-        **kwargs,
-    )
+        return _recompute_offloaded(fn, args, kwargs, torch_kwargs)
+    staged = _Staged(fn, kwargs, policy, allow_cache_entry_mutation, args)
+    return _torch_checkpoint(staged, *args, use_reentrant=False, **torch_kwargs)
 
 
-def _policy_from_ops(ops: Iterable[Any]) -> Callable[..., CheckpointPolicy]:
-    keep = frozenset(ops)
+# NOTE [ remat's contexts inside torch's ]
+# torch's checkpoint takes one context_fn, and refuses one in debug mode (it brings its own). So
+# remat never passes its own contexts there: the user's context_fn (or none) goes to torch as it
+# is, and remat's contexts (the selective caching modes, the BatchNorm restore) are entered by the
+# checkpointed function itself. torch calls that function once in the forward and again for each
+# recompute, so its first call is the forward: remat's forward context wraps it, and its recompute
+# context wraps every later call. Both sit inside torch's (and the user's) contexts, where torch
+# would have entered them. The user's kwargs are bound into the function too, so that torch never
+# sees them: a kwarg of fn named like a torch option reaches fn.
 
-    def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-        return CheckpointPolicy.MUST_SAVE if op in keep else CheckpointPolicy.PREFER_RECOMPUTE
 
-    return policy
+class _Staged:
+    """``fn`` with its kwargs bound, under remat's forward context on its first call and its
+    recompute context after (NOTE [ remat's contexts inside torch's ]).
+
+    A module-level class on purpose: a class defined per call sits in a reference cycle (every
+    class does) that would keep the selective cache of saved outputs alive until Python's cyclic
+    garbage collector runs, after the block's backward."""
+
+    def __init__(
+        self, fn: Callable[..., Any], kwargs: dict[str, Any], policy: Any, allow_mutation: bool, args: Any
+    ) -> None:
+        self.fn, self.kwargs = fn, kwargs
+        # Modules among the arguments, found now: holding the arguments themselves would keep
+        # the inputs alive past torch's own saved (and maybe packed) copies.
+        self.arg_roots = module_roots(args)
+        self.started = False
+        self.fwd: Any = contextlib.nullcontext()
+        self.rec: Any = contextlib.nullcontext()
+        if policy is not None:
+            self.fwd, self.rec = create_selective_checkpoint_contexts(policy, allow_mutation)
+
+    def __call__(self, *args: Any) -> Any:
+        if not self.started:
+            self.started = True
+            with self.fwd:
+                return self.fn(*args, **self.kwargs)
+        roots = module_roots(self.fn, self.kwargs) + self.arg_roots
+        with self.rec, RestoreRunningStats(roots):
+            return self.fn(*args, **self.kwargs)
 
 
 # NOTE [ Recompute with offloaded inputs ]
@@ -253,43 +231,65 @@ def _policy_from_ops(ops: Iterable[Any]) -> Callable[..., CheckpointPolicy]:
 # it. To keep them in host memory instead, the checkpointed function receives host copies and moves
 # them back to the device itself: the forward pays one device->host->device round trip per input,
 # the recompute one host->device copy, and the device holds nothing of the block between forward
-# and backward. Only tensors on an accelerator are moved; CPU tensors pass through unchanged.
+# and backward. Only tensors on an accelerator are moved; CPU tensors pass through unchanged. An
+# empty tensor on each of the inputs' devices is the checkpoint's only argument, so that torch
+# stashes and replays those devices' RNG states (it finds the devices from the arguments).
 
 
-def _recompute_offloaded(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    def to_host(x: Any) -> Any:
-        if isinstance(x, torch.Tensor) and x.device.type != "cpu":
-            return (x.to("cpu", non_blocking=True), x.device)
-        return x
+class _OnHost:
+    __slots__ = ("device", "tensor")
 
-    def back(x: Any) -> Any:
-        if isinstance(x, tuple) and len(x) == 2 and isinstance(x[1], torch.device):
-            return x[0].to(x[1], non_blocking=True)
-        return x
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor, self.device = tensor.to("cpu", non_blocking=True), tensor.device
 
-    host_args = [to_host(a) for a in args]
-    host_kwargs = {k: to_host(v) for k, v in kwargs.items()}
 
-    def run(*_: Any) -> Any:
-        return fn(*[back(a) for a in host_args], **{k: back(v) for k, v in host_kwargs.items()})
+def _to_host(x: Any) -> Any:
+    return _OnHost(x) if isinstance(x, torch.Tensor) and x.device.type != "cpu" else x
 
-    return _torch_checkpoint(run, use_reentrant=False, context_fn=_contexts("recompute", None))
+
+def _back(x: Any) -> Any:
+    return x.tensor.to(x.device, non_blocking=True) if isinstance(x, _OnHost) else x
+
+
+def _run_offloaded(fn: Callable[..., Any], host_args: list[Any], host_kwargs: dict[str, Any], *_: Any) -> Any:
+    return fn(*[_back(a) for a in host_args], **{k: _back(v) for k, v in host_kwargs.items()})
+
+
+def _recompute_offloaded(
+    fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], torch_kwargs: dict[str, Any]
+) -> Any:
+    host_args = [_to_host(a) for a in args]
+    host_kwargs = {k: _to_host(v) for k, v in kwargs.items()}
+    devices = {a.device for a in [*host_args, *host_kwargs.values()] if isinstance(a, _OnHost)}
+    markers = [torch.empty(0, device=d) for d in sorted(devices, key=str)]
+    run_fn = functools.partial(_run_offloaded, fn, host_args, host_kwargs)
+    staged = _Staged(run_fn, {}, None, False, ())
+    return _torch_checkpoint(staged, *markers, use_reentrant=False, **torch_kwargs)
 
 
 def checkpoint_sequential(
-    blocks: nn.Sequential | Sequence[Callable[..., Any]],
-    x: Any,
-    *,
+    functions: nn.Sequential | Sequence[Callable[..., Any]],
     segments: int,
+    input: Any,
+    use_reentrant: bool | None = None,
+    *,
+    preserve_rng_state: bool = True,
+    checkpoint_last: bool = False,
     mode: CheckpointOption = "recompute",
 ) -> Any:
-    """Run ``blocks`` one after another on ``x`` in ``segments`` checkpointed segments.
+    """Run ``functions`` one after another on ``input``, in ``segments`` segments.
 
-    Each segment keeps only its input; the last segment is checkpointed too (unlike
-    ``torch.utils.checkpoint.checkpoint_sequential``, which keeps the last one), so the memory
-    saving is what the segment count says.
+    NOTE [ checkpoint_sequential ]: by default, torch's semantics and signature
+    (``torch.utils.checkpoint.checkpoint_sequential(functions, segments, input,
+    use_reentrant=False, preserve_rng_state=...)``): the blocks are cut into segments of
+    ``len // segments`` blocks, the last one taking the rest; every segment but the last is
+    checkpointed (keeps only its input), and the last runs plainly, so nothing of it is re-run.
+    ``checkpoint_last=True`` is remat's variant: segments of near-equal length, every one
+    checkpointed, the last included, so that the memory saving is what the segment count says,
+    at the cost of re-running one more segment. ``mode`` (remat's modes) applies to the
+    checkpointed segments. ``use_reentrant=True`` is refused.
     """
-    items = list(blocks.children()) if isinstance(blocks, nn.Sequential) else list(blocks)
+    items = list(functions.children()) if isinstance(functions, nn.Sequential) else list(functions)
     if not items:
         raise InvalidValue("checkpoint_sequential got no blocks; pass an nn.Sequential or a list of callables")
     for i, item in enumerate(items):
@@ -299,75 +299,29 @@ def checkpoint_sequential(
         raise InvalidValue(
             f"segments must be an int between 1 and the number of blocks ({len(items)}), got {segments!r}"
         )
-    bounds = [round(i * len(items) / segments) for i in range(segments + 1)]
+    options = torch_options(use_reentrant=use_reentrant, preserve_rng_state=preserve_rng_state)
+    policy = check_mode(mode, None, False)
+    if checkpoint_last:
+        bounds = [round(i * len(items) / segments) for i in range(segments + 1)]
+    else:
+        size = len(items) // segments
+        bounds = [i * size for i in range(segments)] + [len(items)]
+    for i, (start, stop) in enumerate(itertools.pairwise(bounds)):
+        seg = functools.partial(_run_blocks, items[start:stop])
+        last = i == segments - 1
+        if (last and not checkpoint_last) or not _any_training(items[start:stop]):
+            input = seg(input)
+        else:
+            input = run(seg, (input,), {}, mode, policy, False, options)
+    return input
 
-    def run_segment(start: int, stop: int, inp: Any) -> Any:
-        for item in items[start:stop]:
-            inp = item(inp)
-        return inp
 
-    for start, stop in itertools.pairwise(bounds):
-        seg = functools.partial(run_segment, start, stop)
-        x = checkpoint_call(seg, (x,), mode=mode) if _any_training(items[start:stop]) else seg(x)
+def _run_blocks(blocks: Sequence[Callable[..., Any]], x: Any) -> Any:
+    for block in blocks:
+        x = block(x)
     return x
 
 
 def _any_training(items: Sequence[Any]) -> bool:
     modules = [m for m in items if isinstance(m, nn.Module)]
     return not modules or any(m.training for m in modules)
-
-
-# --- the module form ----------------------------------------------------------------------------
-
-_ORIGINAL = "_remat_original_forward"
-
-
-def checkpoint_module(
-    module: nn.Module,
-    *,
-    mode: CheckpointOption = "recompute",
-    policy: Callable[..., Any] | Iterable[Any] | None = None,
-) -> nn.Module:
-    """Make every call of ``module`` checkpointed, in place; returns the same module.
-
-    Nothing about the module changes but its ``forward``: parameter names, ``state_dict`` keys,
-    ``named_modules``, hooks and ``train()/eval()`` are those of the original. In ``eval()`` or under
-    ``no_grad`` it runs plainly. ``uncheckpoint_module`` undoes it. Calling it again replaces the
-    mode.
-    """
-    if not isinstance(module, nn.Module):
-        raise InvalidType(f"checkpoint_module expects an nn.Module, got {type(module).__name__}")
-    if mode not in MODES:
-        raise InvalidValue(f"unknown mode {mode!r}; expected one of {', '.join(MODES)}")
-    uncheckpoint_module(module)
-    original = module.forward
-    object.__setattr__(module, _ORIGINAL, original)
-
-    @functools.wraps(original)
-    def forward(*args: Any, **kwargs: Any) -> Any:
-        if not module.training:
-            return original(*args, **kwargs)
-        return checkpoint_call(original, args, kwargs, mode=mode, policy=policy)
-
-    forward._remat_mode = mode  # type: ignore[attr-defined]
-    object.__setattr__(module, "forward", forward)
-    return module
-
-
-def uncheckpoint_module(module: nn.Module) -> nn.Module:
-    """Undo ``checkpoint_module``: the module's own ``forward`` again. A no-op on a plain module."""
-    if _ORIGINAL in module.__dict__:
-        del module.__dict__["forward"]
-        original = module.__dict__.pop(_ORIGINAL)
-        # An instance-level forward that existed before remat (rare) is put back as it was.
-        bound_to_class = getattr(original, "__func__", None) is type(module).forward
-        if getattr(original, "__self__", None) is not module or not bound_to_class:
-            object.__setattr__(module, "forward", original)
-    return module
-
-
-def is_checkpointed(module: nn.Module) -> str | None:
-    """The mode ``module`` is checkpointed with, or None."""
-    if _ORIGINAL not in module.__dict__:
-        return None
-    return getattr(module.__dict__["forward"], "_remat_mode", None)

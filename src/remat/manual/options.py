@@ -1,7 +1,7 @@
 """The per-module option: make one module run with an option, read which one it runs with.
 
 ``set_option(module, "recompute")`` replaces the module's ``forward`` on the instance
-(``remat.manual.checkpoint.checkpoint_module``), or, for a transformers layer with its own
+(``remat.manual.module_form.checkpoint_module``), or, for a transformers layer with its own
 checkpointing hook, sets that hook (NOTE [ transformers layers ]). ``option_of`` reads it back and
 ``clear_option`` undoes it. ``remat.apply`` does this for every block a plan names; the profiler
 does it for every block at once.
@@ -14,7 +14,7 @@ from typing import Any, cast
 
 from torch import nn
 
-from remat.manual import checkpoint
+from remat.manual import checkpoint, module_form
 from remat.records import CheckpointOption
 
 __all__ = ["clear_option", "option_of", "set_option"]
@@ -26,9 +26,9 @@ def set_option(module: nn.Module, option: str) -> None:
         _set_hf(module, option)
         return
     if option == "keep":
-        checkpoint.uncheckpoint_module(module)
+        module_form.uncheckpoint_module(module)
     else:
-        checkpoint.checkpoint_module(module, mode=cast(CheckpointOption, option))  # it checks
+        module_form.checkpoint_module(module, mode=cast(CheckpointOption, option))  # it checks
 
 
 # NOTE [ transformers layers ]
@@ -90,7 +90,7 @@ def option_of(module: nn.Module) -> str:
     """The option a module runs with: ``keep`` unless remat wrapped it."""
     if _is_hf_layer(module):
         return getattr(module, "_remat_mode", None) or "keep"
-    return checkpoint.is_checkpointed(module) or "keep"
+    return module_form.is_checkpointed(module) or "keep"
 
 
 def clear_option(module: nn.Module) -> None:
@@ -98,4 +98,4 @@ def clear_option(module: nn.Module) -> None:
     if _is_hf_layer(module):
         _restore_hf(module)  # transformers' own settings back, as they were before apply
     else:
-        checkpoint.uncheckpoint_module(module)
+        module_form.uncheckpoint_module(module)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -53,6 +54,9 @@ def _cpu_flash_flops(query: Any, key: Any, value: Any, *args: Any, **kwargs: Any
 
 def _cpu_flash_bwd_flops(grad_out: Any, query: Any, key: Any, value: Any, *args: Any, **kw: Any) -> int:
     return int(sdpa_backward_flop_count(grad_out.shape, query.shape, key.shape, value.shape))
+
+
+log = logging.getLogger(__name__)
 
 
 class _NoMemo(weakref.WeakValueDictionary):  # type: ignore[type-arg]
@@ -114,6 +118,8 @@ class FakeMeter(TorchDispatchMode):
         self.marks: list[Mark] = []
         self._storages: dict[int, int] = {}
         self._refs: dict[int, Any] = {}
+        self.flop_errors: dict[str, str] = {}
+        """Ops whose FLOP formula failed -> why; their time is the memory-bound estimate alone."""
 
     # -- bytes ------------------------------------------------------------------------------------
 
@@ -174,8 +180,15 @@ class FakeMeter(TorchDispatchMode):
                 flops = count(*args, **kwargs)
             elif func._overloadpacket in flop_registry:
                 flops = int(flop_registry[func._overloadpacket](*args, **kwargs, out_val=out))
-        except Exception:  # a flop formula that does not take this overload's arguments
+        except Exception as e:  # a flop formula that does not take this overload's arguments
             flops = 0
+            name = str(func)
+            if name not in self.flop_errors:  # say it once per op: the time is an underestimate
+                self.flop_errors[name] = f"{type(e).__name__}: {e}"
+                log.warning(
+                    "remat: the FLOP formula of %s failed (%s); its estimated time counts only "
+                    "the bytes it moves, not its FLOPs", name, self.flop_errors[name],
+                )
         read = sum(t.numel() * t.element_size() for t in inputs)
         dtype = next((str(t.dtype).removeprefix("torch.") for t in inputs if t.is_floating_point()), "float32")
         spec = self.spec

@@ -75,6 +75,7 @@ def profile(
     """
     if repeats < 1:
         raise InvalidValue(f"repeats must be >= 1, got {repeats}")
+    _step.check_grad_mode("remat.profile")
     loss_fn = _step.resolve_loss_fn(loss_fn)
     if device is None or (isinstance(device, str) and device.split(":")[0] in ("cuda",)):
         if not isinstance(model, nn.Module):
@@ -82,6 +83,7 @@ def profile(
                 f"measured mode needs the model itself (an nn.Module), got {type(model).__name__}; "
                 "pass device='h100' (or another spec) to estimate from a factory"
             )
+        _step.check_trainable(model, "remat.profile")
         result = _measured(model, batch, loss_fn, optimizer, blocks, repeats)
     else:
         result = _estimated(model, batch, loss_fn, optimizer, blocks, get_device(device))

@@ -27,13 +27,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from remat.errors import InvalidType
+from remat.errors import InvalidType, InvalidValue
 
 __all__ = [
     "Batch",
     "LossFn",
     "batch_bytes",
     "batch_shape",
+    "check_compiled",
+    "check_grad_mode",
+    "check_trainable",
     "forward_loss",
     "no_gc",
     "optimizer_bytes",
@@ -50,6 +53,53 @@ __all__ = [
 
 Batch = Any
 LossFn = Callable[[Any, Any], torch.Tensor]
+
+
+def check_grad_mode(verb: str) -> None:
+    """Refuse to run a training step where autograd is off: under ``torch.no_grad()`` or
+    ``torch.inference_mode()`` there is no backward to plan or measure."""
+    if torch.is_inference_mode_enabled() or not torch.is_grad_enabled():
+        where = "torch.inference_mode()" if torch.is_inference_mode_enabled() else "torch.no_grad()"
+        raise InvalidValue(
+            f"{verb} runs a training step (forward and backward), but it was called under {where}, "
+            f"where autograd records nothing; call {verb} outside that block"
+        )
+
+
+def check_compiled(model: Any, verb: str) -> None:
+    """Refuse a ``torch.compile``d module: its blocks run inside a compiled graph that remat's
+    hooks cannot see (nothing is compiled here; the wrapper is recognised by its ``_orig_mod``)."""
+    if isinstance(model, nn.Module) and type(model).__name__ == "OptimizedModule" and hasattr(
+        model, "_orig_mod"
+    ):
+        raise InvalidType(
+            f"{verb} was given a torch.compile'd model; apply remat to the model before compiling "
+            f"it: plan = remat.auto(model, batch, budget) (or remat.apply(model, plan)), then "
+            f"model = torch.compile(model); or pass model._orig_mod here"
+        )
+
+
+def check_trainable(model: Any, verb: str) -> None:
+    """What every stage that runs a training step needs of the model, checked before it runs:
+    an ``nn.Module`` (not compiled) with data in its parameters and at least one that trains,
+    and autograd on."""
+    if not isinstance(model, nn.Module):
+        raise InvalidType(f"{verb} expects the model, an nn.Module; got {type(model).__name__}")
+    check_compiled(model, verb)
+    check_grad_mode(verb)
+    params = list(model.parameters())
+    if any(p.is_meta for p in params):
+        raise InvalidValue(
+            f"{verb}: the {type(model).__name__}'s parameters are on the meta device (shapes "
+            "without data), so no step can run; materialise it first (model.to_empty(device=...) "
+            "and load its weights), or estimate for a device from a factory (device='h100')"
+        )
+    if not any(p.requires_grad for p in params):
+        raise InvalidValue(
+            f"{verb}: the {type(model).__name__} has no parameter that requires grad"
+            f"{' (it has none at all)' if not params else ''}, so a training step has no backward "
+            "to checkpoint; unfreeze what should train (p.requires_grad_(True))"
+        )
 
 
 def call_model(model: Callable[..., Any], batch: Batch) -> Any:

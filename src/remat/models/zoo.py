@@ -147,7 +147,8 @@ def names() -> list[str]:
 def _lookup(name: str) -> ZooEntry:
     if name in ZOO:
         return ZOO[name]
-    raise InvalidValue(f"unknown model {name!r}{did_you_mean(name, ZOO)} Known models: {', '.join(ZOO)}")
+    hint = did_you_mean(str(name), ZOO)
+    raise InvalidValue(f"unknown model {name!r}{hint} Known models: {', '.join(ZOO)}")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -11,16 +11,17 @@ import dataclasses
 import heapq
 import math
 from collections.abc import Sequence
+from pathlib import Path
 
 import numpy as np
 
-from remat.errors import InfeasibleBudget, InvalidValue, did_you_mean
+from remat.errors import InfeasibleBudget, InvalidType, InvalidValue, did_you_mean
 from remat.plan.costmodel import ChainConstraints, chain_constraints, estimate, smallest_feasible
 from remat.plan.search import NO_LIMIT_BYTES, optimal_picks
 from remat.records import Plan, Profile
 from remat.units import format_bytes, parse_budget
 
-__all__ = ["METHODS", "InfeasibleBudget", "frontier", "solve"]
+__all__ = ["METHODS", "InfeasibleBudget", "check_method", "frontier", "in_eval_mode", "solve"]
 
 #: The solvers ``solve`` offers. ``optimal`` and ``greedy`` need a budget; the rest ignore it.
 METHODS: tuple[str, ...] = ("optimal", "greedy", "none", "all", "every_k", "sqrt")
@@ -42,11 +43,13 @@ def solve(
     none fits. The baselines ``none``, ``all``, ``every_k`` (``k``, default 2) and ``sqrt`` return
     their fixed plan, with a note in ``Plan.notes`` when it exceeds a budget given.
     """
-    if method not in METHODS:
-        raise InvalidValue(
-            f"unknown method {method!r}; expected one of {list(METHODS)}"
-            + did_you_mean(str(method), METHODS)
+    if not isinstance(profile, Profile):
+        raise InvalidType(
+            f"solve expects a remat Profile, got {type(profile).__name__}"
+            + ("; load a saved one with Profile.load(path)" if isinstance(profile, str | Path) else
+               "; make one with remat.profile(model, batch)")
         )
+    check_method(method)
     if k is not None and method != "every_k":
         raise InvalidValue(f"k={k!r} applies to method='every_k' only, not to method={method!r}")
     budget_bytes = (
@@ -83,6 +86,27 @@ def solve(
         )
         plan = dataclasses.replace(plan, notes=[*plan.notes, over])
     return plan
+
+
+def check_method(method: str) -> None:
+    """Refuse a ``method`` that ``solve`` does not offer (before any work is done)."""
+    if method not in METHODS:
+        raise InvalidValue(
+            f"unknown method {method!r}; expected one of {list(METHODS)}"
+            + did_you_mean(str(method), METHODS)
+        )
+
+
+def in_eval_mode(error: InfeasibleBudget) -> InfeasibleBudget:
+    """``error`` for a model that was profiled in ``eval()`` mode: say so, since the likely fix
+    is ``model.train()``, not a larger budget."""
+    head = str(error).rsplit("; ", 1)[0]
+    return InfeasibleBudget(
+        f"{head}; the model is in eval() mode, but remat plans training steps: call model.train() "
+        "before planning (if it still does not fit, raise the budget or lower the batch).",
+        budget_bytes=error.budget_bytes, smallest_bytes=error.smallest_bytes,
+        dominant=error.dominant,
+    )
 
 
 def frontier(profile: Profile, *, points: int | None = 16) -> list[Plan]:

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from remat.errors import InvalidValue, MissingDependency, MissingFile
+from remat.files import atomic_write
 from remat.units import axis_unit, format_bytes
 
 if TYPE_CHECKING:
@@ -281,5 +282,5 @@ def _save(fig: Any, path: str | Path) -> Path:
     path = Path(path)
     if not path.parent.is_dir():
         raise MissingFile(f"cannot write {path}: the folder {path.parent} does not exist")
-    fig.savefig(path, dpi=DPI)
+    atomic_write(path, lambda f: fig.savefig(f, dpi=DPI, format=path.suffix.lstrip(".") or "png"))
     return path

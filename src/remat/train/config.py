@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from remat.errors import InvalidValue
+from remat.files import same_file
 from remat.models import GPTConfig, LlamaConfig
+from remat.units import check_budget
 
-__all__ = ["PRECISIONS", "TrainConfig", "validate"]
+__all__ = ["PRECISIONS", "TrainConfig", "device_of", "validate"]
 
 #: ``precision`` values: plain float32, or autocast to bfloat16 / float16 (float16 with a GradScaler).
 PRECISIONS: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -86,3 +89,31 @@ def validate(config: TrainConfig) -> None:
         raise InvalidValue(f"lr must be a finite number > 0, got {config.lr!r}")
     if config.clip is not None and not (math.isfinite(config.clip) and config.clip >= 0):
         raise InvalidValue(f"clip must be a finite number >= 0 (0: no clipping), got {config.clip!r}")
+    if config.budget is not None:
+        check_budget(config.budget)
+    device_of(config.device)
+    if config.text is not None and config.out is not None:
+        for name in ("checkpoint.pt", "log.json", "loss.png"):
+            if same_file(config.text, Path(config.out) / name):
+                raise InvalidValue(f"the text {config.text} is the run's own {name}, which the run "
+                                   "rewrites; train on another file, or choose another out folder")
+
+
+def device_of(name: str | None) -> torch.device:
+    """The device of ``TrainConfig.device``, checked: one torch knows, and one this machine has."""
+    if name is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except (RuntimeError, TypeError):
+        raise InvalidValue(f"unknown device {name!r}; expected cpu, cuda or cuda:N") from None
+    if device.type not in ("cpu", "cuda"):
+        raise InvalidValue(f"remat train runs on cpu or cuda[:N], not {name!r}")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise InvalidValue(f"device {name!r}: CUDA is not available here (torch "
+                               f"{torch.__version__}); train on the CPU with device='cpu'")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise InvalidValue(f"device {name!r}: this machine has {torch.cuda.device_count()} "
+                               "CUDA device(s)")
+    return device

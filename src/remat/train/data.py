@@ -176,10 +176,13 @@ def _from_factory(spec: str) -> nn.Module:
     module_name, _, attr = spec.partition(":")
     try:
         factory = getattr(importlib.import_module(module_name), attr)
-    except Exception as e:  # a user's module may fail to import in any way; say which and why
+    except (Exception, SystemExit) as e:  # a user's module may fail in any way; say which and why
         raise InvalidValue(f"cannot load the model factory {spec!r} ({type(e).__name__}: {e}); "
                          "expected 'package.module:factory' naming a zero-argument callable") from None
-    model = factory()
+    try:
+        model = factory()
+    except (Exception, SystemExit) as e:  # SystemExit too: it would end a command silently
+        raise InvalidValue(f"the factory {spec} raised {type(e).__name__}: {e}") from e
     # The other commands' factories return (model, batch, loss_fn): the text brings its own batch.
     if isinstance(model, tuple | list) and model:
         model = model[0]

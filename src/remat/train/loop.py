@@ -34,7 +34,7 @@ from remat.applier import apply
 from remat.manual.blocks import fingerprint
 from remat.records import Plan
 from remat.train.accumulation import AccumulationPlan, Candidate, plan_accumulation
-from remat.train.config import PRECISIONS, TrainConfig, validate
+from remat.train.config import PRECISIONS, TrainConfig, device_of, validate
 from remat.train.data import Sampler, build_text_model, eval_windows, load_text, text_loss
 from remat.train.state import (
     CheckpointError,
@@ -130,7 +130,7 @@ class _Run:
 
     def __init__(self, config: TrainConfig, *, resume: bool) -> None:
         self.config = config
-        self.device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.device = device_of(config.device)
         data = load_text(config.text)
         self.out = Path(config.out) if config.out is not None else None
         self.ckpt_path = self.out / "checkpoint.pt" if self.out is not None else None
@@ -171,19 +171,24 @@ class _Run:
                 f"{state['fingerprint']}, this model has {fingerprint(self.model)}); it was left "
                 "as it is"
             )
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
-        self.scaler.load_state_dict(state["scaler"])
-        self.sampler.load_state_dict(state["sampler"])
-        set_rng_state(state["rng"])
-        self.plan = Plan.from_json(state["plan"]) if state["plan"] is not None else None
-        self.micro = int(state["micro_batch"])
-        self.history = state["history"]
-        self.start = int(state["step"])
-        self.decided = AccumulationPlan(
-            micro_batch=self.micro, plan=self.plan, budget_bytes=self.history["budget_bytes"],
-            candidates=[Candidate(**c) for c in self.history["candidates"]])
+        try:  # a checksummed file of this run that still does not fit: say so, not a traceback
+            self.model.load_state_dict(state["model"])
+            self.optimizer.load_state_dict(state["optimizer"])
+            self.scheduler.load_state_dict(state["scheduler"])
+            self.scaler.load_state_dict(state["scaler"])
+            self.sampler.load_state_dict(state["sampler"])
+            set_rng_state(state["rng"])
+            self.plan = Plan.from_json(state["plan"]) if state["plan"] is not None else None
+            self.micro = int(state["micro_batch"])
+            self.history = state["history"]
+            self.start = int(state["step"])
+            self.decided = AccumulationPlan(
+                micro_batch=self.micro, plan=self.plan, budget_bytes=self.history["budget_bytes"],
+                candidates=[Candidate(**c) for c in self.history["candidates"]])
+        except (RuntimeError, ValueError, TypeError, KeyError, IndexError) as e:
+            reason = " ".join(str(e).split())[:300] or type(e).__name__
+            raise CheckpointError(f"{self.ckpt_path} does not fit this run's model and settings "
+                                  f"({reason}); it was left as it is") from None
 
     def _plan(self) -> None:
         config = self.config
@@ -261,7 +266,12 @@ class _Run:
         """Ctrl-C: save between steps (inside one, the last checkpoint stands), write outputs."""
         path = self.ckpt_path if self.ckpt_path is not None and self.ckpt_path.exists() else None
         if not in_step and saved_at != completed:
-            path = self.save(completed)
+            try:
+                path = self.save(completed)
+            except KeyboardInterrupt:  # another Ctrl-C while saving: the file on disk stands
+                log.warning("stopped while saving step %d: the last checkpoint stands", completed)
+                completed = saved_at if saved_at >= 0 else self.start
+                path = self.ckpt_path if self.ckpt_path is not None and self.ckpt_path.exists() else None
         elif in_step:
             completed = saved_at if saved_at >= 0 else self.start
             log.warning("stopped inside step %d: the last checkpoint (step %d) stands",

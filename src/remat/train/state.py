@@ -1,17 +1,24 @@
 """What ``remat.train`` keeps and writes: its log records, the checkpoint file, the JSON log, the plot.
 
-A checkpoint is one ``torch.save`` file written atomically (a temporary file in the same folder,
-flushed, then ``os.replace``), so a crash while writing leaves the previous checkpoint whole. It
-is read with ``weights_only=True`` (tensors, dicts, lists and numbers only: loading runs no code).
-A file that cannot be read, or that belongs to another run, is refused and never overwritten.
+A checkpoint is one ``torch.save`` file written atomically (NOTE [ Atomic outputs ] in
+``remat.files``), so a crash while writing leaves the previous checkpoint whole. It is read with
+``weights_only=True`` (tensors, dicts, lists and numbers only: loading runs no code). A file that
+cannot be read, that fails its checksum, or that belongs to another run, is refused and never
+overwritten.
+
+# NOTE [ Checkpoint checksums ]
+torch's zip format checks no data: one flipped bit in a weight loads silently. So the state is
+stored with ``sha256``, a hash of every value in it (each tensor's dtype, shape and raw bytes;
+every number, string and key, in order), recomputed and compared on every read before anything
+uses the state.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import logging
-import os
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from remat.errors import CheckpointError, MissingDependency
+from remat.files import atomic_write
 from remat.records import Plan
 from remat.train.accumulation import Candidate
 
@@ -44,7 +52,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 _FORMAT = "remat-train-checkpoint"
-_VERSION = 1
+_VERSION = 2  # 2: with "sha256" (NOTE [ Checkpoint checksums ])
 LOG_SCHEMA = 1
 #: Settings that may change when a run resumes; every other one must match the checkpoint's.
 #: (The text is compared by its hash, not by its path.)
@@ -130,13 +138,36 @@ def save_checkpoint(path: Path, state: dict[str, Any]) -> None:
     """Write ``state`` (the keys of ``_KEYS``) to ``path`` atomically."""
     missing = [k for k in _KEYS if k not in state]
     assert not missing, missing
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        torch.save({"format": _FORMAT, "version": _VERSION, **state}, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    body = {k: state[k] for k in _KEYS}
+    record = {"format": _FORMAT, "version": _VERSION, "sha256": checksum(body), **body}
+    atomic_write(path, lambda f: torch.save(record, f))
+
+
+def checksum(state: Any) -> str:
+    """The sha256 of ``state`` (NOTE [ Checkpoint checksums ]); lists and tuples hash alike, as
+    ``torch.load`` may return one for the other."""
+    digest = hashlib.sha256()
+    _hash(state, digest)
+    return digest.hexdigest()
+
+
+def _hash(obj: Any, digest: Any) -> None:
+    if isinstance(obj, torch.Tensor):
+        t = obj.detach().cpu().contiguous()
+        digest.update(f"T{t.dtype}{tuple(t.shape)}:".encode())
+        if t.numel():
+            digest.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    elif isinstance(obj, dict):
+        digest.update(f"D{len(obj)}:".encode())
+        for key, value in obj.items():
+            _hash(key, digest)
+            _hash(value, digest)
+    elif isinstance(obj, list | tuple):
+        digest.update(f"L{len(obj)}:".encode())
+        for value in obj:
+            _hash(value, digest)
+    else:  # what weights_only loading gives back: None, bool, int, float, str, bytes
+        digest.update(f"{type(obj).__name__}{obj!r};".encode())
 
 
 def load_checkpoint(path: Path, expected_config: dict[str, Any]) -> dict[str, Any]:
@@ -181,6 +212,13 @@ def _read(path: Path, *, mmap: bool) -> dict[str, Any]:
     missing = [k for k in _KEYS if k not in state]
     if missing:
         raise CheckpointError(f"{path} is incomplete (no {', '.join(missing)}); {keep}")
+    try:
+        actual = checksum({k: state[k] for k in _KEYS})
+    except Exception as e:  # a value that cannot even be hashed is a damaged one
+        actual = f"unhashable ({type(e).__name__})"
+    if state.get("sha256") != actual:
+        raise CheckpointError(f"{path} is damaged: its contents do not match its checksum (a "
+                              f"changed or corrupted file); {keep}")
     return dict(state)
 
 
@@ -220,9 +258,7 @@ def write_outputs(result: TrainResult, out: Path) -> None:
         "steps": [dataclasses.asdict(s) for s in result.steps],
         "evals": [dataclasses.asdict(e) for e in result.evals],
     }
-    tmp = out / "log.json.tmp"
-    tmp.write_text(json.dumps(data, indent=2) + "\n")
-    os.replace(tmp, out / "log.json")
+    atomic_write(out / "log.json", json.dumps(data, indent=2) + "\n")
     try:
         plot_losses(result, out / "loss.png")
     except ImportError as e:
@@ -253,7 +289,7 @@ def plot_losses(result: TrainResult, path: Path) -> Path:
     ax.set_title(f"{_model_name(result.config)}: micro-batch {result.micro_batch} × "
                  f"{result.accumulation_steps}, plan: {plan or 'none'}", fontsize=10)
     ax.legend(frameon=False)
-    fig.savefig(path, dpi=150)
+    atomic_write(path, lambda f: fig.savefig(f, dpi=150, format="png"))
     return path
 
 

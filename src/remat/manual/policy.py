@@ -1,0 +1,117 @@
+"""Selective recomputation policies: the default one, and a user's policy validated as torch does.
+
+# NOTE [ Selective policies ]
+A policy is what ``torch.utils.checkpoint.create_selective_checkpoint_contexts`` takes: a function
+``(ctx, op, *args, **kwargs) -> CheckpointPolicy`` (or a bool), or a collection of ops whose
+outputs are kept. torch compares each dispatched op, an ``OpOverload`` such as
+``torch.ops.aten.mm.default``, with the collection, so a packet (``torch.ops.aten.mm``) in it
+never matches and silently keeps nothing. torch refuses a packet; remat expands it to all its
+overloads, which is what writing ``torch.ops.aten.mm`` means. Anything else (``[2]``, a string)
+is refused with what is allowed. A collection of ops becomes an ``OpsPolicy``, which pickles by
+op name (torch's ops themselves do not pickle), so a module checkpointed with one can be saved.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch.utils.checkpoint import CheckpointPolicy
+
+from remat.errors import InvalidType, InvalidValue
+
+__all__ = ["SAVE_OPS", "OpsPolicy", "default_policy", "resolve_policy"]
+
+
+def _aten_ops(*names: str) -> frozenset[Any]:
+    # Some kernels exist only in some builds (flash/cudnn attention): take the ones this torch has.
+    ops: set[Any] = set()
+    for name in names:
+        packet = getattr(torch.ops.aten, name, None)
+        if packet is not None:
+            ops.update(getattr(packet, o) for o in packet.overloads())
+    return frozenset(ops)
+
+
+#: Ops whose outputs the default selective policy keeps: the expensive ones (matmuls, convolutions,
+#: attention). Everything else (pointwise, norms, softmax, dropout) is recomputed.
+SAVE_OPS: frozenset[Any] = _aten_ops(
+    "mm",
+    "addmm",
+    "bmm",
+    "baddbmm",
+    "convolution",
+    "_convolution",
+    "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention",
+)
+
+
+def default_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    """Selective policy: keep the outputs of ``SAVE_OPS``, recompute the rest."""
+    return CheckpointPolicy.MUST_SAVE if op in SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _op_name(op: Any) -> tuple[str, str]:
+    if isinstance(op, torch._ops.OpOverload):
+        return op._schema.name, op._overloadname
+    raise InvalidType(f"cannot pickle a selective policy that keeps {op!r}: only OpOverloads pickle by name")
+
+
+def _op_from_name(qualified: str, overload: str) -> Any:
+    namespace, name = qualified.split("::")
+    return getattr(getattr(getattr(torch.ops, namespace), name), overload)
+
+
+def _ops_policy_from_names(names: tuple[tuple[str, str], ...]) -> OpsPolicy:
+    return OpsPolicy(_op_from_name(q, o) for q, o in names)
+
+
+class OpsPolicy:
+    """Keep the outputs of ``ops`` (``OpOverload``s), recompute every other op."""
+
+    def __init__(self, ops: Iterable[Any]) -> None:
+        self.ops = frozenset(ops)
+
+    def __call__(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        return CheckpointPolicy.MUST_SAVE if op in self.ops else CheckpointPolicy.PREFER_RECOMPUTE
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, OpsPolicy) and other.ops == self.ops
+
+    def __hash__(self) -> int:
+        return hash(self.ops)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_ops_policy_from_names, (tuple(sorted(_op_name(op) for op in self.ops)),))
+
+    def __repr__(self) -> str:
+        return f"OpsPolicy({sorted(str(op) for op in self.ops)})"
+
+
+def resolve_policy(policy: Callable[..., Any] | Iterable[Any] | None) -> Callable[..., Any]:
+    """The policy function for ``policy`` (None: ``default_policy``), validated (NOTE [ Selective policies ])."""
+    if policy is None:
+        return default_policy
+    if callable(policy):
+        return policy
+    if isinstance(policy, (str, bytes)) or not isinstance(policy, Iterable):
+        raise InvalidType(
+            f"policy must be a function (ctx, op, *args, **kwargs) -> CheckpointPolicy or a list of ops "
+            f"such as [torch.ops.aten.mm.default], got {type(policy).__name__} {policy!r}"
+        )
+    ops: set[Any] = set()
+    for op in policy:
+        if isinstance(op, torch._ops.OpOverloadPacket):
+            ops.update(getattr(op, name) for name in op.overloads())
+        elif isinstance(op, (torch._ops.OpOverload, torch._ops.HigherOrderOperator)):
+            ops.add(op)
+        else:
+            raise InvalidValue(
+                f"policy lists {op!r} of type {type(op).__name__}; each entry must be an op such as "
+                "torch.ops.aten.mm.default (an OpOverload) or torch.ops.aten.mm (a packet: all its overloads)"
+            )
+    return OpsPolicy(ops)
