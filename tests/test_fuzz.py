@@ -320,14 +320,15 @@ def test_plan_writes_out_only_when_it_succeeds(args: list[str], out_is_input: bo
 @given(args=argv(_TRAIN_OPTIONS))
 def test_train_command_lines(args: list[str], monkeypatch: pytest.MonkeyPatch,
                              tmp_path_factory: pytest.TempPathFactory) -> None:
-    from remat import train as train_module
+    from remat.errors import InvalidValue
+    from remat.train.config import validate
 
     def validate_only(config: Any, **kwargs: Any) -> Any:
-        train_module._validate(config)  # what train() checks first; then stop: no training
-        raise ValueError("stub: valid settings")
+        validate(config)  # what train() checks first; then stop: no training
+        raise InvalidValue("stub: valid settings")  # a deliberate error: one Error: line
 
-    monkeypatch.setattr("remat.cli_train.train", validate_only)
-    monkeypatch.setattr("remat.cli_train.import_factory", lambda ref: None)  # imports nothing
+    monkeypatch.setattr("remat.cli.train.train", validate_only)
+    monkeypatch.setattr("remat.cli.train.import_factory", lambda ref: None)  # imports nothing
     out = tmp_path_factory.mktemp("train")
     result = _invoke(["train", "--out", str(out), *args])
     assert result.exit_code != 0 or "--help" in args

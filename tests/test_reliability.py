@@ -199,7 +199,7 @@ def test_records_are_written_through_the_atomic_helper(tmp_path: Path, monkeypat
 
     real = remat.files.atomic_write
     monkeypatch.setattr(remat.files, "atomic_write", lambda p, data: real(p, broken))
-    monkeypatch.setattr("remat.records.atomic_write", remat.files.atomic_write)
+    monkeypatch.setattr("remat.record_json.atomic_write", remat.files.atomic_write)
     with pytest.raises(OSError, match="no space"):
         dataclasses.replace(plan, method="none").save(path)
     assert Plan.load(path) == plan
@@ -223,9 +223,11 @@ def test_train_imports_nothing_from_the_current_folder(tmp_path: Path,
 
     def stop(*args: Any, **kwargs: Any) -> Any:  # the text is loaded; stop before training
         seen["path"] = list(sys.path)
-        raise ValueError("stopped here")
+        from remat.errors import InvalidValue
 
-    monkeypatch.setattr("remat.train.build_text_model", stop)
+        raise InvalidValue("stopped here")  # a deliberate error: one Error: line
+
+    monkeypatch.setattr("remat.train.loop.build_text_model", stop)
     result = cli("train", "--steps", "1", "--out", tmp_path / "out", code=1)
     assert "stopped here" in result.output
     assert not marker.exists()
@@ -338,7 +340,7 @@ def test_a_checkpoint_with_a_tensor_of_the_wrong_shape(run_dir: Path, tmp_path: 
 
 
 def test_ctrl_c_twice_the_second_during_the_save(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import remat.train as train_module
+    import remat.train.loop as train_module
 
     config = dataclasses.replace(SMALL, steps=4, checkpoint_every=2, out=str(tmp_path / "run"))
     real, saves = train_module.save_checkpoint, []
@@ -360,7 +362,7 @@ def test_ctrl_c_twice_the_second_during_the_save(tmp_path: Path, monkeypatch: py
     assert info.value.step == 2 and info.value.checkpoint == tmp_path / "run" / "checkpoint.pt"
     assert torch.load(info.value.checkpoint, weights_only=True)["step"] == 2
 
-    from remat import cli_train
+    from remat.cli import train as cli_train
 
     monkeypatch.setattr(cli_train, "train", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt))
     result = cli("train", "--out", tmp_path / "run", "--resume", code=130)
@@ -408,10 +410,10 @@ def test_a_budget_that_cannot_be_parsed_is_refused_before_profiling(
             remat.auto(mlp(), X, budget)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="unknown method 'optimum'; .*did you mean 'optimal'"):
         remat.auto(mlp(), X, "1GiB", method="optimum")
-    monkeypatch.setattr("remat.train.load_text", no_profiling)
+    monkeypatch.setattr("remat.train.loop.load_text", no_profiling)
     with pytest.raises(ValueError, match="cannot read 'lots'"):
         train(dataclasses.replace(SMALL, budget="lots"))
-    monkeypatch.setattr("remat.cli_train.train", no_profiling)
+    monkeypatch.setattr("remat.cli.train.train", no_profiling)
     assert "cannot read 'lots'" in cli("train", "--budget", "lots", code=2).output
 
 
