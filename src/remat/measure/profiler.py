@@ -179,7 +179,8 @@ def _running(named: list[tuple[str, nn.Module]], explicit: bool, run: Callable[[
     try:
         run()
     finally:
-        _ = [h.remove() for h in handles]
+        for h in handles:
+            h.remove()
     stacks = {n.rpartition(".")[0] for n in ran}
     kept = [(n, m) for n, m in named if explicit or n.rpartition(".")[0] in stacks]
     if missing := [n for n, _ in kept if n not in ran] or ([n for n, _ in named] if not ran else []):
@@ -252,7 +253,6 @@ def _measured(
     if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
         optimizer = optimizer(model.parameters())
     cuda = device.type == "cuda"
-    options = _RUN_OPTIONS
     traces: dict[str, tuple[Trace, _Hooks]] = {}
     times: dict[str, dict[str, float]] = {}
     with _step.preserved(model, optimizer):
@@ -262,7 +262,7 @@ def _measured(
         base = base_bytes(model, optimizer, batch, device)
         opt_bytes = _step.optimizer_bytes(optimizer)
         keys = _base_keys(model, optimizer, batch)
-        for option in options:
+        for option in _RUN_OPTIONS:
             with _every_block(named, option):
                 model.zero_grad(set_to_none=True)
                 with MemoryTracer(device) as tracer:
