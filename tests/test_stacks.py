@@ -117,6 +117,8 @@ def test_profile_orders_blocks_as_they_run_and_leaves_out_an_idle_stack() -> Non
     model, batch = _towers()
     prof = remat.profile(model, batch, loss_fn=_sum_loss, repeats=1)
     assert [b.name for b in prof.blocks] == ["image.0", "image.1", "text.0", "text.1", "text.2"]
+    estimated = remat.profile(TwoTowers, batch, loss_fn=_sum_loss, device="cpu")  # from a factory
+    assert [b.name for b in estimated.blocks] == [b.name for b in prof.blocks]
     with pytest.raises(ProfileError, match=r"\['unused.0', 'unused.1'\] did not run"):
         remat.profile(model, batch, loss_fn=_sum_loss, blocks=["unused.*", "text.*"], repeats=1)
 

@@ -171,8 +171,7 @@ def _marked_step(
 
 
 def _running(named: list[tuple[str, nn.Module]], explicit: bool, run: Callable[[], Any]) -> list[tuple[str, nn.Module]]:
-    """The blocks that run in ``run()``, the warm-up step: a found stack none of whose blocks runs
-    is left out (NOTE [ Every stack ] in ``remat.manual.blocks``); a block is never half a stack."""
+    """The blocks that run in ``run()``, a warm-up step; a found stack that does not run is left out."""
     ran: set[str] = set()
     handles = [m.register_forward_pre_hook(lambda *_, n=n: ran.add(n) if torch.is_grad_enabled() else None)
                for n, m in named]
@@ -355,6 +354,7 @@ def _estimated(
                     p.grad = torch.zeros_like(p)
             opt.step()
             opt.zero_grad(set_to_none=True)
+        named = _running(named, blocks is not None, lambda: _step.train_step(model, fake_batch, loss_fn, opt))
         keys = _base_keys(model, opt, fake_batch)
         for option in _RUN_OPTIONS:
             with _every_block(named, option):
