@@ -87,6 +87,7 @@ def test_blocks_in_every_stack(name: str) -> None:
     assert len(found) == sum(len(model.get_submodule(s)) for s in stacks) >= 2 * len(stacks)
 
 
+@pytest.mark.slow  # 48 cases of 1-5 s: about 2 minutes on one core, 1 on two (-n 2)
 @pytest.mark.parametrize("share", SHARES, ids=lambda s: f"{s:.0%}")
 @pytest.mark.parametrize("name", list(_hf_zoo.ZOO))
 def test_verified_plan_fits_and_is_exact(
