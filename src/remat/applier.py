@@ -6,6 +6,9 @@ instance (``remat.manual.module_form.checkpoint_module``), or, for transformers 
 checkpointing hook (``GradientCheckpointingLayer``), it sets that hook. Parameter names,
 ``state_dict`` keys and values, ``named_modules``, hooks and ``train()/eval()`` stay exactly those
 of the user's model, so optimizers, FSDP, ``save_pretrained`` and checkpoint files are unaffected.
+One addition: a transformers model with ``config.use_cache`` gets a forward pre-hook that turns
+the K/V cache off while it trains (NOTE [ No K/V cache in a planned training step ] in
+``remat.models.hf``); ``remove`` takes it away again, and the config is never touched.
 
 # NOTE [ Order: remat first, then DDP or fully_shard ]
 remat's ``apply`` replaces ``forward`` on each block instance (NOTE [ Applying without replacing
@@ -37,6 +40,7 @@ from remat.errors import InvalidType, PlanMismatch, WrappingError, did_you_mean
 from remat.manual.blocks import fingerprint
 from remat.manual.options import clear_option, set_option
 from remat.measure.step import check_compiled
+from remat.models.hf import cache_off
 from remat.records import OPTIONS, Plan
 
 __all__ = ["PlanMismatch", "WrappingError", "applied_plan", "apply", "check_wrapping", "remove"]
@@ -44,6 +48,7 @@ __all__ = ["PlanMismatch", "WrappingError", "applied_plan", "apply", "check_wrap
 log = logging.getLogger(__name__)
 
 _PLAN_ATTR = "_remat_plan"
+_CACHE_ATTR = "_remat_cache_hooks"
 
 
 # Class names, compared by name so that checking needs no torch.distributed import.
@@ -112,6 +117,7 @@ def apply(model: nn.Module, plan: Plan, *, strict: bool = True) -> nn.Module:
     for name, option in plan.choices.items():
         set_option(modules[name], option)
     object.__setattr__(model, _PLAN_ATTR, plan)
+    object.__setattr__(model, _CACHE_ATTR, cache_off(model))
     log.info("applied %s plan: %s", plan.method, _summary(plan))
     return wrapper
 
@@ -121,6 +127,8 @@ def remove(model: nn.Module) -> nn.Module:
     for module in model.modules():
         clear_option(module)
         module.__dict__.pop(_PLAN_ATTR, None)  # on the inner module of a DDP wrapper too
+        for handle in module.__dict__.pop(_CACHE_ATTR, []):
+            handle.remove()
     return model
 
 

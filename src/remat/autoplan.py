@@ -73,7 +73,8 @@ def auto(
     ``budget`` is the peak memory of the whole step on the device: bytes, ``"8GiB"``, ``"7.5GB"``,
     or a share of the plain step's peak, ``"60%"``. The model is changed in place (see
     ``remat.apply``); applying again replaces the previous plan. Returns the plan, and with
-    ``verify=True`` also the ``Report`` of real steps measured with it.
+    ``verify=True`` also the ``Report`` of real steps measured with it. ``repeats``: timed steps
+    per option while profiling, and of each kind while verifying.
 
     Raises ``remat.InfeasibleBudget`` (naming the smallest budget that can be met) when no plan
     fits; the model is then left as it was. With ``verify=True`` the returned plan's measured peak
@@ -102,17 +103,18 @@ def auto(
     )
     if not verify:
         return plan
-    return _fitted(model, batch, prof, plan, loss_fn=loss_fn, optimizer=optimizer, method=method)
+    return _fitted(model, batch, prof, plan, loss_fn=loss_fn, optimizer=optimizer, method=method,
+                   repeats=repeats)
 
 
 def _fitted(
     model: nn.Module, batch: Any, prof: Profile, plan: Plan, *, loss_fn: Any, optimizer: Any,
-    method: str,
+    method: str, repeats: int,
 ) -> tuple[Plan, Report]:
     """Verify ``plan``; re-solve with the measured excess until it fits (NOTE [ A verified plan
     fits ])."""
     budget = plan.budget_bytes
-    report = _verify(model, batch, plan, loss_fn=loss_fn, optimizer=optimizer)
+    report = _verify(model, batch, plan, loss_fn=loss_fn, optimizer=optimizer, repeats=repeats)
     if budget is None:
         return plan, report
     target = budget
@@ -134,7 +136,7 @@ def _fitted(
             break
         plan = dataclasses.replace(tighter, budget_bytes=budget)
         apply(model, plan)
-        report = _verify(model, batch, plan, loss_fn=loss_fn, optimizer=optimizer)
+        report = _verify(model, batch, plan, loss_fn=loss_fn, optimizer=optimizer, repeats=repeats)
     if report.fits:
         return plan, report
     remove(model)

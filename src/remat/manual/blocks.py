@@ -1,9 +1,18 @@
 """Which modules are the blocks: found in the model, or named by the user.
 
-Found automatically: the container (``nn.ModuleList`` / ``nn.Sequential``) of repeated blocks that
-holds the most parameters — the decoder layers of a transformer — or, when there is none, the
-children of a top-level ``nn.Sequential``. Named: glob patterns over module names
+Found automatically: every stack of repeated blocks (NOTE [ Every stack ]), or, when there is
+none, the children of a top-level ``nn.Sequential``. Named: glob patterns over module names
 (``["model.layers.*"]``) or the modules themselves.
+
+# NOTE [ Every stack ]
+A stack is a container (``nn.ModuleList`` / ``nn.Sequential``) of >= 2 children in which one class
+repeats. The one holding the most parameters is always a stack (the decoder layers of a
+transformer; a top-level ``nn.Sequential``); every other that is neither inside nor around a stack
+already taken, and whose repeated children are modules with parameters of their own (not bare
+``nn.Linear``s of a head), is one too: a T5's, BART's or Whisper's encoder and decoder, CLIP's and
+SigLIP's two towers, a UNet's down and up paths, a ResNet's stages. They are returned in the order
+the model defines them; the profiler orders them as they run (a CLIP runs its vision tower first)
+and leaves out a whole stack that does not run in the training step.
 """
 
 from __future__ import annotations
@@ -65,12 +74,43 @@ def find_blocks(
     return found
 
 
-def _auto(model: nn.Module) -> list[tuple[str, nn.Module]]:
+def _inside(name: str, container: str) -> bool:
+    return container == "" or name == container or name.startswith(container + ".")
+
+
+def _is_block_stack(container: nn.Module) -> bool:
+    """Whether the repeated children of ``container`` are blocks: modules with parameters and
+    submodules of their own, not the bare layers of a small head."""
+    kind, _ = Counter(type(c) for c in container.children()).most_common(1)[0]
+    repeated = [c for c in container.children() if type(c) is kind]
+    return all(any(True for _ in c.children()) and _param_count(c) > 0 for c in repeated)
+
+
+def _stacks(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The stacks of ``model`` in definition order (NOTE [ Every stack ])."""
     candidates = [c for c in _candidates(model) if c[0] != "" or isinstance(model, nn.Sequential)]
-    if candidates:
-        name, container, _ = max(candidates, key=lambda c: (c[2], -c[0].count(".")))
-        prefix = f"{name}." if name else ""
-        return [(prefix + child_name, child) for child_name, child in container.named_children()]
+    if not candidates:
+        return []
+    by_size = sorted(candidates, key=lambda c: (-c[2], c[0].count(".")))
+    taken = [by_size[0][:2]]
+    for name, container, params in by_size[1:]:
+        if params == 0 or not _is_block_stack(container):
+            continue
+        if any(_inside(name, t) or _inside(t, name) for t, _ in taken):
+            continue
+        taken.append((name, container))
+    order = {n: i for i, (n, _) in enumerate(model.named_modules())}
+    return sorted(taken, key=lambda t: order[t[0]])
+
+
+def _auto(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    stacks = _stacks(model)
+    if stacks:
+        return [
+            (f"{name}.{child_name}" if name else child_name, child)
+            for name, container in stacks
+            for child_name, child in container.named_children()
+        ]
     if isinstance(model, nn.Sequential) and len(model) >= 2:
         return list(model.named_children())
     seen = [f"{n or '<root>'} ({type(m).__name__}, {len(list(m.children()))} children)"

@@ -15,6 +15,17 @@ that compute does not hide (``save_on_cpu`` copies on the compute stream).
 The phases are the cost model's own (NOTE [ The step's schedule ] in ``remat.plan.schedule``):
 each starts and ends at a mark of the traced step (``span``), and one walk along them gives every
 part's kept, peak and gradient bytes, and its times.
+
+# NOTE [ Blocks of several stacks ]
+Blocks from several stacks (an encoder and a decoder, two towers) do not follow one another: work
+outside every block runs between them (the encoder's final norm, the decoder's embedding). So that
+nothing falls between two phases, a block's forward phase runs from its own start to the start of
+the next block that runs, and its backward phase from its own start to the start of the previous
+block's backward; the work between two blocks is charged to the block before it in the forward,
+and its backward to the block after it, whose backward phase it ends. A block hands on what the
+next block receives rather than its own output. Along a single chain nothing runs between blocks and the numbers are
+those of the blocks alone. The phases then tile the step, and the parts' kept bytes add up to what
+the forward leaves live, for every option run.
 """
 
 from __future__ import annotations
@@ -56,9 +67,11 @@ def span(phase: Phase, order: list[int], labels: Any) -> tuple[str, str]:
 
     if phase.part == "optimizer":
         return "optimizer", "end"
-    if phase.block is not None:
-        i = order[phase.block]
-        return (f"fs{i}", f"fe{i}") if phase.stage == "forward" else (f"bs{i}", be(i))
+    if phase.block is not None:  # NOTE [ Blocks of several stacks ]
+        k, i = phase.block, order[phase.block]
+        if phase.stage == "forward":
+            return f"fs{i}", f"fs{order[k + 1]}" if k + 1 < len(order) else f"fe{i}"
+        return f"bs{i}", f"bs{order[k - 1]}" if k > 0 else be(i)
     if phase.part == "pre":
         return ("forward", f"fs{first}") if phase.stage == "forward" else (be(first), "optimizer")
     return (f"fe{last}", "backward") if phase.stage == "forward" else ("backward", f"bs{last}")
@@ -101,11 +114,13 @@ def attribute(
 def _boundary(key: Any, hooks: Boundaries) -> tuple[int, int]:
     """The bytes a part receives as input and hands on as output. A part's input is charged to
     it, its output to the part that consumes it (NOTE [ How a block's bytes are attributed ])."""
+    order = hooks.order
     if key == "pre":
-        return 0, hooks.in_bytes[hooks.order[0]]
+        return 0, hooks.in_bytes[order[0]]
     if key == "post":
-        return hooks.out_bytes[hooks.order[-1]], 0
-    return hooks.in_bytes[key], hooks.out_bytes[key]
+        return hooks.out_bytes[order[-1]], 0
+    k = order.index(key)  # it hands on what the next block receives (NOTE [ Blocks of several stacks ])
+    return hooks.in_bytes[key], hooks.in_bytes[order[k + 1]] if k + 1 < len(order) else hooks.out_bytes[key]
 
 
 _TIME_KEYS = {("forward", "pre"): "pre_fwd", ("backward", "pre"): "pre_bwd",

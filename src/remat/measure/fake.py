@@ -38,7 +38,7 @@ from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sd
 from remat.devices import ROOFLINE_EFFICIENCY, DeviceSpec
 from remat.measure.tracer import Mark, Trace
 
-__all__ = ["FakeMeter", "convertible_parameters", "storage_key"]
+__all__ = ["FakeMeter", "convertible_parameters", "storage_key", "to_fake"]
 
 aten = torch.ops.aten
 
@@ -195,3 +195,14 @@ class FakeMeter(TorchDispatchMode):
         compute_s = flops / (spec.peak_flops(dtype) * ROOFLINE_EFFICIENCY["flops"])
         memory_s = (read + written) / (spec.bandwidth_bytes_per_s * ROOFLINE_EFFICIENCY["bandwidth"])
         return max(compute_s, memory_s) * 1e3 + spec.kernel_overhead_us * 1e-3
+
+
+def to_fake(mode: Any, batch: Any) -> Any:
+    """``batch`` with every tensor in it (nested in dicts, tuples and lists) made fake in ``mode``."""
+    if isinstance(batch, torch.Tensor):
+        return mode.from_tensor(batch)
+    if isinstance(batch, dict):
+        return {k: to_fake(mode, v) for k, v in batch.items()}
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(to_fake(mode, v) for v in batch)
+    return batch

@@ -32,6 +32,7 @@ from remat.manual.options import option_of, set_option
 from remat.measure import step as _step
 from remat.measure.attribution import assemble, median_times, phase_times
 from remat.measure.tracer import MemoryTracer, Trace, base_bytes
+from remat.models.hf import cache_off, check_layerdrop, without_cache
 from remat.plan.sharding import per_rank_profile
 from remat.records import Profile
 
@@ -84,7 +85,9 @@ def profile(
                 "pass device='h100' (or another spec) to estimate from a factory"
             )
         _step.check_trainable(model, "remat.profile")
-        result = _measured(model, batch, loss_fn, optimizer, blocks, repeats)
+        check_layerdrop(model)  # NOTE [ layerdrop ] in remat.models.hf: before any step
+        with without_cache(model):  # NOTE [ No K/V cache in a planned training step ]
+            result = _measured(model, batch, loss_fn, optimizer, blocks, repeats)
     else:
         result = _estimated(model, batch, loss_fn, optimizer, blocks, get_device(device))
     if world_size != 1 or fsdp:
@@ -163,7 +166,30 @@ def _marked_step(
         _step.train_step(model, batch, loss_fn, optimizer, mark=mark)
     finally:
         hooks.remove()
+    if missing := [named[i][0] for i in range(len(named)) if i not in hooks.order]:
+        raise ProfileError(f"blocks {missing} did not run in this step; remat plans blocks that run in every "
+                           "step (turn off layerdrop or other random layer skips, or name them with blocks=)")
     return hooks
+
+
+def _running(named: list[tuple[str, nn.Module]], explicit: bool, run: Callable[[], Any]) -> list[tuple[str, nn.Module]]:
+    """The blocks that run in ``run()``, a warm-up step; a found stack that does not run is left out."""
+    ran: set[str] = set()
+    handles = [m.register_forward_pre_hook(lambda *_, n=n: ran.add(n) if torch.is_grad_enabled() else None)
+               for n, m in named]
+    try:
+        run()
+    finally:
+        for h in handles:
+            h.remove()
+    stacks = {n.rpartition(".")[0] for n in ran}
+    kept = [(n, m) for n, m in named if explicit or n.rpartition(".")[0] in stacks]
+    if missing := [n for n, _ in kept if n not in ran] or ([n for n, _ in named] if not ran else []):
+        raise ProfileError(f"blocks {missing} did not run in the training step; remat plans blocks that run "
+                           "once per step with gradients (check blocks=, and that the model trains)")
+    if len(kept) < len(named):
+        log.info("left out stacks that do not run in a training step: %s", sorted({n for n, _ in named} - ran))
+    return kept
 
 
 def _first_tensor(obj: Any) -> torch.Tensor | None:
@@ -228,16 +254,16 @@ def _measured(
     if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
         optimizer = optimizer(model.parameters())
     cuda = device.type == "cuda"
-    options = _RUN_OPTIONS
     traces: dict[str, tuple[Trace, _Hooks]] = {}
     times: dict[str, dict[str, float]] = {}
     with _step.preserved(model, optimizer):
-        _step.train_step(model, batch, loss_fn, optimizer)  # warm-up: lazy state, allocator
+        # warm-up: lazy state, allocator, and which blocks run
+        named = _running(named, blocks is not None, lambda: _step.train_step(model, batch, loss_fn, optimizer))
         model.zero_grad(set_to_none=True)
         base = base_bytes(model, optimizer, batch, device)
         opt_bytes = _step.optimizer_bytes(optimizer)
         keys = _base_keys(model, optimizer, batch)
-        for option in options:
+        for option in _RUN_OPTIONS:
             with _every_block(named, option):
                 model.zero_grad(set_to_none=True)
                 with MemoryTracer(device) as tracer:
@@ -297,7 +323,7 @@ def _estimated(
 ) -> Profile:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from remat.measure.fake import FakeMeter, convertible_parameters
+    from remat.measure.fake import FakeMeter, convertible_parameters, to_fake
 
     if isinstance(factory, nn.Module):
         raise InvalidType(
@@ -317,9 +343,11 @@ def _estimated(
             model = factory()
         if not isinstance(model, nn.Module):
             raise InvalidType(f"the model factory returned a {type(model).__name__}, not an nn.Module")
-        fake_batch = batch() if callable(batch) else _to_fake(fake_mode, batch)
+        fake_batch = batch() if callable(batch) else to_fake(fake_mode, batch)
         opt = optimizer(model.parameters()) if optimizer is not None else None
         named = find_blocks(model, blocks)
+        check_layerdrop(model)
+        cache_off(model)  # on a fake model, thrown away after: nothing to remove
         if opt is not None:
             # The optimizer creates its state on its first step; a step on zero gradients does
             # that without a forward and backward (fake tensors: nothing is computed anyway).
@@ -328,6 +356,7 @@ def _estimated(
                     p.grad = torch.zeros_like(p)
             opt.step()
             opt.zero_grad(set_to_none=True)
+        named = _running(named, blocks is not None, lambda: _step.train_step(model, fake_batch, loss_fn, opt))
         keys = _base_keys(model, opt, fake_batch)
         for option in _RUN_OPTIONS:
             with _every_block(named, option):
@@ -361,13 +390,3 @@ def _estimated(
             batch_bytes=data,
             device_memory_bytes=spec.memory_bytes,
         )
-
-
-def _to_fake(mode: Any, batch: Any) -> Any:
-    if isinstance(batch, torch.Tensor):
-        return mode.from_tensor(batch)
-    if isinstance(batch, dict):
-        return {k: _to_fake(mode, v) for k, v in batch.items()}
-    if isinstance(batch, (tuple, list)):
-        return type(batch)(_to_fake(mode, v) for v in batch)
-    return batch

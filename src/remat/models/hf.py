@@ -15,11 +15,31 @@ from ``build`` carry ``labels``, so the model computes its own loss and ``hf_los
 ``output.loss`` (remat's default loss does the same; naming it makes a missing label an error
 that says so). Dropout stays at the configs' defaults (0.1 where the real models have it, and in
 Llama's attention too), so that comparisons against plain PyTorch exercise RNG replay.
+
+# NOTE [ No K/V cache in a planned training step ]
+With ``config.use_cache`` (the default of most decoders), a transformers model builds a K/V cache
+in training too, and a layer writes its keys and values into it when it runs without
+checkpointing; a checkpointed layer does not (transformers' checkpointing hook drops the cache).
+A profile then measures caches that a plan's step does not hold, and the reverse. transformers'
+own ``gradient_checkpointing_enable`` turns the cache off in training; remat does the same for
+every step it profiles and while a plan is applied: a forward pre-hook (``cache_off``) on each
+transformers model whose forward takes ``use_cache`` passes ``use_cache=False`` while the model
+trains with gradients. The config is left alone (``save_pretrained`` writes the user's setting),
+evaluation and ``generate`` keep their cache, and ``remat.remove`` takes the hook away.
+
+# NOTE [ layerdrop ]
+With ``layerdrop`` (Wav2Vec2, HuBERT and others default to 0.05-0.1) transformers skips each
+layer of a training step at random, so no step runs every block and none is the worst case a plan
+must fit. The profiler refuses such a model before any step (``check_layerdrop``) and says how to
+turn layerdrop off for planning.
 """
 
 from __future__ import annotations
 
+import inspect
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -27,17 +47,20 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from remat.errors import InvalidType, InvalidValue, MissingDependency, MissingFile
+from remat.errors import InvalidType, InvalidValue, MissingDependency, MissingFile, ProfileError
 
 __all__ = [
     "KINDS",
     "build",
+    "cache_off",
+    "check_layerdrop",
     "contrastive_loss",
     "hf_loss",
     "load_minilm",
     "minilm_path",
     "pair_batch",
     "paragraph_pairs",
+    "without_cache",
 ]
 
 #: The model kinds ``build`` makes, with the transformers class of each.
@@ -127,6 +150,74 @@ def hf_loss(output: Any, batch: Any) -> torch.Tensor:
             "in the batch, or pass a loss_fn that computes one from the output"
         )
     return loss
+
+
+# --- planned training steps: no K/V cache, no layerdrop -------------------------------------------
+
+
+def _is_transformers_model(module: nn.Module) -> bool:
+    return any(c.__name__ == "PreTrainedModel" for c in type(module).__mro__)
+
+
+def _takes_use_cache(module: nn.Module) -> bool:
+    try:
+        return "use_cache" in inspect.signature(module.forward).parameters
+    except (TypeError, ValueError):  # pragma: no cover - a forward without a signature
+        return False
+
+
+def _no_cache_hook(module: nn.Module, args: Any, kwargs: dict[str, Any]) -> Any:
+    if module.training and torch.is_grad_enabled() and kwargs.get("use_cache") is not False:
+        return args, {**kwargs, "use_cache": False}
+    return None
+
+
+def cache_off(model: nn.Module) -> list[Any]:
+    """Hooks that make every transformers model in ``model`` train without its K/V cache (NOTE
+    [ No K/V cache in a planned training step ]); remove them with ``handle.remove()``."""
+    return [
+        m.register_forward_pre_hook(_no_cache_hook, with_kwargs=True)
+        for m in model.modules()
+        if _is_transformers_model(m) and getattr(getattr(m, "config", None), "use_cache", False)
+        and _takes_use_cache(m)
+    ]
+
+
+@contextmanager
+def without_cache(model: nn.Module) -> Iterator[None]:
+    """Training steps of ``model`` inside this context build no K/V cache (``cache_off``)."""
+    handles = cache_off(model)
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+_LAYERDROP = ("layerdrop", "encoder_layerdrop", "decoder_layerdrop")
+
+
+def check_layerdrop(model: nn.Module) -> None:
+    """Refuse a training ``model`` whose transformers config skips layers at random (NOTE
+    [ layerdrop ]), naming the fields to set to 0.0."""
+    if not model.training:
+        return
+    found: dict[str, tuple[str, float]] = {}
+    for name, m in model.named_modules():
+        cfg = getattr(m, "config", None) if _is_transformers_model(m) else None
+        for key in _LAYERDROP:
+            value = getattr(cfg, key, None)
+            if isinstance(value, (int, float)) and value > 0 and key not in found:
+                found[key] = (f"{name}.config" if name else "model.config", float(value))
+    if found:
+        fields = ", ".join(f"{where}.{key} = {value:g}" for key, (where, value) in found.items())
+        fix = "; ".join(f"{where}.{key} = 0.0" for key, (where, _) in found.items())
+        raise ProfileError(
+            f"{type(model).__name__} trains with layerdrop ({fields}): each training step skips "
+            "layers at random, so no step runs every block and a plan cannot be measured or "
+            f"trusted. Turn it off while planning and training with the plan: {fix} (layerdrop is "
+            "a regularizer; the plan fits every step only when every layer runs)."
+        )
 
 
 # --- the real all-MiniLM-L6-v2 ------------------------------------------------------------------
