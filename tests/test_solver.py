@@ -386,6 +386,27 @@ def test_bounded_search_equals_brute_force(p: Profile, data: st.DataObject) -> N
     assert (ms, chain.peak_bytes(picks)) == best
 
 
+_SIDE_CHAINS = chains(max_blocks=4, max_blocks_3=6, sides=True)
+
+
+@settings(max_examples=100, deadline=None)
+@given(p=_SIDE_CHAINS, data=st.data())
+def test_optimal_with_side_inputs_equals_brute_force(p: Profile, data: st.DataObject) -> None:
+    # NOTE [ A side input's extra life ]: the search carries the held state, plain and bounded.
+    brute = brute_force(p)
+    budget = _budget(data, brute)
+    best = brute.fastest_within(budget)
+    chain = chain_constraints(p)
+    for limit in (512, 0):
+        picks = solver.optimal_picks(chain, budget, plain_limit=limit)
+        if best is None:
+            assert picks is None
+            continue
+        assert picks is not None
+        ms = sum(row[o] for row, o in zip(chain.extra_ms, picks))
+        assert (ms, chain.peak_bytes(picks)) == best
+
+
 @_PROPERTY
 @given(p=_CHAINS, data=st.data())
 def test_a_larger_budget_is_never_slower(p: Profile, data: st.DataObject) -> None:
