@@ -14,7 +14,7 @@ from torch import nn
 import remat
 from remat.errors import ProfileError
 from remat.manual.blocks import find_blocks
-from remat.manual.checkpoint import checkpoint_module, uncheckpoint_module
+from remat.manual.module_form import checkpoint_module, uncheckpoint_module
 from remat.measure.tracer import measure_step
 
 
