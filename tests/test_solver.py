@@ -407,6 +407,21 @@ def test_optimal_with_side_inputs_equals_brute_force(p: Profile, data: st.DataOb
         assert (ms, chain.peak_bytes(picks)) == best
 
 
+def test_partial_plans_holding_different_side_inputs_are_not_compared() -> None:
+    # Selective b0 keeps less than keep b0, at the same time and peak so far, but holds the
+    # 1000-byte side input to its backward; only keep b0 then lets b1 be kept within the budget.
+    from remat.records import SideInput
+
+    p = profile(
+        [block("b0", keep=cost(10, bwd=995), selective=cost(5), recompute=cost(5, ms=5.0)),
+         block("b1", keep=cost(10), selective=cost(10, ms=5.0), recompute=cost(1, ms=1.0))],
+        sides=[SideInput(size_bytes=1000, consumers=["b0"])],
+    )  # fmt: skip
+    plan = solve(p, 1010)
+    assert plan.choices == {"b0": "keep", "b1": "keep"} and plan.estimate.peak_bytes == 1005
+    assert chain_constraints(p).peak_bytes([1, 2]) == 1006  # selective, recompute: slower
+
+
 @_PROPERTY
 @given(p=_CHAINS, data=st.data())
 def test_a_larger_budget_is_never_slower(p: Profile, data: st.DataObject) -> None:
