@@ -458,3 +458,18 @@ def test_frontier_is_the_brute_force_pareto_front(p: Profile) -> None:
     assert points == sorted(points, key=lambda x: (-x[0], x[1]))
     for plan in frontier(p, points=5):
         assert (plan.estimate.peak_bytes, _extra_ms(p, plan)) in set(points)
+
+
+def test_greedy_counts_side_inputs() -> None:
+    # Recomputing b0 (the best bytes per millisecond) holds the 5-byte side input through the
+    # head's backward: greedy's peak sees that (16 > 15) and recomputes b1 too.
+    from remat.records import SideInput
+
+    p = profile(
+        [block("b0", keep=cost(10), selective=cost(10, ms=9.0), recompute=cost(1, ms=1.0)),
+         block("b1", keep=cost(10), selective=cost(10, ms=9.0), recompute=cost(1, ms=2.0))],
+        sides=[SideInput(size_bytes=5, consumers=["b0"])],
+    )  # fmt: skip
+    plan = solve(p, 15, method="greedy")
+    assert plan.choices == {"b0": "recompute", "b1": "recompute"} and plan.estimate.peak_bytes == 7
+    assert solve(p, 15).choices == {"b0": "keep", "b1": "recompute"}
