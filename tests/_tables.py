@@ -9,7 +9,7 @@ import numpy as np
 from hypothesis import strategies as st
 
 from remat.plan.costmodel import chain_constraints
-from remat.records import OPTIONS, BlockProfile, OptionCost, Profile, Segment
+from remat.records import OPTIONS, BlockProfile, OptionCost, Profile, Segment, SideInput
 
 
 def cost(kept: int, *, fwd: int = 0, bwd: int = 0, ms: float = 0.0) -> OptionCost:
@@ -54,6 +54,8 @@ def profile(
     plain_step_ms: float = 100.0,
     plain_peak: int = 1000,
     device: str = "cuda",
+    sides: Sequence[SideInput] = (),
+    post_fwd_held: int = 0,
 ) -> Profile:
     return Profile(
         model="Chain",
@@ -73,6 +75,8 @@ def profile(
         plain_peak_bytes=plain_peak,
         plain_step_ms=plain_step_ms,
         gather_bytes=gather,
+        side_inputs=list(sides),
+        post_fwd_peak_held_bytes=post_fwd_held,
     )
 
 
@@ -115,6 +119,12 @@ def brute_force(p: Profile) -> Brute:
     kept = np.array(chain.kept_bytes, dtype=np.int64).reshape(n, width)
     need = np.array(chain.need_bytes, dtype=np.int64).reshape(n, width)
     ms = np.array(chain.extra_ms, dtype=np.float64).reshape(n, width)
+    if chain.holds:  # side inputs: the state-carrying form, one assignment at a time
+        peaks = np.array([chain.peak_bytes(row) for row in picks.tolist()], dtype=np.int64)
+        extra = np.zeros(len(picks))
+        for i in range(n):
+            extra = extra + ms[i, picks[:, i]]
+        return Brute(options=chain.options, picks=picks, peak_bytes=peaks, extra_ms=extra)
     cols = np.arange(n)
     k = kept[cols, picks]
     before = np.cumsum(k, axis=1) - k
@@ -132,14 +142,17 @@ def brute_force(p: Profile) -> Brute:
 
 
 @st.composite
-def chains(draw: st.DrawFn, max_blocks: int = 6, max_blocks_3: int | None = None) -> Profile:
+def chains(
+    draw: st.DrawFn, max_blocks: int = 6, max_blocks_3: int | None = None, sides: bool = False
+) -> Profile:
     """Random chains with 3 options (up to ``max_blocks_3`` blocks) or all 5 (up to ``max_blocks``).
 
     Hypothesis draws the shape (options, blocks, scale) and a seed for the numbers: drawing each
     of a hundred numbers through hypothesis made the properties ten times slower. Bytes are small
     numbers (0..64) times a scale of 1 byte or about a MiB, so that ties and budgets right at a
     peak are common, and large counts exercise the solvers' rounding. Times are multiples of
-    1/4 ms, exact in floating point, so equal times are exactly equal."""
+    1/4 ms, exact in floating point, so equal times are exactly equal. With ``sides``, one to
+    three side inputs enter random subsets of the blocks, some saved by some of them."""
     options = draw(st.sampled_from([("keep", "selective", "recompute"), OPTIONS]))
     top = max_blocks if len(options) == 5 or max_blocks_3 is None else max_blocks_3
     n = draw(st.integers(0, top))
@@ -163,11 +176,16 @@ def chains(draw: st.DrawFn, max_blocks: int = 6, max_blocks_3: int | None = None
         )
         for i in range(n)
     ]
+    base, pre, post = int(rng.integers(1, 201)) * scale, seg(), seg()
+    optimizer_peak, gather = nbytes(), int(rng.integers(0, 9)) * scale
+    side_inputs: list[SideInput] = []
+    if sides and n:
+        for _ in range(int(rng.integers(1, 4))):
+            users = [b.name for b in blocks if rng.random() < 0.7] or [blocks[-1].name]
+            savers = [u for u in users if rng.random() < 0.3]
+            side_inputs.append(SideInput(size_bytes=nbytes(), consumers=users, saved_by=savers))
+    held = post.fwd_peak_bytes + int(rng.integers(0, 1 + sum(s.size_bytes for s in side_inputs)))
     return profile(
-        blocks,
-        base=int(rng.integers(1, 201)) * scale,
-        pre=seg(),
-        post=seg(),
-        optimizer_peak=nbytes(),
-        gather=int(rng.integers(0, 9)) * scale,
-    )
+        blocks, base=base, pre=pre, post=post, optimizer_peak=optimizer_peak, gather=gather,
+        sides=side_inputs, post_fwd_held=held if side_inputs else post.fwd_peak_bytes,
+    )  # fmt: skip

@@ -14,7 +14,7 @@ from remat import models
 from remat.applier import PlanMismatch, applied_plan
 from remat.measure.profiler import profile
 from remat.plan.solver import InfeasibleBudget, solve
-from remat.records import Plan
+from remat.records import Plan, Profile
 
 
 def build(kind: str, **kw: object) -> tuple[nn.Module, tuple[torch.Tensor, ...], object]:
@@ -146,8 +146,8 @@ class _SideBlock(nn.Module):
 
 class SideInput(nn.Module):
     """A position bias made in the forward and passed to every block: each checkpointed block
-    holds it until its own backward, longer than the plain step does, which the per-block cost
-    model does not see (the 60% plan measures 512 KiB, the bias, over its prediction)."""
+    holds it until its own backward, longer than the plain step does (NOTE [ Side inputs ]).
+    Blind to it, the 60% plan measured 512 KiB, the bias, over its prediction."""
 
     def __init__(self, d: int = 32, n: int = 6, seq: int = 128) -> None:
         super().__init__()
@@ -169,10 +169,13 @@ def _side_loss(out: torch.Tensor, batch: tuple[torch.Tensor, ...]) -> torch.Tens
 
 
 def test_verified_auto_solves_again_until_the_plan_measures_within_budget(
-    caplog: pytest.LogCaptureFixture,
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    from remat.measure import profiler
     from remat.measure.tracer import measure_step
 
+    # A profile blind to side inputs (as before NOTE [ Side inputs ]) mispredicts this model.
+    monkeypatch.setattr(profiler, "side_inputs", lambda *args: [])
     torch.manual_seed(0)
     model, batch = SideInput(), (torch.randint(0, 64, (8, 128)),)
     plain = measure_step(model, batch, loss_fn=_side_loss, repeats=0).peak_bytes
@@ -189,6 +192,43 @@ def test_verified_auto_solves_again_until_the_plan_measures_within_budget(
     assert "solving again" in caplog.text
     assert applied_plan(model) == plan
     remat.remove(model)
+
+
+class _SavingBlock(_SideBlock):
+    """Scales the scores by the bias: the multiply saves it, so a kept block holds it too."""
+
+    def forward(self, x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        h = self.ln(x)
+        a = torch.softmax((h @ h.transpose(-1, -2)) * bias, -1) @ h
+        return x + self.fc2(torch.nn.functional.gelu(self.fc1(a)))
+
+
+@pytest.mark.parametrize("saving", [False, True], ids=["added", "saved"])
+def test_side_input_is_counted_once_and_lives_as_the_plan_makes_it(saving: bool) -> None:
+    # NOTE [ Side inputs ]: the bias enters every block; a checkpoint holds it to its backward.
+    from remat.measure.tracer import measure_step
+
+    torch.manual_seed(0)
+    model, batch = SideInput(), (torch.randint(0, 64, (8, 128)),)
+    if saving:
+        model.blocks = nn.ModuleList(_SavingBlock(32) for _ in range(6))
+    prof = profile(model, batch, loss_fn=_side_loss, repeats=1)
+    names = [b.name for b in prof.blocks]
+    (side,) = prof.side_inputs
+    assert side.size_bytes == 8 * 128 * 128 * 4 and side.consumers == names
+    assert side.saved_by == (names if saving else [])
+    assert Profile.from_json(prof.to_json()) == prof
+    plain = measure_step(model, batch, loss_fn=_side_loss, repeats=0).peak_bytes
+    plans = set()
+    for share in (0.4, 0.5, 0.6, 0.8):
+        plan = solve(prof, int(share * plain))
+        remat.apply(model, plan)
+        measured = measure_step(model, batch, loss_fn=_side_loss, repeats=0).peak_bytes
+        remat.remove(model)
+        assert abs(plan.estimate.peak_bytes - measured) <= 0.01 * measured, (share, plan.choices)
+        assert measured <= plan.budget_bytes  # type: ignore[operator]
+        plans.add(tuple(plan.choices.values()))
+    assert len(plans) > 2, "the budgets should give different mixes of kept and recomputed blocks"
 
 
 def test_verified_auto_raises_with_the_measured_numbers(monkeypatch: pytest.MonkeyPatch) -> None:

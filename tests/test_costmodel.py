@@ -166,6 +166,46 @@ def test_smallest_feasible_is_the_brute_force_minimum(p: Profile) -> None:
     assert dominant
 
 
+@settings(max_examples=200, deadline=None)
+@given(p=chains(max_blocks=5, sides=True), data=st.data())
+def test_prefix_form_with_side_inputs_equals_the_simulation(p: Profile, data: st.DataObject) -> None:
+    # NOTE [ A side input's extra life ]: the state-carrying form is the replay, plan by plan.
+    chain = chain_constraints(p)
+    picks = [data.draw(st.integers(0, len(chain.options) - 1)) for _ in p.blocks]
+    choices = {b.name: chain.options[o] for b, o in zip(p.blocks, picks)}
+    assert chain.peak_bytes(picks) == estimate(p, choices).peak_bytes
+
+
+@settings(max_examples=100, deadline=None)
+@given(p=chains(max_blocks=4, max_blocks_3=5, sides=True))
+def test_smallest_feasible_with_side_inputs_is_the_brute_force_minimum(p: Profile) -> None:
+    smallest, dominant = smallest_feasible(p)
+    assert smallest == int(brute_force(p).peak_bytes.min())
+    assert dominant
+
+
+def test_side_input_held_by_a_checkpoint_lives_to_its_backward() -> None:
+    # One side input of 100 bytes entering both blocks, saved by neither: kept blocks let it die
+    # in the head's forward; a recomputed block holds it until its own backward.
+    from remat.records import SideInput
+
+    blocks = [block(f"b{i}", keep=cost(10, bwd=5), recompute=cost(1, bwd=20)) for i in range(2)]
+    side = SideInput(size_bytes=100, consumers=["b0", "b1"])
+    p = profile(blocks, base=1000, post=segment(fwd=7, bwd=3), sides=[side], post_fwd_held=50)
+    plain = profile(blocks, base=1000, post=segment(fwd=7, bwd=3))
+    for b0, b1 in itertools.product(("keep", "recompute"), repeat=2):
+        with_side = estimate(p, {"b0": b0, "b1": b1}).peak_bytes
+        without = estimate(plain, {"b0": b0, "b1": b1}).peak_bytes
+        assert (with_side > without) == ("recompute" in (b0, b1))
+    # Both recomputed: the head's forward at its held peak, its backward and both blocks' with 100.
+    assert estimate(p, {"b0": "recompute", "b1": "recompute"}).peak_bytes == 1000 + 2 + 100 + 20
+    saved = SideInput(size_bytes=100, consumers=["b0", "b1"], saved_by=["b0"])
+    q = profile(blocks, base=1000, post=segment(fwd=7, bwd=3), sides=[saved], post_fwd_held=50)
+    # Saved by kept b0, the plain step already holds it to b0's backward: nothing added.
+    for b1 in ("keep", "recompute"):
+        assert estimate(q, {"b0": "keep", "b1": b1}) == estimate(plain, {"b0": "keep", "b1": b1})
+
+
 def test_brute_force_uses_the_simulation_numbers() -> None:
     # The brute force helper itself, on the hand table: every assignment against estimate().
     p = two_blocks()

@@ -178,9 +178,10 @@ def test_profile_json_round_trip_and_old_schema(tmp_path: object) -> None:
     again = Profile.from_json(prof.to_json())
     assert again == prof
     data = json.loads(prof.to_json())
-    data["schema_version"] = 0
-    with pytest.raises(RecordError, match="schema version 0, but this remat reads version 1"):
-        Profile.from_json(json.dumps(data))
+    for old in (0, 1):  # 1: before side inputs (NOTE [ Side inputs ])
+        data["schema_version"] = old
+        with pytest.raises(RecordError, match=f"schema version {old}, but this remat reads version 2"):
+            Profile.from_json(json.dumps(data))
     with pytest.raises(RecordError, match="expected a remat profile record"):
         Profile.from_json(json.dumps({"kind": "plan"}))
 

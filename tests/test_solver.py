@@ -386,6 +386,42 @@ def test_bounded_search_equals_brute_force(p: Profile, data: st.DataObject) -> N
     assert (ms, chain.peak_bytes(picks)) == best
 
 
+_SIDE_CHAINS = chains(max_blocks=4, max_blocks_3=6, sides=True)
+
+
+@settings(max_examples=100, deadline=None)
+@given(p=_SIDE_CHAINS, data=st.data())
+def test_optimal_with_side_inputs_equals_brute_force(p: Profile, data: st.DataObject) -> None:
+    # NOTE [ A side input's extra life ]: the search carries the held state, plain and bounded.
+    brute = brute_force(p)
+    budget = _budget(data, brute)
+    best = brute.fastest_within(budget)
+    chain = chain_constraints(p)
+    for limit in (512, 0):
+        picks = solver.optimal_picks(chain, budget, plain_limit=limit)
+        if best is None:
+            assert picks is None
+            continue
+        assert picks is not None
+        ms = sum(row[o] for row, o in zip(chain.extra_ms, picks))
+        assert (ms, chain.peak_bytes(picks)) == best
+
+
+def test_partial_plans_holding_different_side_inputs_are_not_compared() -> None:
+    # Selective b0 keeps less than keep b0, at the same time and peak so far, but holds the
+    # 1000-byte side input to its backward; only keep b0 then lets b1 be kept within the budget.
+    from remat.records import SideInput
+
+    p = profile(
+        [block("b0", keep=cost(10, bwd=995), selective=cost(5), recompute=cost(5, ms=5.0)),
+         block("b1", keep=cost(10), selective=cost(10, ms=5.0), recompute=cost(1, ms=1.0))],
+        sides=[SideInput(size_bytes=1000, consumers=["b0"])],
+    )  # fmt: skip
+    plan = solve(p, 1010)
+    assert plan.choices == {"b0": "keep", "b1": "keep"} and plan.estimate.peak_bytes == 1005
+    assert chain_constraints(p).peak_bytes([1, 2]) == 1006  # selective, recompute: slower
+
+
 @_PROPERTY
 @given(p=_CHAINS, data=st.data())
 def test_a_larger_budget_is_never_slower(p: Profile, data: st.DataObject) -> None:
@@ -422,3 +458,18 @@ def test_frontier_is_the_brute_force_pareto_front(p: Profile) -> None:
     assert points == sorted(points, key=lambda x: (-x[0], x[1]))
     for plan in frontier(p, points=5):
         assert (plan.estimate.peak_bytes, _extra_ms(p, plan)) in set(points)
+
+
+def test_greedy_counts_side_inputs() -> None:
+    # Recomputing b0 (the best bytes per millisecond) holds the 5-byte side input through the
+    # head's backward: greedy's peak sees that (16 > 15) and recomputes b1 too.
+    from remat.records import SideInput
+
+    p = profile(
+        [block("b0", keep=cost(10), selective=cost(10, ms=9.0), recompute=cost(1, ms=1.0)),
+         block("b1", keep=cost(10), selective=cost(10, ms=9.0), recompute=cost(1, ms=2.0))],
+        sides=[SideInput(size_bytes=5, consumers=["b0"])],
+    )  # fmt: skip
+    plan = solve(p, 15, method="greedy")
+    assert plan.choices == {"b0": "recompute", "b1": "recompute"} and plan.estimate.peak_bytes == 7
+    assert solve(p, 15).choices == {"b0": "keep", "b1": "recompute"}

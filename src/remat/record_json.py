@@ -129,7 +129,8 @@ def _in_range(cls: Any, name: str, value: Any, where: str) -> Any:
         raise FieldError(f"{where}: {value!r} is out of range (at most {shown} in size)")
     if name == "world_size" and value < 1:
         raise FieldError(f"{where}: expected at least 1 rank, got {value}")
-    if value < 0 and name not in _SIGNED and name.endswith(("_bytes", "_ms")):
+    signed = name in _SIGNED or (cls.__name__ == "Segment" and name == "kept_bytes")
+    if value < 0 and not signed and name.endswith(("_bytes", "_ms")):
         raise FieldError(f"{where}: cannot be negative, got {value!r}")
     return value
 

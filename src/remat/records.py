@@ -10,6 +10,18 @@ keeps its input on the device until its backward; an offloaded block does not. S
 ``OptionCost.kept_bytes`` = the block's input (when kept on the device) + whatever the block's own
 ops keep. The part before the blocks (embeddings) and after them (head, logits, loss) are measured
 as fixed segments. The cost model (``remat.plan.costmodel``) replays these numbers through a step.
+
+# NOTE [ Side inputs ]
+A tensor that enters a block besides its first (hidden) input — an attention mask, a position
+bias, rotary cos/sin made once in the model's forward, an encoder's output feeding cross-attention
+— is a *side input*. It is counted once, not per block: the profile records it as a ``SideInput``
+(its bytes, the blocks it enters, the blocks whose kept forward saves it), found by storage
+identity so that one tensor passed to every block is one record. The measured numbers are those of
+the plain step, where it dies at the end of the forward, or at the backward of the first kept block
+that saves it. Under a plan it lives until the backward of the first block (in forward order) that
+holds it: a checkpointed consumer (``recompute``, ``selective``) holds its inputs until its own
+backward; a kept consumer holds it when it saves it. The cost model adds the difference
+(``remat.plan.costmodel``, NOTE [ A side input's extra life ]).
 """
 
 from __future__ import annotations
@@ -39,10 +51,11 @@ __all__ = [
     "Profile",
     "RecordError",
     "Segment",
+    "SideInput",
     "load_record",
 ]
 
-PROFILE_SCHEMA = 1
+PROFILE_SCHEMA = 2  # 2: side inputs (NOTE [ Side inputs ])
 PLAN_SCHEMA = 1
 
 # NOTE [ One option vocabulary ]
@@ -107,7 +120,8 @@ class Segment:
     """A fixed part of the step outside the blocks: the part before them or after them."""
 
     kept_bytes: int
-    """Bytes the segment keeps from its forward until its backward."""
+    """Bytes the segment keeps from its forward until its backward; net, so negative when it
+    frees more, e.g. the head's forward, where side inputs die (NOTE [ Side inputs ])."""
     fwd_peak_bytes: int
     """Peak bytes above the level at the start of its forward, during that forward."""
     bwd_peak_bytes: int
@@ -118,6 +132,23 @@ class Segment:
     """Forward time, milliseconds."""
     bwd_ms: float
     """Backward time, milliseconds."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class SideInput:
+    """A tensor that enters blocks besides their hidden input, counted once (NOTE [ Side inputs ])."""
+
+    size_bytes: int
+    """Bytes of its storage."""
+    consumers: list[str]
+    """The blocks it enters, in forward order."""
+    saved_by: list[str] = field(default_factory=list)
+    """The consumers whose forward, with the block kept, saves it for the backward (measured)."""
+
+    @property
+    def signature(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """Side inputs with one signature live and die together under every plan."""
+        return tuple(self.consumers), tuple(self.saved_by)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -167,6 +198,11 @@ class Profile:
     parameters (the running block's and one all-gather buffer: twice the largest block's
     parameters; blocks' peaks carry the rest). See NOTE [ Per-rank memory under FSDP2 ] in
     ``remat.distributed``."""
+    side_inputs: list[SideInput] = field(default_factory=list)
+    """Tensors that enter blocks besides their hidden input, each once (NOTE [ Side inputs ])."""
+    post_fwd_peak_held_bytes: int = 0
+    """The head's forward peak (as ``post.fwd_peak_bytes``) when the side inputs are still held by
+    checkpoints, measured with every block recomputed; without side inputs, ``post``'s own."""
     schema_version: int = PROFILE_SCHEMA
     """The record's schema version; files of another version are refused."""
 

@@ -42,7 +42,7 @@ from remat.manual.blocks import fingerprint
 from remat.measure import step as _step
 from remat.measure.tracer import Trace
 from remat.plan.schedule import Phase, step_phases
-from remat.records import BlockProfile, OptionCost, Profile, Segment
+from remat.records import BlockProfile, OptionCost, Profile, Segment, SideInput
 
 __all__ = ["Boundaries", "assemble", "attribute", "median_times", "phase_times", "span"]
 
@@ -155,6 +155,7 @@ def assemble(
     times: dict[str, dict[str, float]],
     host_link_bytes_per_s: float | None,
     smooth: bool,
+    sides: list[SideInput] | None = None,
     **fixed: Any,
 ) -> Profile:
     """The ``Profile`` of traced steps: ``traces`` and ``times`` per option run (``keep`` always),
@@ -163,11 +164,10 @@ def assemble(
     order = hooks_keep.order
     _check_every_block_ran(named, order)
     pre, post, keep_blocks, optimizer_peak = attribute(trace_keep, hooks_keep, len(named))
-    per_option = {"keep": keep_blocks} | {
-        option: attribute(*traces[option], len(named))[2]
-        for option in ("selective", "recompute")
-        if option in traces
-    }
+    runs = {o: attribute(*traces[o], len(named)) for o in ("selective", "recompute") if o in traces}
+    per_option = {"keep": keep_blocks} | {option: run[2] for option, run in runs.items()}
+    # The head's forward with the side inputs still held: every block recomputed holds them.
+    held = runs["recompute"][1].fwd_peak_bytes if sides and "recompute" in runs else post.fwd_peak_bytes
     param_bytes = [_step.storage_bytes(list(m.parameters())) for _, m in named]
     fwd, bwd, sel_extra = _block_times(times, len(named))
     if smooth:
@@ -199,6 +199,8 @@ def assemble(
         optimizer_peak_bytes=optimizer_peak,
         plain_peak_bytes=fixed["base_bytes"] + trace_keep.peak_bytes,
         plain_step_ms=t_keep["step"],
+        side_inputs=sides or [],
+        post_fwd_peak_held_bytes=held,
         **fixed,
     )
 

@@ -31,6 +31,9 @@ from remat.manual.blocks import find_blocks
 from remat.manual.options import option_of, set_option
 from remat.measure import step as _step
 from remat.measure.attribution import assemble, median_times, phase_times
+from remat.measure.sides import first_tensor as _first_tensor
+from remat.measure.sides import hooks_of, note_sides, noting_saved, side_inputs
+from remat.measure.sides import storage_key as _storage_key
 from remat.measure.tracer import MemoryTracer, Trace, base_bytes
 from remat.models.hf import cache_off, check_layerdrop, without_cache
 from remat.plan.sharding import per_rank_profile
@@ -107,6 +110,9 @@ class _Hooks:
         self.in_bytes: dict[int, int] = {}
         self.out_bytes: dict[int, int] = {}
         self.base_keys: set[int] = set()
+        self.sides: dict[int, list[tuple[int, int]]] = {}  # block -> (storage key, bytes) of side inputs
+        self.firsts: set[int] = set()  # storages of the blocks' first inputs and outputs
+        self.running: list[int] = []
         self.handles = []
         for i, (_, module) in enumerate(named):
             self.handles.append(module.register_forward_pre_hook(self._pre(i), with_kwargs=True))
@@ -122,8 +128,10 @@ class _Hooks:
                     "that run once per step (name other blocks with blocks=)"
                 )
             self.order.append(i)
+            self.running.append(i)
             self.mark(f"fs{i}")
             x = _first_tensor((args, kwargs))
+            note_sides(self, i, x, (args, kwargs))
             self.in_bytes[i] = 0
             if x is not None:
                 if _storage_key(x) not in self.base_keys:
@@ -138,7 +146,9 @@ class _Hooks:
             if not torch.is_grad_enabled():
                 return
             self.mark(f"fe{i}")
+            self.running = [j for j in self.running if j != i]
             y = _first_tensor(output)
+            self.firsts.update(_storage_key(t) for t in (y,) if t is not None)
             self.out_bytes[i] = y.untyped_storage().nbytes() if y is not None else 0
             if y is not None and y.requires_grad:
                 y.register_hook(lambda g: self.mark(f"bs{i}"))
@@ -158,12 +168,14 @@ def _marked_step(
     optimizer: Any,
     mark: Callable[[str], None],
     base_keys: set[int] | None = None,
+    saved: dict[Any, set[int]] | None = None,
 ) -> _Hooks:
-    """One training step with marks at the step's phases and at every block's boundaries."""
+    """One training step with marks at the phases and block boundaries (and ``noting_saved``)."""
     hooks = _Hooks(named, mark)
     hooks.base_keys = base_keys or set()
     try:
-        _step.train_step(model, batch, loss_fn, optimizer, mark=mark)
+        with noting_saved(hooks, saved):
+            _step.train_step(model, batch, loss_fn, optimizer, mark=mark)
     finally:
         hooks.remove()
     if missing := [named[i][0] for i in range(len(named)) if i not in hooks.order]:
@@ -190,17 +202,6 @@ def _running(named: list[tuple[str, nn.Module]], explicit: bool, run: Callable[[
     if len(kept) < len(named):
         log.info("left out stacks that do not run in a training step: %s", sorted({n for n, _ in named} - ran))
     return kept
-
-
-def _first_tensor(obj: Any) -> torch.Tensor | None:
-    for t in _step.tensors_in(obj):
-        if t.is_floating_point():
-            return t
-    return None
-
-
-def _storage_key(t: torch.Tensor) -> int:
-    return int(t.untyped_storage()._cdata)
 
 
 @contextmanager
@@ -269,6 +270,11 @@ def _measured(
                 with MemoryTracer(device) as tracer:
                     hooks = _marked_step(model, named, batch, loss_fn, optimizer, tracer.mark, keys)
                 traces[option] = (tracer.trace, hooks)
+        # A plain step that notes what each block saves: which side inputs a kept block holds.
+        saved: dict[Any, set[int]] = {}
+        with _every_block(named, "keep"):
+            saving = _marked_step(model, named, batch, loss_fn, optimizer, lambda _: None, keys, saved)
+        model.zero_grad(set_to_none=True)
         # Timed in turns, so that a change in the machine's load hits both options alike.
         runs: dict[str, list[dict[str, float]]] = {"keep": [], "selective": []}
         with _step.no_gc():
@@ -286,6 +292,7 @@ def _measured(
         times=times,
         host_link_bytes_per_s=_host_link(device) if cuda else None,
         smooth=True,
+        sides=side_inputs(hooks_of(traces["keep"][1]), hooks_of(saving), saved, [n for n, _ in named]),
         device=str(device),
         mode="measured",
         dtype=_dtype_name(model),

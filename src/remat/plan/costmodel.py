@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from remat.errors import InvalidType, InvalidValue, did_you_mean
 from remat.plan.schedule import Phase, step_phases
+from remat.plan.sides import side_groups
 from remat.records import OPTIONS, Estimate, OptionCost, Profile
 from remat.units import format_bytes
 
@@ -27,7 +28,7 @@ def estimate(profile: Profile, choices: Mapping[str, str]) -> Estimate:
     ``choices`` maps every block name to one of the options that block offers.
     """
     costs = _chosen_costs(profile, choices)
-    phases = _phases(profile, costs)
+    phases = _phases(profile, costs, [choices[b.name] for b in profile.blocks])
     peak = max(phases, key=lambda p: p.peak_bytes)  # max() keeps the first phase reaching it
     step_ms = profile.plain_step_ms + sum(c.extra_ms for c in costs)
     overhead = step_ms / profile.plain_step_ms - 1.0 if profile.plain_step_ms else 0.0
@@ -60,18 +61,32 @@ class _Phase:
         return self.base_bytes + self.activation_bytes + self.grad_bytes + self.transient_bytes
 
 
-def _phases(profile: Profile, costs: Sequence[OptionCost]) -> list[_Phase]:
-    """Replay one step (NOTE [ The step's schedule ]); ``costs`` is one option per block."""
+def _phases(profile: Profile, costs: Sequence[OptionCost], options: Sequence[str]) -> list[_Phase]:
+    """Replay one step (NOTE [ The step's schedule ]); ``costs`` is one option per block, named by
+    ``options``. Side inputs live as the plan makes them (NOTE [ A side input's extra life ])."""
     names = [b.name for b in profile.blocks]
+    sides = side_groups(profile)
+    held = [0] * len(costs)  # the groups held at each block's backward: those held up to it
+    for i, option in enumerate(options):
+        held[i] = (held[i - 1] if i else 0) | sides.holds(i, option)
+    last = held[-1] if held else 0
     phases: list[_Phase] = []
     acts = grads = 0
     for phase in step_phases(len(costs)):
         kept, transient, grad = _numbers(profile, costs, phase)
+        extra = 0
+        if phase.stage == "backward" and phase.part == "block":
+            assert phase.block is not None
+            extra = sides.delta_bytes(held[phase.block], phase.block)
+        elif phase.stage == "backward" and phase.part == "post":
+            extra = sides.delta_bytes(last, None)
+        elif phase.stage == "forward" and phase.part == "post":
+            transient += sides.post_fwd_extra_bytes(last)
         phases.append(
             _Phase(
                 name=phase.title(names),
                 base_bytes=profile.base_bytes,
-                activation_bytes=acts,
+                activation_bytes=acts + extra,
                 grad_bytes=grads,
                 transient_bytes=transient,
                 transient=phase.working_memory(names),
@@ -179,25 +194,62 @@ class ChainConstraints:
     """The head's higher peak candidate minus the bytes kept by all the blocks."""
     fixed_bytes: int
     """The highest candidate no choice changes (embeddings' forward and backward, optimizer)."""
+    holds: tuple[tuple[int, ...], ...] = ()
+    """With side inputs (NOTE [ A side input's extra life ]), else empty. [block][option]: the
+    side-input groups the option holds, a mask; the state after block i is the union up to it."""
+    fwd_need_bytes: tuple[tuple[int, ...], ...] = ()
+    """[block][option]: the forward's candidate minus the prefix (side inputs do not change it)."""
+    bwd_need_bytes: tuple[tuple[int, ...], ...] = ()
+    """[block][option]: the backward's candidate minus the prefix, side inputs as the plain step."""
+    delta_bytes: tuple[tuple[int, ...], ...] = ()
+    """[block][state]: bytes the held side inputs add to the block's backward."""
+    tail_held_bytes: tuple[int, ...] = ()
+    """[state]: the head's candidate minus all kept bytes, with that state at the end."""
+
+    def need_at(self, i: int, o: int, held: int) -> int:
+        """Block i's candidate with option o, minus the prefix, in state ``held`` (which includes
+        the option's own holds)."""
+        if not self.holds:
+            return self.need_bytes[i][o]
+        return max(self.fwd_need_bytes[i][o], self.bwd_need_bytes[i][o] + self.delta_bytes[i][held])
+
+    def tail_at(self, held: int) -> int:
+        return self.tail_held_bytes[held] if self.holds else self.tail_bytes
 
     def peak_bytes(self, picks: Sequence[int]) -> int:
         """The peak for one option index per block; equals ``estimate(...).peak_bytes``."""
         assert len(picks) == len(self.kept_bytes)
-        peak, prefix = self.fixed_bytes, 0
-        for kept, need, o in zip(self.kept_bytes, self.need_bytes, picks):
-            peak = max(peak, prefix + need[o])
+        peak, prefix, held = self.fixed_bytes, 0, 0
+        for i, (kept, o) in enumerate(zip(self.kept_bytes, picks)):
+            held |= self.holds[i][o] if self.holds else 0
+            peak = max(peak, prefix + self.need_at(i, o, held))
             prefix += kept[o]
-        return max(peak, prefix + self.tail_bytes)
+        return max(peak, prefix + self.tail_at(held))
 
     def suffix_floor_bytes(self) -> list[int]:
         """``floors[i]``: the lowest peak blocks i.. and the head can reach with nothing kept before
-        block i. A prefix K before block i can still meet budget B iff K + floors[i] <= B, since
-        every candidate from there on is K plus a term: floors[i] = min over options of
-        max(need_i, kept_i + floors[i+1]), and floors[n] = tail."""
-        floors = [self.tail_bytes]
-        for kept, need in zip(reversed(self.kept_bytes), reversed(self.need_bytes)):
+        block i (and no side input held). A prefix K before block i can still meet budget B only
+        if K + floors[i] <= B, since every candidate from there on is K plus a term that holding
+        more side inputs never lowers: floors[i] = min over options of max(need_i, kept_i +
+        floors[i+1]), and floors[n] = tail. Exact for i = 0."""
+        return [row[0] for row in self.suffix_floors()]
+
+    def suffix_floors(self) -> list[list[int]]:
+        """[i][state]: ``suffix_floor_bytes`` entering block i in that side-input state."""
+        states = len(self.tail_held_bytes) if self.holds else 1
+        floors = [[self.tail_at(h) for h in range(states)]]
+        for i in range(len(self.kept_bytes) - 1, -1, -1):
             after = floors[-1]
-            floors.append(min(max(n, k + after) for k, n in zip(kept, need)))
+            row = []
+            for h in range(states):
+                best = None
+                for o, k in enumerate(self.kept_bytes[i]):
+                    now = h | (self.holds[i][o] if self.holds else 0)
+                    value = max(self.need_at(i, o, now), k + after[now])
+                    best = value if best is None else min(best, value)
+                assert best is not None
+                row.append(best)
+            floors.append(row)
         floors.reverse()
         return floors
 
@@ -235,26 +287,35 @@ def chain_constraints(profile: Profile, options: Sequence[str] | None = None) ->
                     "expected a finite number of milliseconds (re-profile the model)"
                 )
     columns = [[b.options[o] for b in profile.blocks] for o in options]
-    needs, tail, fixed = _prefix_terms(profile, columns)
+    fwds, bwds, (tail_fwd, tail_bwd), fixed = _prefix_terms(profile, columns)
+    n = len(profile.blocks)
+    needs = [[max(f, b) for f, b in zip(fr, br)] for fr, br in zip(fwds, bwds)]
+    sides = side_groups(profile)
+    kept = tuple(tuple(c[i].kept_bytes for c in columns) for i in range(n))
+    extra_ms = tuple(tuple(c[i].extra_ms for c in columns) for i in range(n))
+    if not profile.side_inputs:
+        return ChainConstraints(
+            options=options, kept_bytes=kept, need_bytes=tuple(tuple(r) for r in needs),
+            extra_ms=extra_ms, tail_bytes=max(tail_fwd, tail_bwd), fixed_bytes=fixed,
+        )  # fmt: skip
+    holds, delta, tails, low = sides.tables(options, fwds, bwds, tail_fwd, tail_bwd)
     return ChainConstraints(
-        options=options,
-        kept_bytes=tuple(tuple(c[i].kept_bytes for c in columns) for i in range(len(profile.blocks))),
-        need_bytes=tuple(tuple(row) for row in needs),
-        extra_ms=tuple(tuple(c[i].extra_ms for c in columns) for i in range(len(profile.blocks))),
-        tail_bytes=tail,
-        fixed_bytes=fixed,
-    )
+        options=options, kept_bytes=kept, need_bytes=low, extra_ms=extra_ms, tail_bytes=tails[0],
+        fixed_bytes=fixed, holds=holds, fwd_need_bytes=tuple(tuple(r) for r in fwds),
+        bwd_need_bytes=tuple(tuple(r) for r in bwds), delta_bytes=delta, tail_held_bytes=tails,
+    )  # fmt: skip
 
 
 def _prefix_terms(
     profile: Profile, columns: Sequence[Sequence[OptionCost]]
-) -> tuple[list[list[int]], int, int]:
+) -> tuple[list[list[int]], list[list[int]], tuple[int, int], int]:
     """Replay the step (NOTE [ The step's schedule ]) with the blocks' kept bytes left out, as
     NOTE [ Every peak candidate is a prefix sum ] writes it: per block and option column the
-    higher of its two candidates minus the prefix kept before it, the head's (minus all blocks'
-    kept bytes), and the highest candidate no choice changes."""
+    forward and backward candidates minus the prefix kept before it, the head's two (minus all
+    blocks' kept bytes), and the highest candidate no choice changes."""
     n = len(profile.blocks)
     needs: list[list[int]] = [[] for _ in range(n)]
+    bwds: list[list[int]] = [[] for _ in range(n)]
     tails: list[int] = []
     fixed: list[int] = []
     acts = grads = 0  # live bytes outside what the blocks keep
@@ -266,8 +327,7 @@ def _prefix_terms(
                 kept, transient, _ = _numbers(profile, costs, phase)
                 own = kept if phase.stage == "backward" else 0  # its backward: its own kept too
                 terms.append(level + own + transient)
-            row = needs[phase.block]  # the forward's terms, when this is the backward
-            needs[phase.block] = [max(a, b) for a, b in zip(row, terms)] if row else terms
+            (bwds if phase.stage == "backward" else needs)[phase.block] = terms
             if phase.stage == "backward":
                 grads += profile.blocks[phase.block].grad_bytes
             continue
@@ -277,7 +337,8 @@ def _prefix_terms(
             acts += kept
         elif phase.stage == "backward":
             acts, grads = acts - kept, grads + grad
-    return needs, max(tails), max(fixed)
+    assert len(tails) == 2, "the head runs a forward and a backward"
+    return needs, bwds, (tails[0], tails[1]), max(fixed)
 
 
 # --- the floor ---------------------------------------------------------------------------------
@@ -287,21 +348,24 @@ def smallest_feasible(profile: Profile) -> tuple[int, str]:
     """The lowest peak any assignment of the common options reaches, and what dominates it, e.g.
     ``(2_900_000_000, "parameters and optimizer state take 2.10 GiB")``."""
     chain = chain_constraints(profile)
-    floors = chain.suffix_floor_bytes()
-    peak = max(chain.fixed_bytes, floors[0])
+    floors = chain.suffix_floors()  # [i][side-input state]
+    peak = max(chain.fixed_bytes, floors[0][0])
     # One assignment that reaches it, the cheapest option at each step that keeps the rest feasible.
-    picks, prefix = [], 0
-    for i, (kept, need, ms) in enumerate(zip(chain.kept_bytes, chain.need_bytes, chain.extra_ms)):
+    picks, prefix, held = [], 0, 0
+    for i, (kept, ms) in enumerate(zip(chain.kept_bytes, chain.extra_ms)):
+        now = [held | (chain.holds[i][o] if chain.holds else 0) for o in range(len(kept))]
         fits = [
             o
             for o in range(len(chain.options))
-            if prefix + need[o] <= peak and prefix + kept[o] + floors[i + 1] <= peak
+            if prefix + chain.need_at(i, o, now[o]) <= peak
+            and prefix + kept[o] + floors[i + 1][now[o]] <= peak
         ]
         o = min(fits, key=lambda o: (ms[o], o))
         picks.append(o)
-        prefix += kept[o]
-    costs = [b.options[chain.options[o]] for b, o in zip(profile.blocks, picks)]
-    top = max(_phases(profile, costs), key=lambda p: p.peak_bytes)
+        prefix, held = prefix + kept[o], now[o]
+    names = [chain.options[o] for o in picks]
+    costs = [b.options[name] for b, name in zip(profile.blocks, names)]
+    top = max(_phases(profile, costs, names), key=lambda p: p.peak_bytes)
     assert top.peak_bytes == peak, (top.peak_bytes, peak)
     return peak, _dominant(profile, top)
 

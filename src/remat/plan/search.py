@@ -29,6 +29,12 @@ __all__ = ["NO_LIMIT_BYTES", "optimal_picks"]
 # cheap case: arrangements reaching the same (K, T, P) collapse into one state, so the sets grow
 # with the number of distinct totals, not with the number of arrangements.
 
+# With side inputs (NOTE [ A side input's extra life ], sides.py) a partial plan also carries H,
+# the side-input groups held so far (a mask): a block's backward candidate and the head's depend on
+# it, so only partial plans with the same H are compared, and options of a block are compared
+# only when they hold the same groups (on their forward and backward candidates apart). The floors
+# used to drop partial plans are those of the partial plan's own H (``suffix_floors``).
+
 # NOTE [ Time in integer ticks ]
 # Extra times are summed as integer nanoseconds. Float sums depend on their order, so two
 # arrangements of the same options (the common case with repeated blocks) would differ in the last
@@ -66,9 +72,9 @@ def optimal_picks(
     """Option indices of the fastest plan whose peak fits ``budget_bytes`` (the lowest peak among
     those, then the fewest kept bytes); None when none fits. ``plain_limit``: NOTE [ Bounding the
     search ]; tests set it to 0 to check the bounded search."""
-    floors = chain.suffix_floor_bytes()
+    floors = chain.suffix_floors()  # [i][side-input state]; one state without side inputs
     budget = min(budget_bytes, NO_LIMIT_BYTES)
-    if max(chain.fixed_bytes, floors[0]) > budget:
+    if max(chain.fixed_bytes, floors[0][0]) > budget:
         return None
     if not chain.kept_bytes:
         return []
@@ -90,22 +96,41 @@ class _Table:
     columns: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]
     """Per block: the option indices ``_undominated`` keeps, and their kept, need, ticks."""
     room: np.ndarray
-    """[i], i = 0..n: the largest K before block i from which some finish fits the budget."""
+    """[i, state], i = 0..n: the largest K before block i, in that side-input state, from which
+    some finish fits the budget."""
     fixed_bytes: int
     tail_bytes: int
     budget_bytes: int
     cell_bytes: int = 1
     rest: np.ndarray | None = None
     """[i, K // cell_bytes]: a lower bound on the ticks blocks i.. add to fit the budget."""
+    sides: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] | None = None
+    """With side inputs: per block, the useful options' holds, forward and backward candidates,
+    and [state] the bytes held side inputs add to its backward."""
+    tails: np.ndarray | None = None
+    """With side inputs: [state] the head's candidate."""
 
     @classmethod
-    def of(cls, chain: ChainConstraints, budget: int, floors: list[int]) -> _Table:
+    def of(cls, chain: ChainConstraints, budget: int, floors: list[list[int]]) -> _Table:
         n, width = len(chain.kept_bytes), len(chain.options)
         kept = np.array(chain.kept_bytes, dtype=np.int64).reshape(n, width)
         need = np.array(chain.need_bytes, dtype=np.int64).reshape(n, width)
         ms = np.array(chain.extra_ms, dtype=np.float64).reshape(n, width)
         ticks = np.rint(ms * _TICKS_PER_MS).astype(np.int64)
-        useful = _undominated(kept, need, ticks)
+        sides = tails = None
+        if chain.holds:
+            holds = np.array(chain.holds, dtype=np.int64).reshape(n, width)
+            fwd = np.array(chain.fwd_need_bytes, dtype=np.int64).reshape(n, width)
+            bwd = np.array(chain.bwd_need_bytes, dtype=np.int64).reshape(n, width)
+            delta = np.array(chain.delta_bytes, dtype=np.int64).reshape(n, -1)
+            useful = _undominated(kept, fwd, ticks, bwd, holds)
+            sides = [
+                (holds[i, c], fwd[i, c], bwd[i, c], delta[i])
+                for i, c in enumerate(np.flatnonzero(r) for r in useful)
+            ]
+            tails = np.array(chain.tail_held_bytes, dtype=np.int64)
+        else:
+            useful = _undominated(kept, need, ticks)
         columns = []
         for i in range(n):
             cols = np.flatnonzero(useful[i])
@@ -116,6 +141,8 @@ class _Table:
             fixed_bytes=chain.fixed_bytes,
             tail_bytes=chain.tail_bytes,
             budget_bytes=budget,
+            sides=sides,
+            tails=tails,
         )
 
     def bounded(self) -> _Table:
@@ -125,7 +152,7 @@ class _Table:
         n = len(self.columns)
         cell = int(self.room.max()) // _CELLS + 1
         rest = np.full((n + 1, _CELLS), _NO_LIMIT_TICKS, dtype=np.int64)
-        rest[n, : max(0, min(_CELLS, int(self.room[n]) // cell + 1))] = 0
+        rest[n, : max(0, min(_CELLS, int(self.room[n].max()) // cell + 1))] = 0
         # rest[i + 1] followed by "past the end": a window at offset s is rest[i + 1] from cell s.
         padded = np.full(2 * _CELLS, _NO_LIMIT_TICKS, dtype=np.int64)
         windows = np.lib.stride_tricks.sliding_window_view(padded, _CELLS)
@@ -151,20 +178,28 @@ def _search(
     K = np.zeros(1, dtype=np.int64)
     T = np.zeros(1, dtype=np.int64)
     P = np.full(1, table.fixed_bytes, dtype=np.int64)
+    H = np.zeros(1, dtype=np.int64)  # side-input groups held so far
     parents: list[np.ndarray] = []
     chosen: list[np.ndarray] = []
     for i, (cols, kept, need, ticks) in enumerate(table.columns):
         cK = (K[:, None] + kept).ravel()
         cT = (T[:, None] + ticks).ravel()
-        cP = np.maximum(P[:, None], K[:, None] + need).ravel()
-        drop = (cP > table.budget_bytes) | (cK > table.room[i + 1])
+        if table.sides is None:
+            cH = np.repeat(H, cols.size)
+            cP = np.maximum(P[:, None], K[:, None] + need).ravel()
+        else:
+            holds, fwd, bwd, delta = table.sides[i]
+            now = H[:, None] | holds
+            term = np.maximum(fwd, bwd + delta[now])
+            cH, cP = now.ravel(), np.maximum(P[:, None], K[:, None] + term).ravel()
+        drop = (cP > table.budget_bytes) | (cK > table.room[i + 1, cH])
         hope = None
         if table.rest is not None:
             cell = np.minimum(cK // table.cell_bytes, _CELLS - 1)  # beyond room: dropped anyway
             hope = cT + table.rest[i + 1, cell]
             if bound_ticks is not None:
                 drop |= hope > bound_ticks
-        alive = _front(cK, cT, cP, drop)
+        alive = _front(cK, cT, cP, drop, cH)
         assert alive.size, "room and rest only drop partial plans that cannot fit or win"
         if width is not None and alive.size > width:
             assert hope is not None, "a beam needs the bounds to rank by"
@@ -173,9 +208,10 @@ def _search(
             return None
         parents.append(alive // cols.size)
         chosen.append(cols[alive % cols.size])
-        K, T, P = cK[alive], cT[alive], cP[alive]
+        K, T, P, H = cK[alive], cT[alive], cP[alive], cH[alive]
 
-    final = np.maximum(P, K + table.tail_bytes)
+    tail = table.tail_bytes if table.tails is None else table.tails[H]
+    final = np.maximum(P, K + tail)
     at = int(np.lexsort((K, final, T))[0])
     ticks_total = int(T[at])
     picks = [0] * len(table.columns)
@@ -185,11 +221,17 @@ def _search(
     return picks, ticks_total
 
 
-def _undominated(kept: np.ndarray, need: np.ndarray, ticks: np.ndarray) -> np.ndarray:
+def _undominated(
+    kept: np.ndarray, need: np.ndarray, ticks: np.ndarray, *more: np.ndarray
+) -> np.ndarray:
     """[block, option]: False where another option of the block is no worse in kept bytes, peak
-    term and time (and better in one, or equal and earlier in ``OPTIONS``)."""
-    rows = np.stack([kept, need, ticks])  # (3, n, width)
+    term and time (and better in one, or equal and earlier in ``OPTIONS``). With side inputs,
+    ``more`` is the backward term and the holds: an option beats only one that holds the same."""
+    holds = more[-1] if more else None
+    rows = np.stack([kept, need, ticks, *more[:-1]])  # (k, n, width)
     no_worse = (rows[:, :, :, None] <= rows[:, :, None, :]).all(axis=0)  # [b, by, of]
+    if holds is not None:
+        no_worse &= holds[:, :, None] == holds[:, None, :]
     better = (rows[:, :, :, None] < rows[:, :, None, :]).any(axis=0)
     width = kept.shape[1]
     earlier = np.tri(width, width, -1, dtype=bool).T  # earlier[by, of]: by < of
@@ -198,9 +240,15 @@ def _undominated(kept: np.ndarray, need: np.ndarray, ticks: np.ndarray) -> np.nd
     return np.logical_not(beaten.any(axis=1))
 
 
-def _front(K: np.ndarray, T: np.ndarray, P: np.ndarray, drop: np.ndarray) -> np.ndarray:
-    """Indices of the states that are not dropped and that no other dominates (NOTE [ Pareto DP
-    over prefix kept bytes ]), ordered by K."""
+def _front(
+    K: np.ndarray, T: np.ndarray, P: np.ndarray, drop: np.ndarray, H: np.ndarray
+) -> np.ndarray:
+    """Indices of the states that are not dropped and that no other with the same side-input
+    state H dominates (NOTE [ Pareto DP over prefix kept bytes ]), ordered by H, then K."""
+    states = np.unique(H)
+    if states.size > 1:
+        parts = [np.flatnonzero(h == H) for h in states]
+        return np.concatenate([p[_front(K[p], T[p], P[p], drop[p], H[p])] for p in parts])
     t_low, p_low = int(T.min()), int(P.min())
     p_span = int(P.max()) - p_low + 1
     if (int(T.max()) - t_low + 1) * p_span < _DROPPED:

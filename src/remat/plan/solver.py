@@ -159,6 +159,8 @@ def _greedy_picks(profile: Profile, chain: ChainConstraints, budget_bytes: int) 
     rows = np.arange(n)
 
     def peak() -> int:
+        if chain.holds:  # side inputs: the state-carrying form (NOTE [ A side input's extra life ])
+            return chain.peak_bytes([int(o) for o in picks])
         k = kept[rows, picks]
         before = np.cumsum(k) - k
         return max(

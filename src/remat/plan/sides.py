@@ -1,0 +1,122 @@
+"""Side inputs in the cost model: how long each lives under a plan, against the plain step.
+
+# NOTE [ A side input's extra life ]
+A profile's numbers are those of the plain step (NOTE [ Side inputs ] in ``remat.records``): a side
+input dies at the end of the forward (inside the head's forward), or, when a kept consumer saves
+it, at the backward of the first such block. Under a plan it dies at the backward of the first
+block, in forward order, that *holds* it: a ``recompute`` or ``selective`` consumer (a checkpoint
+holds its inputs until its backward), or a ``keep`` consumer that saves it. Offloaded blocks hold
+only host copies. So a plan adds the side input's bytes to the live level of every backward phase
+of block j >= that first holder, and of the head's backward; it takes them away where the plain
+step held it and the plan does not (a saving block offloaded). In the head's forward, where the
+plain step frees it part way, the plan's peak is the one measured with it held
+(``Profile.post_fwd_peak_held_bytes``, from the step with every block recomputed).
+Side inputs with the same consumers and savers live and die together: they form one *group*, and
+a plan's state is the set of groups held so far, a bit mask over forward order. Every quantity the
+solvers need depends on the blocks before block j only through that mask, so the exact search
+carries it (``remat.plan.search``). Pure: no torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TypeAlias
+
+from remat.records import Profile
+
+Rows: TypeAlias = Sequence[Sequence[int]]
+Table: TypeAlias = tuple[tuple[int, ...], ...]
+
+__all__ = ["HOLDING", "SideGroups", "side_groups"]
+
+#: The options whose block holds every input until its backward (a checkpoint's inputs).
+HOLDING = frozenset({"recompute", "selective"})
+
+
+@dataclass(frozen=True, kw_only=True)
+class SideGroups:
+    """A profile's side inputs as groups (NOTE [ A side input's extra life ])."""
+
+    size_bytes: tuple[int, ...]
+    """[group]: bytes of the group's side inputs together."""
+    consumers: tuple[frozenset[int], ...]
+    """[group]: the blocks (forward positions) they enter."""
+    savers: tuple[frozenset[int], ...]
+    """[group]: the consumers whose kept forward saves them."""
+    post_held_extra_bytes: int
+    """How much higher the head's forward peaks when the side inputs are held through it."""
+
+    @property
+    def masks(self) -> int:
+        """The number of states: every subset of the groups."""
+        return 1 << len(self.size_bytes)
+
+    def holds(self, block: int, option: str) -> int:
+        """The groups ``option`` at ``block`` holds until the block's backward, as a mask."""
+        mask = 0
+        for g, (users, savers) in enumerate(zip(self.consumers, self.savers)):
+            if (option in HOLDING and block in users) or (option == "keep" and block in savers):
+                mask |= 1 << g
+        return mask
+
+    def plain_held(self, block: int | None) -> int:
+        """The groups the plain step holds at ``block``'s backward (None: the head's backward)."""
+        mask = 0
+        for g, savers in enumerate(self.savers):
+            if savers and (block is None or block >= min(savers)):
+                mask |= 1 << g
+        return mask
+
+    def delta_bytes(self, held: int, block: int | None) -> int:
+        """Bytes live at the start of ``block``'s backward (None: the head's) with ``held`` held,
+        over what the plain step has live there."""
+        plain = self.plain_held(block)
+        return sum(b for g, b in enumerate(self.size_bytes) if held >> g & 1) - sum(
+            b for g, b in enumerate(self.size_bytes) if plain >> g & 1
+        )
+
+    def post_fwd_extra_bytes(self, held: int) -> int:
+        """How much higher the head's forward peaks with ``held`` held past the forward."""
+        longer = sum(
+            b
+            for g, b in enumerate(self.size_bytes)
+            if held >> g & 1 and not self.savers[g]  # the plain step frees these in the head
+        )
+        return min(self.post_held_extra_bytes, longer)
+
+    def tables(
+        self, options: Sequence[str], fwds: Rows, bwds: Rows, tail_fwd: int, tail_bwd: int
+    ) -> tuple[Table, Table, tuple[int, ...], Table]:
+        """The columns of ``ChainConstraints`` with side inputs, from the replay's forward and
+        backward candidates per [block][option]: the holds, [block][state] the bytes added to the
+        backward, [state] the head's candidate, and each need in the lowest state it can be in
+        (its own holds alone; a lower bound for ``need_bytes``)."""
+        n, states = len(fwds), range(self.masks)
+        holds = tuple(tuple(self.holds(i, o) for o in options) for i in range(n))
+        delta = tuple(tuple(self.delta_bytes(h, i) for h in states) for i in range(n))
+        tails = tuple(
+            max(tail_fwd + self.post_fwd_extra_bytes(h), tail_bwd + self.delta_bytes(h, None))
+            for h in states
+        )
+        low = tuple(
+            tuple(max(f, b + delta[i][h]) for f, b, h in zip(fwds[i], bwds[i], holds[i]))
+            for i in range(n)
+        )
+        return holds, delta, tails, low
+
+
+def side_groups(profile: Profile) -> SideGroups:
+    """The side inputs of ``profile`` grouped by consumers and savers, in first-seen order."""
+    index = {b.name: i for i, b in enumerate(profile.blocks)}
+    groups: dict[tuple[tuple[str, ...], tuple[str, ...]], int] = {}
+    for side in profile.side_inputs:
+        groups[side.signature] = groups.get(side.signature, 0) + side.size_bytes
+    return SideGroups(
+        size_bytes=tuple(groups.values()),
+        consumers=tuple(frozenset(index[n] for n in users if n in index) for users, _ in groups),
+        savers=tuple(frozenset(index[n] for n in savers if n in index) for _, savers in groups),
+        post_held_extra_bytes=max(0, profile.post_fwd_peak_held_bytes - profile.post.fwd_peak_bytes)
+        if profile.side_inputs
+        else 0,
+    )
