@@ -19,8 +19,11 @@ the plain row is the baseline, 0% by construction. Plain is also timed against i
 turns. When that differs by more than ``NOISY``, or some configuration's median step is more
 than ``DISTURBED`` over its fastest (other processes competing for the caches and the memory
 bus slow a step even in CPU time, and slow a large-footprint plain step more than a
-checkpointed one), the machine was too loaded for an overhead to mean anything, and the demo
-says so instead of printing them. Bytes are exact either way.
+checkpointed one; on a virtual machine the host's own load is counted as the guest's CPU time),
+the machine was too loaded for an overhead to mean anything, and the demo says so instead of
+printing them. Bytes are exact either way. The thresholds come from runs on the 2-core VM this was
+built on: runs whose worst configuration was up to 24% over its fastest still drew monotone
+frontiers; runs at 30% and 45% drew overheads that fell as the budget fell.
 """
 
 from __future__ import annotations
@@ -65,7 +68,7 @@ RESULTS_SCHEMA = 2
 #: Plain against itself beyond this share, or a median step this much over the fastest of its
 #: kind: step times are withheld (NOTE [ Timing the demo ]).
 NOISY = 0.05
-DISTURBED = 0.10
+DISTURBED = 0.25
 
 #: ``progress(what is happening now, stages done, stages in all)``; the total grows once known.
 ProgressFn = Callable[[str, int, int], None]
