@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -26,8 +27,14 @@ def atomic_write(path: str | Path, data: bytes | str | Callable[[BinaryIO], None
     ``path`` atomically (NOTE [ Atomic outputs ]); create its folder if needed. Returns ``path``."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    tmp: str | None = None
+    # Ctrl-C (or SIGTERM) held off while the temporary file is made: one arriving between its
+    # creation and the ``try`` below would leave it behind. It lands inside the ``try`` instead.
+    held = _hold_interrupts()
     try:
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        _release_interrupts(held)
+        held = None
         # mkstemp makes the file private (0600); give it the mode the file had, or a plain 0644
         os.chmod(tmp, path.stat().st_mode & 0o777 if path.exists() else 0o644)
         with os.fdopen(fd, "wb") as f:
@@ -39,10 +46,29 @@ def atomic_write(path: str | Path, data: bytes | str | Callable[[BinaryIO], None
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:  # KeyboardInterrupt included: the old file stands, no debris
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
         raise
+    finally:
+        _release_interrupts(held)
     return path
+
+
+_INTERRUPTS = {signal.SIGINT, signal.SIGTERM}
+
+
+def _hold_interrupts() -> set[int] | None:
+    """Block SIGINT and SIGTERM for this thread (where the OS allows it); the previous mask."""
+    if not hasattr(signal, "pthread_sigmask"):
+        return None
+    return set(signal.pthread_sigmask(signal.SIG_BLOCK, _INTERRUPTS))
+
+
+def _release_interrupts(previous: set[int] | None) -> None:
+    """Restore the mask ``_hold_interrupts`` returned; a held signal is delivered now."""
+    if previous is not None:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 def same_file(a: str | Path, b: str | Path) -> bool:
