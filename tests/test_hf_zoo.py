@@ -1,13 +1,13 @@
 """remat on a zoo of tiny transformers models of many families (tests/_hf_zoo.py): blocks found in
-every stack, verified plans at 60% and 40% of the plain peak that fit their budget and give the
-plain model's gradients bit for bit, and ``remove`` that gives back the model as it was.
+every stack, verified plans at 60% and 40% of the plain peak and at the smallest feasible peak that
+fit their budget, measure within 1% of their prediction and give the plain model's gradients bit
+for bit, and ``remove`` that gives back the model as it was.
 
 Predicted against measured peaks go into a table (``zoo_table.md`` in pytest's temporary
 directory, and printed with ``-s``). The side inputs every block receives (masks, rotary tables,
-position biases, an encoder's output) are in the cost model (NOTE [ Side inputs ]): open-loop
-plans are predicted to the byte but for T5, over-predicted by about 1.4% at 60%, so within 1% is
-not asserted here; ``auto(verify=True)`` re-solves when a plan measures over (NOTE [ A verified
-plan fits ]).
+position biases, an encoder's output) are in the cost model (NOTE [ Side inputs ]);
+``auto(verify=True)`` re-solves when a plan measures over (NOTE [ A verified plan fits ]), and the
+table counts how often it had to.
 """
 
 from __future__ import annotations
@@ -27,9 +27,18 @@ import _hf_zoo
 
 import remat
 from remat.manual.blocks import find_blocks
+from remat.plan.costmodel import smallest_feasible
 from remat.units import format_bytes
 
-SHARES = (0.6, 0.4)
+#: Prediction error allowed per architecture: 1%, but where a known gap is written down.
+TOLERANCE = {
+    # T5's first layer makes the relative position bias and hands it to the next: a side input made
+    # inside a block, which dies where the stack ends in one run and at a checkpoint's backward in
+    # another, so mixed plans of its first two layers are off by the bias (16 KiB on 1.2 MB here).
+    "t5": 0.015,
+}
+SHARES = (0.6, 0.4, 0.0)
+"""Budgets as shares of the plain peak; 0 stands for the smallest feasible peak."""
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +48,8 @@ def table(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[dict[str, A
     lines = ["| architecture | budget | predicted | measured | error % | re-solves |",
              "| --- | --- | --- | --- | --- | --- |"]
     for r in sorted(rows, key=lambda r: (list(_hf_zoo.ZOO).index(r["name"]), -r["share"])):
-        head = f"| {r['name']} | {r['share']:.0%} = {format_bytes(r['budget'])} |"
+        share = f"{r['share']:.0%}" if r["share"] else "smallest"
+        head = f"| {r['name']} | {share} = {format_bytes(r['budget'])} |"
         if r["measured"] is None:
             lines.append(f"{head} infeasible: smallest {format_bytes(r['smallest'])} | | | |")
             continue
@@ -89,8 +99,8 @@ def test_blocks_in_every_stack(name: str) -> None:
     assert len(found) == sum(len(model.get_submodule(s)) for s in stacks) >= 2 * len(stacks)
 
 
-@pytest.mark.slow  # 48 cases of 1-5 s: about 2 minutes on one core, 1 on two (-n 2)
-@pytest.mark.parametrize("share", SHARES, ids=lambda s: f"{s:.0%}")
+@pytest.mark.slow  # 72 cases of 1-5 s: about 3 minutes on one core, 1.5 on two (-n 2)
+@pytest.mark.parametrize("share", SHARES, ids=lambda s: f"{s:.0%}" if s else "smallest")
 @pytest.mark.parametrize("name", list(_hf_zoo.ZOO))
 def test_verified_plan_fits_and_is_exact(
     name: str, share: float, table: list[dict[str, Any]], caplog: pytest.LogCaptureFixture
@@ -100,9 +110,13 @@ def test_verified_plan_fits_and_is_exact(
     hooks = _hook_counts(model)
     caplog.set_level(logging.WARNING, logger="remat.autoplan")
     row: dict[str, Any] = {"name": name, "share": share, "measured": None, "resolves": 0}
+    budget: int | str = f"{share:.0%}"
+    if not share:
+        budget = smallest_feasible(remat.profile(model, batch, repeats=1))[0]
     try:
-        plan, report = remat.auto(model, batch, f"{share:.0%}", verify=True, repeats=1)
+        plan, report = remat.auto(model, batch, budget, verify=True, repeats=1)
     except remat.InfeasibleBudget as e:
+        assert share, f"the plan for the smallest feasible peak measured over it: {e}"
         assert e.smallest_bytes > e.budget_bytes
         assert format_bytes(e.smallest_bytes) in str(e), str(e)
         assert remat.applied_plan(model) is None  # left without a plan
@@ -110,6 +124,8 @@ def test_verified_plan_fits_and_is_exact(
     else:
         assert plan.budget_bytes is not None
         assert report.measured_peak_bytes <= plan.budget_bytes, report
+        error = abs(report.measured_peak_bytes / report.predicted_peak_bytes - 1)
+        assert error <= TOLERANCE.get(name, 0.01), report
         assert report.grads_equal, report.max_grad_diff
         assert set(plan.choices) == {n for n, _ in find_blocks(model)}
         resolves = sum("solving again" in r.getMessage() for r in caplog.records)

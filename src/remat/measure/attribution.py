@@ -26,6 +26,19 @@ and its backward to the block after it, whose backward phase it ends. A block ha
 next block receives rather than its own output. Along a single chain nothing runs between blocks and the numbers are
 those of the blocks alone. The phases then tile the step, and the parts' kept bytes add up to what
 the forward leaves live, for every option run.
+
+# NOTE [ Gradients live as long as the plain step's ]
+A profile has one ``grad_bytes`` per block, read from the step with every block kept. The moment
+autograd frees the gradient flowing into a block moves with the option: on the ResNet with
+BatchNorm (tests/test_reach.py) the four blocks where the hidden state changes shape showed +2.0,
++2.2, +4.1 and -8.0 MiB of gradients with every block kept and half that with every block
+recomputed (the sums agree). Read against its own run's level, the recomputed run's backward peaks
+were 4 MiB too high once the cost model combined them with the kept run's gradients, and no plan
+reached the peak of torch's checkpoint on every block. So each option's backward peaks are read
+against the level the cost model itself replays for that run: that run's kept bytes, the kept
+run's gradients, and the side inputs as that plan holds them (its run measured them held, and
+``remat.plan.sides`` adds them), so that ``estimate`` of every block on one option reproduces
+that run's measured peak, and side-input frees are not counted twice.
 """
 
 from __future__ import annotations
@@ -42,6 +55,7 @@ from remat.manual.blocks import fingerprint
 from remat.measure import step as _step
 from remat.measure.tracer import Trace
 from remat.plan.schedule import Phase, step_phases
+from remat.plan.sides import SideGroups
 from remat.records import BlockProfile, OptionCost, Profile, Segment, SideInput
 
 __all__ = ["Boundaries", "assemble", "attribute", "median_times", "phase_times", "span"]
@@ -101,6 +115,7 @@ def attribute(
             level += numbers["kept"]
         else:
             numbers["bwd_peak"] = peak - level
+            numbers["bwd_level"] = level
             numbers["grad"] = live[end] - live[start] + numbers["kept"]
             level += numbers["grad"] - numbers["kept"]
     pre, post = (
@@ -166,6 +181,9 @@ def assemble(
     pre, post, keep_blocks, optimizer_peak = attribute(trace_keep, hooks_keep, len(named))
     runs = {o: attribute(*traces[o], len(named)) for o in ("selective", "recompute") if o in traces}
     per_option = {"keep": keep_blocks} | {option: run[2] for option, run in runs.items()}
+    for numbers in per_option.values():
+        if numbers is not keep_blocks:
+            _peaks_over_model_level(numbers, keep_blocks, pre, post, order, named, sides or [])
     # The head's forward with the side inputs still held: every block recomputed holds them.
     held = runs["recompute"][1].fwd_peak_bytes if sides and "recompute" in runs else post.fwd_peak_bytes
     param_bytes = [_step.storage_bytes(list(m.parameters())) for _, m in named]
@@ -203,6 +221,34 @@ def assemble(
         post_fwd_peak_held_bytes=held,
         **fixed,
     )
+
+
+def _peaks_over_model_level(
+    numbers: list[dict[str, int]], keep: list[dict[str, int]], pre: Segment, post: Segment,
+    order: list[int], named: list[tuple[str, nn.Module]], sides: list[SideInput],
+) -> None:
+    """Restate the backward peaks of one option's run (every block checkpointed the same way)
+    over the live level the cost model replays for that plan, not the level of the run itself
+    (NOTE [ Gradients live as long as the plain step's ])."""
+    names = [named[i][0] for i in order]
+    groups = SideGroups(
+        size_bytes=tuple(s.size_bytes for s in sides),
+        consumers=tuple(frozenset(names.index(n) for n in s.consumers) for s in sides),
+        savers=tuple(frozenset(names.index(n) for n in s.saved_by) for s in sides),
+        post_held_extra_bytes=0,
+    )
+    level = pre.kept_bytes + sum(numbers[i]["kept"] for i in order) + post.grad_bytes
+    for k in range(len(order) - 1, -1, -1):
+        own = numbers[order[k]]
+        model = level + groups.delta_bytes(_held_at(groups, k), k)
+        own["bwd_peak"] += own["bwd_level"] - model
+        level += keep[order[k]]["grad"] - own["kept"]
+
+
+def _held_at(groups: SideGroups, k: int) -> int:
+    """The groups a plan checkpointing every block holds at block k's backward: those with a
+    consumer at or before it."""
+    return sum(1 << g for g, users in enumerate(groups.consumers) if users and min(users) <= k)
 
 
 def _check_every_block_ran(named: list[tuple[str, nn.Module]], order: list[int]) -> None:

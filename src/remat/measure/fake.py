@@ -59,11 +59,9 @@ def _cpu_flash_bwd_flops(grad_out: Any, query: Any, key: Any, value: Any, *args:
 log = logging.getLogger(__name__)
 
 
-class _NoMemo(weakref.WeakValueDictionary):  # type: ignore[type-arg]
-    """A memo that remembers nothing (NOTE [ Converting fake parameters ])."""
-
-    def __setitem__(self, key: Any, value: Any) -> None:
-        return None
+class _StrongMemo(dict):  # type: ignore[type-arg]
+    """A memo that holds its tensors itself, without weak references (NOTE [ Converting fake
+    parameters ])."""
 
 
 @contextlib.contextmanager
@@ -76,9 +74,10 @@ def convertible_parameters(fake_mode: Any) -> Iterator[None]:
     mode's converter keeps one to every tensor it makes from a meta tensor (a memo, so that the
     same meta tensor gives the same fake tensor), new parameters included, so the first ``.to``
     in a factory fails with "Couldn't swap Embedding.weight". While a factory builds the model
-    nothing needs that memo (every tensor is new), so this mode's own converter memoises nothing
-    for that while; it is restored afterwards for the step, where real batch tensors are turned
-    into fake ones. Only this one mode object is touched: no process-wide state.
+    its memo holds them by plain references for that while (a factory may still turn real
+    constants into fake ones and look them up, as transformers' ``post_init`` does with
+    ``torch.tensor([])``); the weak memo is restored afterwards for the step. Only this one mode
+    object is touched: no process-wide state.
     """
     converter: Any = getattr(
         getattr(fake_mode, "fake_tensor_converter", None), "meta_converter", None
@@ -87,7 +86,7 @@ def convertible_parameters(fake_mode: Any) -> Iterator[None]:
     if memo is None:  # another torch: nothing to work around (tests check the conversion works)
         yield
         return
-    converter.tensor_memo = _NoMemo()
+    converter.tensor_memo = _StrongMemo()
     try:
         yield
     finally:

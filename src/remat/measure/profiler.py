@@ -16,8 +16,6 @@ kind and size share the median of their times, since they do the same work.
 from __future__ import annotations
 
 import logging
-import statistics
-import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -34,10 +32,10 @@ from remat.measure.attribution import assemble, median_times, phase_times
 from remat.measure.sides import first_tensor as _first_tensor
 from remat.measure.sides import hooks_of, note_sides, noting_saved, side_inputs
 from remat.measure.sides import storage_key as _storage_key
-from remat.measure.tracer import MemoryTracer, Trace, base_bytes
+from remat.measure.tracer import MemoryTracer, Trace, base_bytes, host_link_bytes_per_s
 from remat.models.hf import cache_off, check_layerdrop, without_cache
 from remat.plan.sharding import per_rank_profile
-from remat.records import Profile
+from remat.records import Profile, SideInput
 
 __all__ = ["ProfileError", "profile"]
 
@@ -270,11 +268,7 @@ def _measured(
                 with MemoryTracer(device) as tracer:
                     hooks = _marked_step(model, named, batch, loss_fn, optimizer, tracer.mark, keys)
                 traces[option] = (tracer.trace, hooks)
-        # A plain step that notes what each block saves: which side inputs a kept block holds.
-        saved: dict[Any, set[int]] = {}
-        with _every_block(named, "keep"):
-            saving = _marked_step(model, named, batch, loss_fn, optimizer, lambda _: None, keys, saved)
-        model.zero_grad(set_to_none=True)
+        sides = _sides(model, named, batch, loss_fn, optimizer, keys, traces["keep"][1])
         # Timed in turns, so that a change in the machine's load hits both options alike.
         runs: dict[str, list[dict[str, float]]] = {"keep": [], "selective": []}
         with _step.no_gc():
@@ -290,9 +284,9 @@ def _measured(
         named=named,
         traces=traces,
         times=times,
-        host_link_bytes_per_s=_host_link(device) if cuda else None,
+        host_link_bytes_per_s=host_link_bytes_per_s(device) if cuda else None,
         smooth=True,
-        sides=side_inputs(hooks_of(traces["keep"][1]), hooks_of(saving), saved, [n for n, _ in named]),
+        sides=sides,
         device=str(device),
         mode="measured",
         dtype=_dtype_name(model),
@@ -305,19 +299,15 @@ def _measured(
     )
 
 
-def _host_link(device: torch.device) -> float:
-    """Measured pinned host<->device copy bandwidth, bytes/s (median of a few 64 MiB copies)."""
-    host = torch.empty(64 * 2**20, dtype=torch.uint8, pin_memory=True)
-    dev = torch.empty_like(host, device=device)
-    rates = []
-    for _ in range(5):
-        torch.cuda.synchronize(device)
-        t0 = time.perf_counter()
-        dev.copy_(host, non_blocking=True)
-        host.copy_(dev, non_blocking=True)
-        torch.cuda.synchronize(device)
-        rates.append(2 * host.numel() / (time.perf_counter() - t0))
-    return statistics.median(rates)
+def _sides(model: nn.Module, named: list[tuple[str, nn.Module]], batch: Any, loss_fn: Any,
+           optimizer: Any, keys: set[int], traced: _Hooks) -> list[SideInput]:
+    """The side inputs of the step ``traced`` saw, after a plain step that notes what each block
+    saves: which side inputs a kept block holds (NOTE [ Side inputs ])."""
+    saved: dict[Any, set[int]] = {}
+    with _every_block(named, "keep"):
+        saving = _marked_step(model, named, batch, loss_fn, optimizer, lambda _: None, keys, saved)
+    model.zero_grad(set_to_none=True)
+    return side_inputs(hooks_of(traced), hooks_of(saving), saved, [n for n, _ in named])
 
 
 def _estimated(
@@ -374,6 +364,7 @@ def _estimated(
                 traces[option] = (meter.trace, hooks)
                 stamps = {m.label: m.t_ms for m in meter.marks}
                 times[option] = phase_times(stamps, hooks.order)
+        sides = _sides(model, named, fake_batch, loss_fn, opt, keys, traces["keep"][1])
         param_bytes = _step.param_bytes(model)
         opt_bytes = _step.optimizer_bytes(opt)
         data = _step.batch_bytes(fake_batch)
@@ -387,6 +378,7 @@ def _estimated(
             if spec.name != "cpu"
             else None,
             smooth=False,
+            sides=sides,
             device=spec.name,
             mode="estimated",
             dtype=_dtype_name(model),

@@ -18,6 +18,7 @@ from __future__ import annotations
 import gc
 import logging
 import statistics
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,7 +29,7 @@ from torch import nn
 from remat.errors import InvalidState, InvalidType, InvalidValue, UnknownKey
 from remat.measure import step as _step
 
-__all__ = ["MemoryTracer", "StepMemory", "TimelinePoint", "Trace", "base_bytes", "measure_step"]
+__all__ = ["MemoryTracer", "StepMemory", "TimelinePoint", "Trace", "base_bytes", "host_link_bytes_per_s", "measure_step"]
 
 log = logging.getLogger(__name__)
 
@@ -337,3 +338,18 @@ def _timeline(trace: Trace, base: int, max_points: int = 2000) -> list[TimelineP
             kept.append(peak)
             kept.sort()
     return [TimelinePoint(t_ms=t - start, live_bytes=base + live, phase=phase(t)) for t, live in kept]
+
+
+def host_link_bytes_per_s(device: torch.device) -> float:
+    """Measured pinned host<->device copy bandwidth, bytes/s (median of a few 64 MiB copies)."""
+    host = torch.empty(64 * 2**20, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty_like(host, device=device)
+    rates = []
+    for _ in range(5):
+        torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        dev.copy_(host, non_blocking=True)
+        host.copy_(dev, non_blocking=True)
+        torch.cuda.synchronize(device)
+        rates.append(2 * host.numel() / (time.perf_counter() - t0))
+    return statistics.median(rates)
