@@ -301,3 +301,23 @@ def test_example_runs(script: str, needs: list[str], filters: list[str]) -> None
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "remat plan: {" in proc.stdout and "trained 3 steps" in proc.stdout, proc.stdout
+
+
+def test_estimated_mode_builds_a_transformers_model_from_its_factory() -> None:
+    """transformers' ``post_init`` turns a real constant into a fake tensor and looks it up again
+    (NOTE [ Converting fake parameters ]); the side inputs (rotary tables, the mask) are recorded as
+    in measured mode."""
+    import transformers
+
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                                   num_attention_heads=4, num_key_value_heads=2, use_cache=False)
+    ids = torch.randint(3, 64, (4, 32), generator=torch.Generator().manual_seed(1))
+    batch = {"input_ids": ids, "labels": ids}
+    estimated = remat.profile(lambda: transformers.LlamaForCausalLM(cfg), batch, device="h100")
+    torch.manual_seed(0)
+    measured = remat.profile(transformers.LlamaForCausalLM(cfg), batch, repeats=1)
+    assert [b.name for b in estimated.blocks] == [b.name for b in measured.blocks] == [
+        f"model.layers.{i}" for i in range(4)]
+    names = [b.name for b in estimated.blocks]
+    assert estimated.side_inputs and all(s.consumers == names for s in estimated.side_inputs)
+    assert {s.size_bytes for s in measured.side_inputs} <= {s.size_bytes for s in estimated.side_inputs}
