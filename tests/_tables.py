@@ -183,7 +183,15 @@ def chains(
         for _ in range(int(rng.integers(1, 4))):
             users = [b.name for b in blocks if rng.random() < 0.7] or [blocks[-1].name]
             savers = [u for u in users if rng.random() < 0.3]
-            side_inputs.append(SideInput(size_bytes=nbytes(), consumers=users, saved_by=savers))
+            # unsaved, it may die in the forward of its last consumer or of a block after it
+            # (NOTE [ Where a side input dies ])
+            last = [b.name for b in blocks].index(users[-1])
+            dies = None
+            if not savers and rng.random() < 0.5:
+                dies = blocks[int(rng.integers(last, n))].name
+            side_inputs.append(
+                SideInput(size_bytes=nbytes(), consumers=users, saved_by=savers, dies_after=dies)
+            )
     held = post.fwd_peak_bytes + int(rng.integers(0, 1 + sum(s.size_bytes for s in side_inputs)))
     return profile(
         blocks, base=base, pre=pre, post=post, optimizer_peak=optimizer_peak, gather=gather,

@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from remat.plan.costmodel import chain_constraints, estimate, smallest_feasible
+from remat.plan.solver import optimal_picks, solve
 from remat.records import Profile
 
 
@@ -214,3 +215,36 @@ def test_brute_force_uses_the_simulation_numbers() -> None:
         choices = {b.name: brute.options[o] for b, o in zip(p.blocks, row)}
         assert estimate(p, choices).peak_bytes == peak
     assert len(list(itertools.product(brute.options, repeat=2))) == len(brute.picks)
+
+
+def test_a_side_input_that_dies_before_the_head_is_held_through_later_forwards() -> None:
+    # NOTE [ Where a side input dies ]: made for b0 and freed in its forward phase by the plain
+    # step; recomputed, b0 holds it, so b2's forward (the step's peak) runs with it live too.
+    from remat.records import SideInput
+
+    blocks = [
+        block("b0", keep=cost(60), recompute=cost(1, ms=0.5)),
+        block("b1", keep=cost(10), recompute=cost(1, ms=1.0)),
+        block("b2", keep=cost(10, fwd=500), recompute=cost(1, fwd=500, ms=1.0)),
+    ]
+    side = SideInput(size_bytes=100, consumers=["b0"], dies_after="b0")
+    p = profile(blocks, base=1000, sides=[side])
+    plain = profile(blocks, base=1000)
+    keep_b0 = {"b0": "keep", "b1": "recompute", "b2": "recompute"}
+    held = {"b0": "recompute", "b1": "keep", "b2": "recompute"}
+    assert estimate(p, keep_b0) == estimate(plain, keep_b0)
+    assert estimate(p, held).peak_bytes == estimate(plain, held).peak_bytes + 100 == 1000 + 11 + 100 + 500
+    assert estimate(p, held).peak_phase == "forward of b2"
+    chain = chain_constraints(p)
+    picks = [chain.options.index(held[b.name]) for b in p.blocks]
+    assert chain.peak_bytes(picks) == estimate(p, held).peak_bytes
+    # Blind to the side input, recomputing b0 alone (the cheapest) would fit this budget; it does
+    # not, and the fastest plan that fits keeps b0 and recomputes b1.
+    budget = 1000 + 60 + 1 + 500
+    assert estimate(plain, {"b0": "recompute", "b1": "keep", "b2": "keep"}).peak_bytes <= budget
+    plan = solve(p, budget)
+    assert plan.choices == {"b0": "keep", "b1": "recompute", "b2": "keep"}
+    assert plan.estimate.peak_bytes == budget
+    for limit in (512, 0):  # enumerated, and the search over states
+        picks = optimal_picks(chain, budget, plain_limit=limit)
+        assert picks is not None and [chain.options[o] for o in picks] == list(plan.choices.values())

@@ -1,8 +1,9 @@
 """Models that are not one chain reach what torch's checkpoint on every block reaches, and every
 plan on them is predicted to the byte (NOTE [ Gradients live as long as the plain step's ] in
-remat.measure.attribution): a ResNet with BatchNorm, whose hidden state changes shape between
-stages; a UNet, whose up path reads the down path's outputs; a model that passes a bias to every
-block."""
+remat.measure.attribution, NOTE [ Where a side input dies ] in remat.plan.sides): a ResNet with
+BatchNorm, whose hidden state changes shape between stages; a UNet, whose up path reads the down
+path's outputs; a model that passes a bias to every block; one whose first block makes the bias
+the others read, which dies before a second stack runs."""
 
 from __future__ import annotations
 
@@ -43,7 +44,64 @@ def _side() -> Case:
     return SideInput(), (torch.randint(0, 64, (8, 128)),), _side_loss
 
 
-CASES = {"resnet-batchnorm": _resnet, "unet": _unet_case, "side-input": _side}
+class _BiasBlock(nn.Module):
+    """Attention with an additive bias; the first block makes the bias (as T5's first layer makes
+    its relative position bias) and every block hands it on."""
+
+    def __init__(self, d: int, seq: int, *, makes_bias: bool) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(d)
+        self.fc1, self.fc2 = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+        self.pos = nn.Parameter(torch.zeros(seq, seq)) if makes_bias else None
+
+    def forward(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.pos is not None:
+            bias = (self.pos * 2).expand(x.shape[0], -1, -1).contiguous()
+        assert bias is not None
+        h = self.ln(x)
+        a = torch.softmax(h @ h.transpose(-1, -2) + bias, -1) @ h
+        return x + self.fc2(torch.nn.functional.gelu(self.fc1(a))), bias
+
+
+class _Mlp(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(torch.nn.functional.gelu(self.fc1(x)))
+
+
+class BlockMadeBias(nn.Module):
+    """An encoder whose first block makes the bias the others read; it dies where the encoder's
+    loop ends, before a second stack runs (NOTE [ Where a side input dies ])."""
+
+    def __init__(self, d: int = 32, seq: int = 128) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(64, d)
+        self.encoder = nn.ModuleList(_BiasBlock(d, seq, makes_bias=i == 0) for i in range(3))
+        self.decoder = nn.ModuleList(_Mlp(d) for _ in range(2))
+        self.head = nn.Linear(d, 64)
+
+    def _encode(self, x: torch.Tensor) -> torch.Tensor:
+        bias = None
+        for block in self.encoder:
+            x, bias = block(x, bias)
+        return x
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self._encode(self.emb(ids))
+        for block in self.decoder:
+            x = block(x)
+        return self.head(x)
+
+
+def _made_bias() -> Case:
+    torch.manual_seed(0)
+    return BlockMadeBias(), (torch.randint(0, 64, (8, 128)),), _side_loss
+
+
+CASES = {"resnet-batchnorm": _resnet, "unet": _unet_case, "side-input": _side, "block-made-bias": _made_bias}
 
 
 @contextmanager
@@ -83,7 +141,7 @@ def test_mixed_plans_are_predicted_to_the_byte(name: str) -> None:
     names = [b.name for b in prof.blocks]
     rng = random.Random(0)
     plans = [dict.fromkeys(names, o) for o in ("keep", "selective", "recompute")]
-    plans += [{n: rng.choice(["keep", "selective", "recompute"]) for n in names} for _ in range(4)]
+    plans += [{n: rng.choice(["keep", "selective", "recompute"]) for n in names} for _ in range(6)]
     for choices in plans:
         predicted = remat.estimate(prof, choices).peak_bytes
         assert predicted == _measured(model, batch, loss_fn, choices), choices

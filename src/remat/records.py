@@ -144,11 +144,15 @@ class SideInput:
     """The blocks it enters, in forward order."""
     saved_by: list[str] = field(default_factory=list)
     """The consumers whose forward, with the block kept, saves it for the backward (measured)."""
+    dies_after: str | None = None
+    """The block in whose forward phase the plain step frees it, when that comes before the head:
+    one a block makes and hands on dies where its stack ends (T5's position bias); None when it
+    dies in the head's forward, or, saved, in the backward (NOTE [ Where a side input dies ])."""
 
     @property
-    def signature(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    def signature(self) -> tuple[tuple[str, ...], tuple[str, ...], str | None]:
         """Side inputs with one signature live and die together under every plan."""
-        return tuple(self.consumers), tuple(self.saved_by)
+        return tuple(self.consumers), tuple(self.saved_by), self.dies_after
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -181,8 +181,12 @@ def assemble(
     pre, post, keep_blocks, optimizer_peak = attribute(trace_keep, hooks_keep, len(named))
     runs = {o: attribute(*traces[o], len(named)) for o in ("selective", "recompute") if o in traces}
     per_option = {"keep": keep_blocks} | {option: run[2] for option, run in runs.items()}
+    index = {name: i for i, (name, _) in enumerate(named)}
     for numbers in per_option.values():
         if numbers is not keep_blocks:
+            for side in sides or []:  # NOTE [ Where a side input dies ] in remat.plan.sides
+                if side.dies_after is not None:
+                    numbers[index[side.dies_after]]["kept"] -= side.size_bytes
             _peaks_over_model_level(numbers, keep_blocks, pre, post, order, named, sides or [])
     # The head's forward with the side inputs still held: every block recomputed holds them.
     held = runs["recompute"][1].fwd_peak_bytes if sides and "recompute" in runs else post.fwd_peak_bytes

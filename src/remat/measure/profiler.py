@@ -30,7 +30,7 @@ from remat.manual.options import option_of, set_option
 from remat.measure import step as _step
 from remat.measure.attribution import assemble, median_times, phase_times
 from remat.measure.sides import first_tensor as _first_tensor
-from remat.measure.sides import hooks_of, note_sides, noting_saved, side_inputs
+from remat.measure.sides import hooks_of, note_sides, noting_deaths, noting_saved, side_inputs
 from remat.measure.sides import storage_key as _storage_key
 from remat.measure.tracer import MemoryTracer, Trace, base_bytes, host_link_bytes_per_s
 from remat.models.hf import cache_off, check_layerdrop, without_cache
@@ -111,6 +111,8 @@ class _Hooks:
         self.sides: dict[int, list[tuple[int, int]]] = {}  # block -> (storage key, bytes) of side inputs
         self.firsts: set[int] = set()  # storages of the blocks' first inputs and outputs
         self.running: list[int] = []
+        self.deaths: dict[int, tuple[int, bool]] = {}  # NOTE [ Where a side input dies ]
+        self.forward_done = False
         self.handles = []
         for i, (_, module) in enumerate(named):
             self.handles.append(module.register_forward_pre_hook(self._pre(i), with_kwargs=True))
@@ -172,7 +174,7 @@ def _marked_step(
     hooks = _Hooks(named, mark)
     hooks.base_keys = base_keys or set()
     try:
-        with noting_saved(hooks, saved):
+        with noting_saved(hooks, saved), noting_deaths(hooks, model):
             _step.train_step(model, batch, loss_fn, optimizer, mark=mark)
     finally:
         hooks.remove()

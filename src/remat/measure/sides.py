@@ -12,6 +12,7 @@ the part before the blocks saves (it lives to the end of the backward under ever
 from __future__ import annotations
 
 import gc
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, Protocol
@@ -23,7 +24,8 @@ from remat.measure import step as _step
 from remat.records import SideInput
 
 __all__ = [
-    "SeenSides", "first_tensor", "hooks_of", "note_sides", "noting_saved", "side_inputs", "storage_key",
+    "SeenSides", "first_tensor", "hooks_of", "note_sides", "noting_deaths", "noting_saved", "side_inputs",
+    "storage_key",
 ]  # fmt: skip
 
 
@@ -33,6 +35,10 @@ class SeenSides(Protocol):
     firsts: set[int]
     base_keys: set[int]
     running: list[int]
+    deaths: dict[int, tuple[int, bool]]
+    """Storage key -> (forward position of the last block started, whether it had ended) when
+    the storage was freed before the model's forward returned (NOTE [ Where a side input dies ])."""
+    forward_done: bool
 
 
 def storage_key(t: torch.Tensor) -> int:
@@ -59,6 +65,25 @@ def note_sides(hooks: SeenSides, i: int, x: torch.Tensor | None, inputs: Any) ->
         if storage_key(t) not in seen and (x is None or t.device == x.device):
             seen.add(storage_key(t))
             hooks.sides[i].append((storage_key(t), t.untyped_storage().nbytes()))
+            if storage_key(t) not in hooks.deaths:
+                weakref.finalize(t.untyped_storage(), _died, hooks, storage_key(t))
+
+
+def _died(hooks: SeenSides, key: int) -> None:
+    if not hooks.forward_done and hooks.order:
+        hooks.deaths[key] = (len(hooks.order) - 1, hooks.order[-1] not in hooks.running)
+
+
+@contextmanager
+def noting_deaths(hooks: SeenSides, model: torch.nn.Module) -> Iterator[None]:
+    """Note on ``hooks`` where the side inputs die before ``model``'s forward returns."""
+    hooks.forward_done = False
+    handle = model.register_forward_hook(lambda *_: setattr(hooks, "forward_done", True))
+    try:
+        yield
+    finally:
+        handle.remove()
+        hooks.forward_done = True  # a storage freed later, in the backward or after, dies there
 
 
 @contextmanager
@@ -105,7 +130,7 @@ def side_inputs(
             "remat plans steps that repeat (check for randomness in the model's forward)"
         )
     records = []
-    for (_, nbytes, users), (key, _, _) in zip(seen, again):
+    for (traced_key, nbytes, users), (key, _, _) in zip(seen, again):
         if key in saved.get("pre", set()):
             continue
         records.append(
@@ -113,6 +138,18 @@ def side_inputs(
                 size_bytes=nbytes,
                 consumers=[names[i] for i in users],
                 saved_by=[names[i] for i in users if key in saved.get(i, set())],
+                dies_after=_dies_after(traced, traced_key, names),
             )
         )
     return records
+
+
+def _dies_after(hooks: SeenSides, key: int, names: list[str]) -> str | None:
+    """The block in whose forward phase the side input died, or None: in the head's forward
+    (after the last block ended) or later."""
+    if key not in hooks.deaths:
+        return None
+    position, ended = hooks.deaths[key]
+    if position == len(hooks.order) - 1 and ended:
+        return None
+    return names[hooks.order[position]]

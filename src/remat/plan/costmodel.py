@@ -75,9 +75,10 @@ def _phases(profile: Profile, costs: Sequence[OptionCost], options: Sequence[str
     for phase in step_phases(len(costs)):
         kept, transient, grad = _numbers(profile, costs, phase)
         extra = 0
-        if phase.stage == "backward" and phase.part == "block":
+        if phase.part == "block":
             assert phase.block is not None
-            extra = sides.delta_bytes(held[phase.block], phase.block)
+            added = sides.delta_bytes if phase.stage == "backward" else sides.fwd_delta_bytes
+            extra = added(held[phase.block], phase.block)
         elif phase.stage == "backward" and phase.part == "post":
             extra = sides.delta_bytes(last, None)
         elif phase.stage == "forward" and phase.part == "post":
@@ -205,13 +206,18 @@ class ChainConstraints:
     """[block][state]: bytes the held side inputs add to the block's backward."""
     tail_held_bytes: tuple[int, ...] = ()
     """[state]: the head's candidate minus all kept bytes, with that state at the end."""
+    fwd_delta_bytes: tuple[tuple[int, ...], ...] = ()
+    """[block][state]: bytes held side inputs add to its forward (NOTE [ Where a side input dies ])."""
 
     def need_at(self, i: int, o: int, held: int) -> int:
         """Block i's candidate with option o, minus the prefix, in state ``held`` (which includes
         the option's own holds)."""
         if not self.holds:
             return self.need_bytes[i][o]
-        return max(self.fwd_need_bytes[i][o], self.bwd_need_bytes[i][o] + self.delta_bytes[i][held])
+        return max(
+            self.fwd_need_bytes[i][o] + self.fwd_delta_bytes[i][held],
+            self.bwd_need_bytes[i][o] + self.delta_bytes[i][held],
+        )
 
     def tail_at(self, held: int) -> int:
         return self.tail_held_bytes[held] if self.holds else self.tail_bytes
@@ -298,11 +304,12 @@ def chain_constraints(profile: Profile, options: Sequence[str] | None = None) ->
             options=options, kept_bytes=kept, need_bytes=tuple(tuple(r) for r in needs),
             extra_ms=extra_ms, tail_bytes=max(tail_fwd, tail_bwd), fixed_bytes=fixed,
         )  # fmt: skip
-    holds, delta, tails, low = sides.tables(options, fwds, bwds, tail_fwd, tail_bwd)
+    holds, delta, fwd_delta, tails, low = sides.tables(options, fwds, bwds, tail_fwd, tail_bwd)
     return ChainConstraints(
         options=options, kept_bytes=kept, need_bytes=low, extra_ms=extra_ms, tail_bytes=tails[0],
         fixed_bytes=fixed, holds=holds, fwd_need_bytes=tuple(tuple(r) for r in fwds),
         bwd_need_bytes=tuple(tuple(r) for r in bwds), delta_bytes=delta, tail_held_bytes=tails,
+        fwd_delta_bytes=fwd_delta,
     )  # fmt: skip
 
 

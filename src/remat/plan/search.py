@@ -104,9 +104,9 @@ class _Table:
     cell_bytes: int = 1
     rest: np.ndarray | None = None
     """[i, K // cell_bytes]: a lower bound on the ticks blocks i.. add to fit the budget."""
-    sides: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] | None = None
+    sides: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]] | None = None
     """With side inputs: per block, the useful options' holds, forward and backward candidates,
-    and [state] the bytes held side inputs add to its backward."""
+    and [state] the bytes held side inputs add to its backward and to its forward."""
     tails: np.ndarray | None = None
     """With side inputs: [state] the head's candidate."""
 
@@ -123,9 +123,10 @@ class _Table:
             fwd = np.array(chain.fwd_need_bytes, dtype=np.int64).reshape(n, width)
             bwd = np.array(chain.bwd_need_bytes, dtype=np.int64).reshape(n, width)
             delta = np.array(chain.delta_bytes, dtype=np.int64).reshape(n, -1)
+            fwd_delta = np.array(chain.fwd_delta_bytes, dtype=np.int64).reshape(n, -1)
             useful = _undominated(kept, fwd, ticks, bwd, holds)
             sides = [
-                (holds[i, c], fwd[i, c], bwd[i, c], delta[i])
+                (holds[i, c], fwd[i, c], bwd[i, c], delta[i], fwd_delta[i])
                 for i, c in enumerate(np.flatnonzero(r) for r in useful)
             ]
             tails = np.array(chain.tail_held_bytes, dtype=np.int64)
@@ -188,9 +189,9 @@ def _search(
             cH = np.repeat(H, cols.size)
             cP = np.maximum(P[:, None], K[:, None] + need).ravel()
         else:
-            holds, fwd, bwd, delta = table.sides[i]
+            holds, fwd, bwd, delta, fwd_delta = table.sides[i]
             now = H[:, None] | holds
-            term = np.maximum(fwd, bwd + delta[now])
+            term = np.maximum(fwd + fwd_delta[now], bwd + delta[now])
             cH, cP = now.ravel(), np.maximum(P[:, None], K[:, None] + term).ravel()
         drop = (cP > table.budget_bytes) | (cK > table.room[i + 1, cH])
         hope = None

@@ -15,6 +15,16 @@ Side inputs with the same consumers and savers live and die together: they form 
 a plan's state is the set of groups held so far, a bit mask over forward order. Every quantity the
 solvers need depends on the blocks before block j only through that mask, so the exact search
 carries it (``remat.plan.search``). Pure: no torch.
+
+# NOTE [ Where a side input dies ]
+Not every side input lives to the head: one a block makes and hands to the blocks after it dies
+where its stack's loop ends (T5's first layer makes the relative position bias; it dies with the
+encoder). The profile says so (``SideInput.dies_after``, the block in whose forward phase the
+plain step frees it), and its numbers are stated as if every run freed it there (the runs with
+every block checkpointed hold it instead: ``remat.measure.attribution`` takes it off that block's
+kept bytes). Held by a plan, it then adds its bytes to the forward of every block after that one
+and to the head's forward, as well as to the backward phases as above. Its consumers all run by
+then, so whether it is held is known from the state before the block.
 """
 
 from __future__ import annotations
@@ -46,6 +56,24 @@ class SideGroups:
     """[group]: the consumers whose kept forward saves them."""
     post_held_extra_bytes: int
     """How much higher the head's forward peaks when the side inputs are held through it."""
+    dies_after: tuple[int | None, ...] = ()
+    """[group]: the block (forward position) in whose forward the plain step frees them, or None
+    (NOTE [ Where a side input dies ]); empty: None for every group."""
+
+    def _dies(self, g: int) -> int | None:
+        return self.dies_after[g] if self.dies_after else None
+
+    def fwd_delta_bytes(self, held: int, block: int | None) -> int:
+        """Bytes live at the start of ``block``'s forward (None: the head's) with ``held`` held,
+        over what the plain step has live there: the held groups it freed in an earlier block's
+        forward (NOTE [ Where a side input dies ])."""
+        return sum(
+            b
+            for g, b in enumerate(self.size_bytes)
+            if held >> g & 1
+            and (d := self._dies(g)) is not None
+            and (block is None or d < block)
+        )
 
     @property
     def masks(self) -> int:
@@ -81,20 +109,22 @@ class SideGroups:
         longer = sum(
             b
             for g, b in enumerate(self.size_bytes)
-            if held >> g & 1 and not self.savers[g]  # the plain step frees these in the head
+            # the plain step frees these in the head
+            if held >> g & 1 and not self.savers[g] and self._dies(g) is None
         )
-        return min(self.post_held_extra_bytes, longer)
+        return min(self.post_held_extra_bytes, longer) + self.fwd_delta_bytes(held, None)
 
     def tables(
         self, options: Sequence[str], fwds: Rows, bwds: Rows, tail_fwd: int, tail_bwd: int
-    ) -> tuple[Table, Table, tuple[int, ...], Table]:
+    ) -> tuple[Table, Table, Table, tuple[int, ...], Table]:
         """The columns of ``ChainConstraints`` with side inputs, from the replay's forward and
         backward candidates per [block][option]: the holds, [block][state] the bytes added to the
-        backward, [state] the head's candidate, and each need in the lowest state it can be in
-        (its own holds alone; a lower bound for ``need_bytes``)."""
+        backward and to the forward, [state] the head's candidate, and each need in the lowest
+        state it can be in (its own holds alone; a lower bound for ``need_bytes``)."""
         n, states = len(fwds), range(self.masks)
         holds = tuple(tuple(self.holds(i, o) for o in options) for i in range(n))
         delta = tuple(tuple(self.delta_bytes(h, i) for h in states) for i in range(n))
+        fwd_delta = tuple(tuple(self.fwd_delta_bytes(h, i) for h in states) for i in range(n))
         tails = tuple(
             max(tail_fwd + self.post_fwd_extra_bytes(h), tail_bwd + self.delta_bytes(h, None))
             for h in states
@@ -103,19 +133,20 @@ class SideGroups:
             tuple(max(f, b + delta[i][h]) for f, b, h in zip(fwds[i], bwds[i], holds[i]))
             for i in range(n)
         )
-        return holds, delta, tails, low
+        return holds, delta, fwd_delta, tails, low
 
 
 def side_groups(profile: Profile) -> SideGroups:
     """The side inputs of ``profile`` grouped by consumers and savers, in first-seen order."""
     index = {b.name: i for i, b in enumerate(profile.blocks)}
-    groups: dict[tuple[tuple[str, ...], tuple[str, ...]], int] = {}
+    groups: dict[tuple[tuple[str, ...], tuple[str, ...], str | None], int] = {}
     for side in profile.side_inputs:
         groups[side.signature] = groups.get(side.signature, 0) + side.size_bytes
     return SideGroups(
         size_bytes=tuple(groups.values()),
-        consumers=tuple(frozenset(index[n] for n in users if n in index) for users, _ in groups),
-        savers=tuple(frozenset(index[n] for n in savers if n in index) for _, savers in groups),
+        consumers=tuple(frozenset(index[n] for n in users if n in index) for users, _, _ in groups),
+        savers=tuple(frozenset(index[n] for n in savers if n in index) for _, savers, _ in groups),
+        dies_after=tuple(index.get(d) if d is not None else None for _, _, d in groups),
         post_held_extra_bytes=max(0, profile.post_fwd_peak_held_bytes - profile.post.fwd_peak_bytes)
         if profile.side_inputs
         else 0,
