@@ -75,7 +75,8 @@ def causal_lm_head(model: nn.Module) -> str | None:
     config = getattr(model, "config", None)
     if any(getattr(config, key, None) not in (None, 1, 1.0) for key in _LOGIT_TRANSFORMS):
         return None
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    get = getattr(model, "get_output_embeddings", None)
+    head = get() if callable(get) else None
     if not isinstance(head, nn.Linear):
         return None
     return next((name for name, m in model.named_modules() if m is head), None)
@@ -110,13 +111,13 @@ def clear_head(model: nn.Module, head_name: str | None = None) -> None:
 class _Placeholder:
     """``lm_head``'s stand-in while the chunked loss runs: notes its input, returns no logits."""
 
-    def __init__(self, head: nn.Linear) -> None:
-        self.head = head
+    def __init__(self, head: nn.Module) -> None:
+        self.out_features = int(getattr(head, "out_features"))
         self.hidden: torch.Tensor | None = None
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         self.hidden = hidden
-        return hidden.new_zeros(()).expand(*hidden.shape[:-1], self.head.out_features)
+        return hidden.new_zeros(()).expand(*hidden.shape[:-1], self.out_features)
 
 
 class ChunkedHeadForward:
