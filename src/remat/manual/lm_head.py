@@ -112,7 +112,7 @@ class _Placeholder:
     """``lm_head``'s stand-in while the chunked loss runs: notes its input, returns no logits."""
 
     def __init__(self, head: nn.Module) -> None:
-        self.out_features = int(head.out_features)
+        self.out_features: int = head.out_features  # type: ignore[assignment]
         self.hidden: torch.Tensor | None = None
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
