@@ -134,7 +134,7 @@ def test_a_planned_chunk_size_overrides_the_call_and_is_noted() -> None:
     with noting_heads() as seen:
         remat.chunked_cross_entropy(hidden, head, targets)
         remat.chunked_cross_entropy(hidden, head, targets)
-    assert seen == [head]
+    assert seen == [(head, 50)]
     set_head_chunk(head, 5)
     assert head_chunk_of(head) == 5
     torch.testing.assert_close(

@@ -178,9 +178,9 @@ def test_profile_json_round_trip_and_old_schema(tmp_path: object) -> None:
     again = Profile.from_json(prof.to_json())
     assert again == prof
     data = json.loads(prof.to_json())
-    for old in (0, 1):  # 1: before side inputs (NOTE [ Side inputs ])
+    for old in (0, 1, 2):  # 1: before side inputs (NOTE [ Side inputs ]); 2: before head options
         data["schema_version"] = old
-        with pytest.raises(RecordError, match=f"schema version {old}, but this remat reads version 2"):
+        with pytest.raises(RecordError, match=f"schema version {old}, but this remat reads version 3"):
             Profile.from_json(json.dumps(data))
     with pytest.raises(RecordError, match="expected a remat profile record"):
         Profile.from_json(json.dumps({"kind": "plan"}))

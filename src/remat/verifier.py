@@ -147,7 +147,7 @@ def verify_many(
     loss_fn = _step.resolve_loss_fn(loss_fn)
     unique: dict[tuple[tuple[str, str], ...], Plan] = {}
     for plan in plans:
-        if any(option != "keep" for option in plan.choices.values()):
+        if plan.head != "keep" or any(option != "keep" for option in plan.choices.values()):
             unique.setdefault(_key(plan), plan)
     previous = applied_plan(model)
     try:
@@ -200,7 +200,7 @@ def verify_many(
 
 
 def _key(plan: Plan) -> tuple[tuple[str, str], ...]:
-    return tuple(sorted(plan.choices.items()))
+    return (*sorted(plan.choices.items()), ("(head)", plan.head))
 
 
 def _compare(plain: list[torch.Tensor], planned: list[torch.Tensor]) -> tuple[float, bool]:

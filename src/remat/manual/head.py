@@ -52,7 +52,7 @@ __all__ = [
 
 _CHUNK_ATTR = "_remat_head_chunk"
 _REDUCTIONS = ("mean", "sum", "none")
-_noting: list[list[nn.Module]] = []  # the open ``noting_heads`` records (NOTE [ A planned head ])
+_noting: list[list[tuple[nn.Module, int]]] = []  # open ``noting_heads`` records (NOTE [ A planned head ])
 
 
 def chunked_cross_entropy(
@@ -88,8 +88,8 @@ def chunked_cross_entropy(
     _check(hidden, weight, bias, targets, chunk_size, reduction)
     if isinstance(head, nn.Module):
         for record in _noting:
-            if all(h is not head for h in record):
-                record.append(head)
+            if all(h is not head for h, _ in record):
+                record.append((head, targets.numel()))
         chunk_size = head.__dict__.get(_CHUNK_ATTR) or chunk_size
     if shift:
         targets = F.pad(targets[..., 1:], (0, 1), value=ignore_index)
@@ -97,7 +97,7 @@ def chunked_cross_entropy(
     flat_targets = targets.reshape(-1)
     valid = flat_targets != ignore_index
     bad = valid & ((flat_targets < 0) | (flat_targets >= weight.shape[0]))
-    if bool(bad.any()):
+    if not _is_fake(bad) and bool(bad.any()):
         first = int(flat_targets[bad][0])
         raise InvalidValue(
             f"chunked_cross_entropy: target {first} is out of range for a head of "
@@ -109,6 +109,13 @@ def chunked_cross_entropy(
         return losses.reshape(targets.shape)
     total = losses.sum()
     return total if reduction == "sum" else total / valid.sum()
+
+
+def _is_fake(t: torch.Tensor) -> bool:
+    """A fake tensor (estimated mode) has no values to check."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(t, FakeTensor)
 
 
 def _head_params(head: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -236,9 +243,10 @@ class _ChunkedCE(torch.autograd.Function):
 
 
 @contextlib.contextmanager
-def noting_heads() -> Iterator[list[nn.Module]]:
-    """Note every head module ``chunked_cross_entropy`` receives while the block runs."""
-    record: list[nn.Module] = []
+def noting_heads() -> Iterator[list[tuple[nn.Module, int]]]:
+    """Note every head module ``chunked_cross_entropy`` receives while the block runs, with the
+    number of tokens of its first call."""
+    record: list[tuple[nn.Module, int]] = []
     _noting.append(record)
     try:
         yield record
