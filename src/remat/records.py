@@ -71,16 +71,19 @@ PLAN_SCHEMA = 2  # 2: the head's option
 # ``BlockProfile.options``, a Plan's ``choices``, ``remat.apply``, the per-module
 # ``remat.option_of``, the command line and the docs. The manual API (``remat.checkpoint_call``,
 # ``checkpoint_module``, ``checkpoint_sequential``) takes one as ``mode=``: every option but
-# ``keep`` (which is not checkpointing), ``recompute`` first as its default.
+# ``keep`` (which is not checkpointing), ``recompute`` first as its default. ``tiled`` (the block
+# kept, its MLP run over the sequence in tiles, each recomputed: NOTE [ The tiled MLP ] in
+# ``remat.manual.tiled``) is an option of a block's MLP, not a checkpoint of the block: it is
+# offered for blocks with an MLP remat can find, and is no ``mode=`` of the manual API.
 
 #: What a block does with its activations (NOTE [ One option vocabulary ]).
-Option: TypeAlias = Literal["keep", "selective", "recompute", "offload", "recompute_offload"]
+Option: TypeAlias = Literal["keep", "tiled", "selective", "recompute", "offload", "recompute_offload"]
 #: Every option a block can take, in order from most memory to least extra time.
 OPTIONS: tuple[Option, ...] = get_args(Option)
-#: The options a checkpoint runs with: every option but ``keep``, the default first.
+#: The options a checkpoint runs with: every option but ``keep`` and ``tiled``, the default first.
 CheckpointOption: TypeAlias = Literal["recompute", "selective", "offload", "recompute_offload"]
 CHECKPOINT_OPTIONS: tuple[CheckpointOption, ...] = get_args(CheckpointOption)
-assert set(CHECKPOINT_OPTIONS) == set(OPTIONS) - {"keep"}
+assert set(CHECKPOINT_OPTIONS) == set(OPTIONS) - {"keep", "tiled"}
 
 
 @dataclass(frozen=True, kw_only=True)

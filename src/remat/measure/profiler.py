@@ -4,7 +4,7 @@ The profiler measures; it never decides. It runs whole training steps with every
 option at a time (keep, selective, recompute), with marks at each block's forward and backward
 boundaries, and turns the live-bytes trace into the per-block numbers of a ``Profile`` (NOTE [ From
 a trace to a Profile ] in ``remat.measure.attribution``); then the head's options
-(``remat.measure.heads``) with the same marked step.
+(``remat.measure.heads``) and the tiled MLP (``remat.measure.tiles``) with the same marked step.
 
 Time: per-block forward and backward times come from separate timed steps (medians; profiling slows
 a step) in measured mode, and from the roofline clock in estimated mode. Recompute costs one forward
@@ -36,6 +36,7 @@ from remat.measure.runner import StepRunner
 from remat.measure.sides import first_tensor as _first_tensor
 from remat.measure.sides import hooks_of, note_sides, noting_saved, side_inputs
 from remat.measure.sides import storage_key as _storage_key
+from remat.measure.tiles import add_tiles, measure_tiles
 from remat.measure.tracer import MemoryTracer, Trace, base_bytes
 from remat.models.hf import cache_off, check_layerdrop, without_cache
 from remat.plan.sharding import per_rank_profile
@@ -271,8 +272,9 @@ def _measured(
         runner = StepRunner(marked, model, device=device, repeats=repeats)
         timed = runner.times([functools.partial(_every_block, named, o) for o in ("keep", "selective")])
         times.update(zip(("keep", "selective"), timed))
-        heads = measure_heads(model, named, runner)  # NOTE [ The head's options ] in remat.records
-    return add_heads(assemble(
+        # NOTE [ The head's options ] in remat.records; NOTE [ The tiled MLP ] in remat.manual.tiled
+        heads, tiles = measure_heads(model, named, runner), measure_tiles(named, runner)
+    return add_tiles(add_heads(assemble(
         model=model,
         named=named,
         traces=traces,
@@ -289,7 +291,7 @@ def _measured(
         optimizer_bytes=opt_bytes,
         batch_bytes=_step.batch_bytes(batch),
         device_memory_bytes=torch.cuda.get_device_properties(device).total_memory if cuda else None,
-    ), heads)
+    ), heads), tiles)
 
 
 def _host_link(device: torch.device) -> float:
@@ -366,8 +368,9 @@ def _estimated(
         data = _step.batch_bytes(fake_batch)
         buffers = _step.storage_bytes(list(model.buffers()))
         marked = functools.partial(_marked_step, model, named, fake_batch, loss_fn, opt, base_keys=keys)
-        heads = measure_heads(model, named, StepRunner(marked, model, spec=spec))
-        return add_heads(assemble(
+        runner = StepRunner(marked, model, spec=spec)
+        heads, tiles = measure_heads(model, named, runner), measure_tiles(named, runner)
+        return add_tiles(add_heads(assemble(
             model=model,
             named=named,
             traces=traces,
@@ -385,4 +388,4 @@ def _estimated(
             optimizer_bytes=opt_bytes,
             batch_bytes=data,
             device_memory_bytes=spec.memory_bytes,
-        ), heads)
+        ), heads), tiles)
