@@ -18,7 +18,11 @@ the price is one more head matmul per step. The per-token losses come out of the
 and the reduction (mean over the tokens whose target is not ``ignore_index``, or sum) is plain
 autograd after it, so ``reduction="none"`` and any later use of the losses work too. Under autocast
 the matmuls run in autocast's dtype in both passes, as the plain ``head(hidden).float()`` does; the
-order of the weight gradient's sums differs, so gradients agree to round-off, not bit for bit.
+order of the weight gradient's sums differs, so gradients agree to round-off, not bit for bit. The
+weight's gradient is summed over the chunks in the weight's own dtype (fp32 for fp32 weights, with
+or without autocast; a bf16 weight's is rounded once per chunk, as gradient accumulation over
+micro-batches rounds it), never in an fp32 copy of a bf16 weight: at a 128k vocabulary that copy
+would outweigh the chunks.
 
 # NOTE [ A planned head ]
 The planner treats the head as a part of the step with options (``keep``, ``chunked:<tokens>``).
@@ -208,7 +212,9 @@ class _ChunkedCE(torch.autograd.Function):
         enabled, dtype = ctx.autocast
         needs = ctx.needs_input_grad
         grad_hidden = torch.empty_like(hidden) if needs[0] else None
-        grad_weight = torch.zeros_like(weight, dtype=torch.float32) if needs[1] else None
+        # In the weight's dtype (NOTE [ The chunked head ]): an fp32 copy of a bf16 head's gradient
+        # would cost twice the gradient itself, at a 128k vocabulary more than the chunks.
+        grad_weight = torch.zeros_like(weight) if needs[1] else None
         grad_bias = torch.zeros_like(bias, dtype=torch.float32) if bias is not None and needs[2] else None
         scale = grad_losses.float().where(valid, 0.0)
         n, step = hidden.shape[0], ctx.chunk_size
@@ -226,14 +232,16 @@ class _ChunkedCE(torch.autograd.Function):
                 del g
                 if grad_hidden is not None:
                     grad_hidden[start:end] = g_low @ weight.to(g_low.dtype)
-                if grad_weight is not None:
+                if grad_weight is not None and grad_weight.dtype == g_low.dtype:
+                    grad_weight.addmm_(g_low.t(), h.to(g_low.dtype))
+                elif grad_weight is not None:
                     grad_weight += g_low.t() @ h.to(g_low.dtype)
                 if grad_bias is not None:
                     grad_bias += g_low.float().sum(0)
                 del g_low
         return (
             grad_hidden,
-            grad_weight.to(weight.dtype) if grad_weight is not None else None,
+            grad_weight,
             grad_bias.to(bias.dtype) if grad_bias is not None else None,
             None, None, None,
         )  # fmt: skip

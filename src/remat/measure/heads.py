@@ -74,12 +74,15 @@ def measure_heads(model: nn.Module, named: Sequence[tuple[str, nn.Module]], runn
         return lambda: _head(model, name, option, causal_lm)
 
     segments: dict[str, Segment] = {}
+    times: list[dict[str, float]] = [{}]  # estimated mode: the traced steps' roofline times
     with every_block(named, "keep"):
         for option in options:
             with _head(model, name, option, causal_lm):
-                trace, hooks, _ = runner.traced()
+                trace, hooks, roofline = runner.traced()
             segments[option] = attribute(trace, hooks, len(named))[1]
-        times = runner.times([config(HEAD_KEEP), *(config(o) for o in options)])
+            times.append(roofline)
+        if not runner.estimated:
+            times = runner.times([config(HEAD_KEEP), *(config(o) for o in options)])
     for option, t in zip(options, times[1:]):
         segments[option] = dataclasses.replace(segments[option], fwd_ms=t["post_fwd"], bwd_ms=t["post_bwd"])
     keep = None if runner.estimated else times[0]

@@ -33,9 +33,13 @@ def measure_tiles(named: Sequence[tuple[str, nn.Module]], runner: StepRunner) ->
         return {}
     options = ["tiled" if o else "keep" for o in offered]
     with every_block(named, options):
-        trace, hooks, _ = runner.traced()
+        trace, hooks, tiled = runner.traced()
     numbers = attribute(trace, hooks, len(named))[2]
-    keep, tiled = runner.times([lambda: every_block(named, "keep"), lambda: every_block(named, options)])
+    if runner.estimated:  # the roofline's times: the traced step's, and one kept step's
+        with every_block(named, "keep"):
+            keep = runner.traced()[2]
+    else:
+        keep, tiled = runner.times([lambda: every_block(named, "keep"), lambda: every_block(named, options)])
     extra = {}
     for i, (_, module) in enumerate(named):
         if offered[i]:
