@@ -172,15 +172,17 @@ def estimated_part(layers: int) -> str:
         lows = []
         for label, p in (("as written", plain), ("chunked_cross_entropy, planned", chunked)):
             p = per_rank_profile(p, world_size=ranks, fsdp=ranks > 1)
-            low = min(smallest_feasible(with_head(p, h))[0] for h in head_names(p))
+            low, where_low = min(smallest_feasible(with_head(p, h)) for h in head_names(p))
             lows.append(low)
             fit = _fastest_fit(p)
             where = f"head {fit.head}; {_choices(fit)}" if fit else "none fits"
             over = f"{fit.estimate.overhead:+.1%}" if fit else "-"
             rows.append(f"| {'1' if ranks == 1 else f'{ranks} (FSDP)'} | {label} | "
                         f"{format_bytes(p.plain_peak_bytes)} | {format_bytes(low)} | {where} | {over} |")  # fmt: skip
-        summary.append(f"{format_bytes(lows[0] - lows[1])} ({(lows[0] - lows[1]) / lows[0]:.1%}) on "
-                       f"{'one GPU' if ranks == 1 else f'each of {ranks} FSDP ranks'}")  # fmt: skip
+        gain = max(lows[0] - lows[1], 0) if abs(lows[0] - lows[1]) >= MIB else 0
+        summary.append(f"{format_bytes(gain)} ({gain / lows[0]:.1%}) on "
+                       f"{'one GPU' if ranks == 1 else f'each of {ranks} FSDP ranks'} (there, with the "
+                       f"head option, {where_low})")  # fmt: skip
     return (
         f"### Estimated: Llama-3-8B shape (vocab 128256, seq 8192, batch 1, bf16, AdamW, {layers} layers) "
         f"on an H100\n\nThe head option lowers the smallest feasible peak by {' and by '.join(summary)}; "

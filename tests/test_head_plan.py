@@ -198,3 +198,36 @@ def test_llama_32k_below_45_percent_of_plain_with_equal_loss_and_grads() -> None
     remat.remove(model)
     assert "forward" not in model.__dict__
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+def test_tables_show_the_head_option() -> None:
+    from rich.console import Console
+
+    from remat.report.tables import plan_table, profile_table
+
+    prof = _headed()
+    console = Console(width=200, record=True)
+    console.print(plan_table(solve(prof, 300), prof))
+    console.print(profile_table(prof))
+    text = console.export_text()
+    assert "(head) head" in text and "chunked:64" in text and "(after blocks, head chunked:32)" in text
+
+
+# --- estimated: the Llama-3-8B shape on an H100, two layers (the head does not depend on depth) -----
+
+
+def test_llama3_8b_head_option_lowers_the_floor_in_estimated_mode() -> None:
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    out = subprocess.run(
+        [sys.executable, "benchmarks/head.py", "--part", "estimated", "--layers", "2", "--out", "/dev/null"],
+        cwd=root, capture_output=True, text=True, timeout=300, check=True,
+    )
+    text = out.stdout
+    assert "head options ['chunked:4096', 'chunked:2048', 'chunked:1024']" in text, text
+    lines = [line for line in text.splitlines() if line.startswith("| 8 (FSDP)")]
+    floors = [float(line.split("|")[4].split()[0]) for line in lines]  # GiB, as written then chunked
+    assert len(floors) == 2 and floors[0] - floors[1] > 2.0, text  # the 128k-vocabulary head's logits
