@@ -35,7 +35,7 @@ from remat.plan.costmodel import smallest_feasible
 from remat.plan.head import head_names, with_head
 from remat.plan.sharding import per_rank_profile
 from remat.plan.solver import frontier, solve
-from remat.records import Plan, Profile
+from remat.records import Plan, Profile, Segment
 from remat.units import format_bytes
 
 MIB = 2**20
@@ -56,29 +56,34 @@ def _choices(plan: Plan) -> str:
 
 def measured_part(repeats: int, points: int) -> str:
     model, batch, loss_fn = llama_32k()
-    plain = remat.measure_step(model, batch, loss_fn=loss_fn, repeats=0)
+    plain = remat.measure_step(model, batch, loss_fn=loss_fn, repeats=repeats)
+    assert plain.step_ms is not None
     t0 = time.perf_counter()
     prof = remat.profile(model, batch, loss_fn=loss_fn, repeats=repeats)
     profile_s = time.perf_counter() - t0
     without = dataclasses.replace(prof, head_options={})
-    rows = ["| head options | head | blocks | predicted peak | measured peak | of plain | predicted overhead |",
-            "| --- | --- | --- | ---: | ---: | ---: | ---: |"]  # fmt: skip
+    rows = ["| head options | head | blocks | predicted peak | measured peak | of plain | predicted overhead | "
+            "measured overhead |", "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: |"]  # fmt: skip
     smallest: dict[str, Plan] = {}
     for label, p in (("without", without), ("with", prof)):
         plans = frontier(p, points=points)
         smallest[label] = plans[-1]
         for plan in plans:
             remat.apply(model, plan)
-            peak = remat.measure_step(model, batch, loss_fn=loss_fn, repeats=0).peak_bytes
+            mem = remat.measure_step(model, batch, loss_fn=loss_fn, repeats=repeats)
             remat.remove(model)
+            peak, ms = mem.peak_bytes, mem.step_ms or 0.0
             rows.append(
                 f"| {label} | {plan.head} | {_choices(plan)} | {format_bytes(plan.estimate.peak_bytes)} | "
-                f"{format_bytes(peak)} | {peak / plain.peak_bytes:.1%} | {plan.estimate.overhead:+.1%} |"
+                f"{format_bytes(peak)} | {peak / plain.peak_bytes:.1%} | {plan.estimate.overhead:+.1%} | "
+                f"{ms / plain.step_ms - 1:+.1%} |"
             )
     loss_ok, grads_ok, diff = _equal(model, batch, smallest["with"])
     head = (
         f"### Measured: transformers Llama, vocab 32000, hidden 64, 4 layers, batch 2 x 384 (CPU)\n\n"
-        f"Plain step: {format_bytes(plain.peak_bytes)}; profile: {profile_s:.0f} s; head options "
+        f"Plain step: {format_bytes(plain.peak_bytes)}, {plain.step_ms:.0f} ms of CPU time (median of "
+        f"{repeats}; each plan's step time is the median of {repeats} after it, not in turns); "
+        f"profile: {profile_s:.0f} s; head options "
         f"{head_names(prof)[1:]}. Smallest feasible without head options "
         f"{format_bytes(smallest['without'].estimate.peak_bytes)} "
         f"({smallest['without'].estimate.peak_bytes / plain.peak_bytes:.1%} of plain), with them "
@@ -153,6 +158,12 @@ def llama3_8b_profiles(layers: int = 32, seq: int = 8192) -> tuple[Profile, Prof
     return a, b
 
 
+def _head_peak(seg: Segment) -> int:
+    """The head's own peak: the higher of its forward's working memory and what it keeps plus its
+    backward's working memory."""
+    return max(seg.fwd_peak_bytes, seg.kept_bytes + seg.bwd_peak_bytes)
+
+
 def _fastest_fit(p: Profile) -> Plan | None:
     assert p.device_memory_bytes is not None
     try:
@@ -165,8 +176,8 @@ def estimated_part(layers: int) -> str:
     t0 = time.process_time()
     plain, chunked = llama3_8b_profiles(layers)
     seconds = time.process_time() - t0
-    rows = ["| ranks | loss head | plain step | smallest feasible | fastest plan in 80 GiB | its overhead |",
-            "| --- | --- | ---: | ---: | --- | ---: |"]  # fmt: skip
+    rows = ["| ranks | loss head | the head's own peak | plain step | smallest feasible | fastest plan in 80 GiB "
+            "| its overhead |", "| --- | --- | ---: | ---: | ---: | --- | ---: |"]  # fmt: skip
     summary = []
     for ranks in (1, 8):
         lows = []
@@ -177,7 +188,8 @@ def estimated_part(layers: int) -> str:
             fit = _fastest_fit(p)
             where = f"head {fit.head}; {_choices(fit)}" if fit else "none fits"
             over = f"{fit.estimate.overhead:+.1%}" if fit else "-"
-            rows.append(f"| {'1' if ranks == 1 else f'{ranks} (FSDP)'} | {label} | "
+            own = min(_head_peak(with_head(p, h).post) for h in head_names(p))
+            rows.append(f"| {'1' if ranks == 1 else f'{ranks} (FSDP)'} | {label} | {format_bytes(own)} | "
                         f"{format_bytes(p.plain_peak_bytes)} | {format_bytes(low)} | {where} | {over} |")  # fmt: skip
         gain = max(lows[0] - lows[1], 0) if abs(lows[0] - lows[1]) >= MIB else 0
         summary.append(f"{format_bytes(gain)} ({gain / lows[0]:.1%}) on "
