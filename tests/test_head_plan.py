@@ -231,3 +231,16 @@ def test_llama3_8b_head_option_lowers_the_floor_in_estimated_mode() -> None:
     lines = [line for line in text.splitlines() if line.startswith("| 8 (FSDP)")]
     floors = [float(line.split("|")[5].split()[0]) for line in lines]  # GiB, as written then chunked
     assert len(floors) == 2 and floors[0] - floors[1] > 2.0, text  # the 128k-vocabulary head's logits
+
+
+def test_verify_and_auto_pass_a_plan_with_a_chunked_head() -> None:
+    from remat.models.hf import build
+
+    model, batch, loss_fn = build("llama", batch_size=2, seq_len=128, vocab_size=4096, attention_dropout=0.0)
+    plan, report = remat.auto(model, batch, budget="40%", loss_fn=loss_fn, verify=True, repeats=1)
+    assert plan.head.startswith("chunked:")
+    assert report.passed and report.grads_equal and 0 < report.max_grad_diff < 1e-6
+    assert report.measured_peak_bytes == report.predicted_peak_bytes
+    assert remat.applied_plan(model) is plan and "forward" in model.__dict__
+    remat.remove(model)
+    assert "forward" not in model.__dict__
