@@ -180,6 +180,9 @@ def test_causal_lm_loss_and_grads_equal_plain(kind: str) -> None:
     model.zero_grad(set_to_none=True)
     torch.manual_seed(0)
     summed = model(**batch, num_items_in_batch=torch.tensor(10))
+    torch.manual_seed(0)
+    as_tuple = model(**batch, return_dict=False)
+    torch.testing.assert_close(as_tuple[0], out.loss.detach())
     model.eval()
     assert model(**batch).logits is not None  # eval: the model's own forward
     model.train()

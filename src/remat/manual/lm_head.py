@@ -166,6 +166,8 @@ class ChunkedHeadForward:
         )  # fmt: skip
         if num_items is not None:
             loss = loss / (num_items.to(loss.device) if torch.is_tensor(num_items) else num_items)
+        if isinstance(output, tuple):  # return_dict=False: (logits, ...) without labels
+            return (loss, *output[1:])
         output["loss"] = loss
         output["logits"] = None
         return output
