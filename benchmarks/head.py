@@ -55,63 +55,38 @@ def _choices(plan: Plan) -> str:
 
 
 def measured_part(repeats: int, points: int) -> str:
+    from remat.verifier import verify_many
+
     model, batch, loss_fn = llama_32k()
-    plain = remat.measure_step(model, batch, loss_fn=loss_fn, repeats=repeats)
-    assert plain.step_ms is not None
     t0 = time.perf_counter()
     prof = remat.profile(model, batch, loss_fn=loss_fn, repeats=repeats)
     profile_s = time.perf_counter() - t0
     without = dataclasses.replace(prof, head_options={})
+    labelled = [("without", plan) for plan in frontier(without, points=points)]
+    labelled += [("with", plan) for plan in frontier(prof, points=points)]
+    reports = verify_many(model, batch, [p for _, p in labelled], loss_fn=loss_fn, repeats=repeats)
+    plain = reports[0].plain_peak_bytes
     rows = ["| head options | head | blocks | predicted peak | measured peak | of plain | predicted overhead | "
-            "measured overhead |", "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: |"]  # fmt: skip
-    smallest: dict[str, Plan] = {}
-    for label, p in (("without", without), ("with", prof)):
-        plans = frontier(p, points=points)
-        smallest[label] = plans[-1]
-        for plan in plans:
-            remat.apply(model, plan)
-            mem = remat.measure_step(model, batch, loss_fn=loss_fn, repeats=repeats)
-            remat.remove(model)
-            peak, ms = mem.peak_bytes, mem.step_ms or 0.0
-            rows.append(
-                f"| {label} | {plan.head} | {_choices(plan)} | {format_bytes(plan.estimate.peak_bytes)} | "
-                f"{format_bytes(peak)} | {peak / plain.peak_bytes:.1%} | {plan.estimate.overhead:+.1%} | "
-                f"{ms / plain.step_ms - 1:+.1%} |"
-            )
-    loss_ok, grads_ok, diff = _equal(model, batch, smallest["with"])
+            "measured overhead | gradients |", "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | :-: |"]  # fmt: skip
+    for (label, plan), r in zip(labelled, reports):
+        rows.append(
+            f"| {label} | {plan.head} | {_choices(plan)} | {format_bytes(plan.estimate.peak_bytes)} | "
+            f"{format_bytes(r.measured_peak_bytes)} | {r.measured_peak_bytes / plain:.1%} | "
+            f"{plan.estimate.overhead:+.1%} | {r.measured_overhead:+.1%} | {'=' if r.grads_equal else 'DIFFER'} |"
+        )
+    low = {label: min(p.estimate.peak_bytes for lab, p in labelled if lab == label) for label in ("without", "with")}
     head = (
         f"### Measured: transformers Llama, vocab 32000, hidden 64, 4 layers, batch 2 x 384 (CPU)\n\n"
-        f"Plain step: {format_bytes(plain.peak_bytes)}, {plain.step_ms:.0f} ms of CPU time (median of "
-        f"{repeats}; each plan's step time is the median of {repeats} after it, not in turns); "
-        f"profile: {profile_s:.0f} s; head options "
-        f"{head_names(prof)[1:]}. Smallest feasible without head options "
-        f"{format_bytes(smallest['without'].estimate.peak_bytes)} "
-        f"({smallest['without'].estimate.peak_bytes / plain.peak_bytes:.1%} of plain), with them "
-        f"{format_bytes(smallest['with'].estimate.peak_bytes)} "
-        f"({smallest['with'].estimate.peak_bytes / plain.peak_bytes:.1%}). The smallest plan's loss "
-        f"{'equals' if loss_ok else 'DIFFERS FROM'} the plain step's, gradients "
-        f"{'equal to round-off' if grads_ok else 'DIFFER'} (largest difference {diff:.1e}).\n\n"
+        f"Plain step: {format_bytes(plain)}, {reports[0].plain_step_ms:.0f} ms of CPU time; profile: "
+        f"{profile_s:.0f} s; head options {head_names(prof)[1:]}. Smallest feasible without head "
+        f"options {format_bytes(low['without'])} ({low['without'] / plain:.1%} of plain), with them "
+        f"{format_bytes(low['with'])} ({low['with'] / plain:.1%}). Every plan verified with "
+        f"`remat.verify` (steps timed in turns with the plain step, medians of {repeats}; plain against "
+        f"itself {reports[0].plain_self_overhead:+.1%}; gradients against plain: = is bit for bit, or "
+        f"to round-off for a chunked head or tiled MLP, largest difference "
+        f"{max(r.max_grad_diff for r in reports):.1e}).\n\n"
     )
     return head + "\n".join(rows) + "\n"
-
-
-def _equal(model: nn.Module, batch: dict[str, torch.Tensor], plan: Plan) -> tuple[bool, bool, float]:
-    def run() -> tuple[torch.Tensor, list[torch.Tensor]]:
-        model.zero_grad(set_to_none=True)
-        torch.manual_seed(0)
-        out = model(**batch)
-        out.loss.backward()
-        grads = [p.grad.clone() for p in model.parameters()]
-        model.zero_grad(set_to_none=True)
-        return out.loss.detach(), grads
-
-    loss, grads = run()
-    remat.apply(model, plan)
-    loss2, grads2 = run()
-    remat.remove(model)
-    diff = max(float((a - b).abs().max()) for a, b in zip(grads, grads2))
-    ok = all(torch.allclose(a, b, rtol=1e-4, atol=1e-6) for a, b in zip(grads, grads2))
-    return bool(torch.allclose(loss, loss2, rtol=1e-6, atol=1e-6)), ok, diff
 
 
 # --- estimated: the Llama-3-8B shape on an H100 --------------------------------------------------
