@@ -154,7 +154,7 @@ def chains(
     1/4 ms, exact in floating point, so equal times are exactly equal. With ``sides``, one to
     three side inputs enter random subsets of the blocks, some saved by some of them."""
     options = draw(st.sampled_from([("keep", "selective", "recompute"), OPTIONS]))
-    top = max_blocks if len(options) == 5 or max_blocks_3 is None else max_blocks_3
+    top = max_blocks if len(options) == len(OPTIONS) or max_blocks_3 is None else max_blocks_3
     n = draw(st.integers(0, top))
     scale = draw(st.sampled_from([1, 1, 2**20 + 3]))
     rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))

@@ -36,6 +36,7 @@ if TYPE_CHECKING:
     from remat.errors import InfeasibleBudget, RematError
     from remat.gradnorm import GradNorm
     from remat.manual.checkpoint import checkpoint, checkpoint_call, checkpoint_sequential
+    from remat.manual.head import chunked_cross_entropy
     from remat.manual.module_form import checkpoint_module, uncheckpoint_module
     from remat.manual.options import option_of
     from remat.measure.profiler import profile
@@ -58,6 +59,7 @@ _EXPORTS = {
     "checkpoint": "remat.manual.checkpoint",
     "checkpoint_call": "remat.manual.checkpoint",
     "checkpoint_sequential": "remat.manual.checkpoint",
+    "chunked_cross_entropy": "remat.manual.head",
     "checkpoint_module": "remat.manual.module_form",
     "uncheckpoint_module": "remat.manual.module_form",
     "option_of": "remat.manual.options",
@@ -93,6 +95,7 @@ __all__ = [
     "checkpoint_call",
     "checkpoint_module",
     "checkpoint_sequential",
+    "chunked_cross_entropy",
     "estimate",
     "measure_step",
     "option_of",

@@ -38,6 +38,8 @@ from torch import nn
 
 from remat.errors import InvalidType, PlanMismatch, WrappingError, did_you_mean
 from remat.manual.blocks import fingerprint
+from remat.manual.head import set_head_chunk
+from remat.manual.lm_head import chunk_of_option, clear_head, set_head
 from remat.manual.options import clear_option, set_option
 from remat.measure.step import check_compiled
 from remat.models.hf import cache_off
@@ -113,9 +115,15 @@ def apply(model: nn.Module, plan: Plan, *, strict: bool = True) -> nn.Module:
             f"this {type(model).__name__} has {fingerprint(model)}): its block names match, but its "
             "layers' sizes or dtypes do not. Make a plan for this model (or, from Python, apply it with strict=False)."
         )
+    chunk_of_option(plan.head)  # NOTE [ The head's options ] in remat.records; it checks
+    if plan.head != "keep" and plan.head_module not in modules:
+        raise PlanMismatch(f"the plan chunks the head {plan.head_module!r}, which is not in this "
+                           f"{type(model).__name__}{did_you_mean(plan.head_module, list(modules))}")
     remove(model)
     for name, option in plan.choices.items():
         set_option(modules[name], option)
+    if plan.head != "keep":
+        set_head(model, plan.head_module, plan.head, causal_lm=plan.head_causal_lm)
     object.__setattr__(model, _PLAN_ATTR, plan)
     object.__setattr__(model, _CACHE_ATTR, cache_off(model))
     log.info("applied %s plan: %s", plan.method, _summary(plan))
@@ -126,6 +134,8 @@ def remove(model: nn.Module) -> nn.Module:
     """Undo ``apply``: every block runs its own forward again. A no-op on a plain model."""
     for module in model.modules():
         clear_option(module)
+        clear_head(module)
+        set_head_chunk(module, None)
         module.__dict__.pop(_PLAN_ATTR, None)  # on the inner module of a DDP wrapper too
         for handle in module.__dict__.pop(_CACHE_ATTR, []):
             handle.remove()

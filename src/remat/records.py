@@ -55,24 +55,35 @@ __all__ = [
     "load_record",
 ]
 
-PROFILE_SCHEMA = 2  # 2: side inputs (NOTE [ Side inputs ])
-PLAN_SCHEMA = 1
+PROFILE_SCHEMA = 3  # 2: side inputs (NOTE [ Side inputs ]); 3: head options (NOTE [ The head's options ])
+PLAN_SCHEMA = 2  # 2: the head's option
+
+# NOTE [ The head's options ]
+# The part after the blocks (final norm, head, loss) is a segment with options too: ``keep`` (as
+# the model computes it, ``Profile.post``) and ``chunked:<tokens>`` (the loss head one chunk of
+# tokens at a time, its logits recomputed in the backward; ``remat.chunked_cross_entropy``), each
+# measured as a whole ``Segment`` in ``Profile.head_options`` in the same run as the blocks. The
+# solver solves the blocks once per head option under the same budget and keeps the fastest plan
+# that fits (``remat.plan.head``); ``Plan.head`` says which one, ``remat.apply`` applies it.
 
 # NOTE [ One option vocabulary ]
 # What a block does with its activations is an *option*, spelt the same everywhere: in a Profile's
 # ``BlockProfile.options``, a Plan's ``choices``, ``remat.apply``, the per-module
 # ``remat.option_of``, the command line and the docs. The manual API (``remat.checkpoint_call``,
 # ``checkpoint_module``, ``checkpoint_sequential``) takes one as ``mode=``: every option but
-# ``keep`` (which is not checkpointing), ``recompute`` first as its default.
+# ``keep`` (which is not checkpointing), ``recompute`` first as its default. ``tiled`` (the block
+# kept, its MLP run over the sequence in tiles, each recomputed: NOTE [ The tiled MLP ] in
+# ``remat.manual.tiled``) is an option of a block's MLP, not a checkpoint of the block: it is
+# offered for blocks with an MLP remat can find, and is no ``mode=`` of the manual API.
 
 #: What a block does with its activations (NOTE [ One option vocabulary ]).
-Option: TypeAlias = Literal["keep", "selective", "recompute", "offload", "recompute_offload"]
+Option: TypeAlias = Literal["keep", "tiled", "selective", "recompute", "offload", "recompute_offload"]
 #: Every option a block can take, in order from most memory to least extra time.
 OPTIONS: tuple[Option, ...] = get_args(Option)
-#: The options a checkpoint runs with: every option but ``keep``, the default first.
+#: The options a checkpoint runs with: every option but ``keep`` and ``tiled``, the default first.
 CheckpointOption: TypeAlias = Literal["recompute", "selective", "offload", "recompute_offload"]
 CHECKPOINT_OPTIONS: tuple[CheckpointOption, ...] = get_args(CheckpointOption)
-assert set(CHECKPOINT_OPTIONS) == set(OPTIONS) - {"keep"}
+assert set(CHECKPOINT_OPTIONS) == set(OPTIONS) - {"keep", "tiled"}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -207,6 +218,16 @@ class Profile:
     post_fwd_peak_held_bytes: int = 0
     """The head's forward peak (as ``post.fwd_peak_bytes``) when the side inputs are still held by
     checkpoints, measured with every block recomputed; without side inputs, ``post``'s own."""
+    head_module: str = ""
+    """The qualified name of the head module the loss goes through (the ``lm_head`` of a
+    transformers causal LM, or the module passed to ``remat.chunked_cross_entropy``); "" when
+    none was found, and then ``head_options`` is empty."""
+    head_causal_lm: bool = False
+    """Whether the head is a transformers causal LM's, whose loss remat routes through the chunked
+    head (NOTE [ The chunked head of a transformers causal LM ] in ``remat.manual.lm_head``)."""
+    head_options: dict[str, Segment] = field(default_factory=dict)
+    """The head's options besides ``keep`` (which is ``post``), e.g. ``"chunked:1024"``, each the
+    segment after the blocks as measured with that option (NOTE [ The head's options ])."""
     schema_version: int = PROFILE_SCHEMA
     """The record's schema version; files of another version are refused."""
 
@@ -269,6 +290,12 @@ class Plan:
     """The profile's dtype."""
     batch_shape: list[int]
     """The profile's batch shape."""
+    head: str = "keep"
+    """The head's option: ``keep`` or ``chunked:<tokens>`` (NOTE [ The head's options ])."""
+    head_module: str = ""
+    """The head module's qualified name (from the profile), "" for none."""
+    head_causal_lm: bool = False
+    """Whether the head is routed through a transformers causal LM's loss (from the profile)."""
     schema_version: int = PLAN_SCHEMA
     """The record's schema version; files of another version are refused."""
     notes: list[str] = field(default_factory=list)

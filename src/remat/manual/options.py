@@ -15,6 +15,7 @@ from typing import Any, cast
 from torch import nn
 
 from remat.manual import checkpoint, module_form
+from remat.manual.tiled import is_tiled, tile_block, untile_block
 from remat.records import CheckpointOption
 
 __all__ = ["clear_option", "option_of", "set_option"]
@@ -22,6 +23,11 @@ __all__ = ["clear_option", "option_of", "set_option"]
 
 def set_option(module: nn.Module, option: str) -> None:
     """Make ``module`` run with ``option`` (``"keep"`` undoes any other), in place."""
+    untile_block(module)
+    if option == "tiled":  # NOTE [ The tiled MLP ] in remat.manual.tiled: the block kept, its MLP tiled
+        set_option(module, "keep")
+        tile_block(module)
+        return
     if _is_hf_layer(module):
         _set_hf(module, option)
         return
@@ -88,6 +94,8 @@ def _is_cache(obj: Any) -> bool:
 
 def option_of(module: nn.Module) -> str:
     """The option a module runs with: ``keep`` unless remat wrapped it."""
+    if is_tiled(module):
+        return "tiled"
     if _is_hf_layer(module):
         return getattr(module, "_remat_mode", None) or "keep"
     return module_form.is_checkpointed(module) or "keep"
@@ -95,6 +103,7 @@ def option_of(module: nn.Module) -> str:
 
 def clear_option(module: nn.Module) -> None:
     """Undo ``set_option`` on ``module``: its own forward again (transformers' settings as before)."""
+    untile_block(module)
     if _is_hf_layer(module):
         _restore_hf(module)  # transformers' own settings back, as they were before apply
     else:

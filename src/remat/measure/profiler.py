@@ -2,10 +2,9 @@
 
 The profiler measures; it never decides. It runs whole training steps with every block under one
 option at a time (keep, selective, recompute), with marks at each block's forward and backward
-boundaries, and turns the live-bytes trace into the per-block numbers of a ``Profile``.
-
-The numbers come from the traces as NOTE [ From a trace to a Profile ] (``remat.measure.attribution``)
-says.
+boundaries, and turns the live-bytes trace into the per-block numbers of a ``Profile`` (NOTE [ From
+a trace to a Profile ] in ``remat.measure.attribution``); then the head's options
+(``remat.measure.heads``) and the tiled MLP (``remat.measure.tiles``) with the same marked step.
 
 Time: per-block forward and backward times come from separate timed steps (medians; profiling slows
 a step) in measured mode, and from the roofline clock in estimated mode. Recompute costs one forward
@@ -15,6 +14,7 @@ kind and size share the median of their times, since they do the same work.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -28,10 +28,13 @@ from remat.errors import InvalidType, InvalidValue, ProfileError
 from remat.manual.blocks import find_blocks
 from remat.manual.options import option_of, set_option
 from remat.measure import step as _step
-from remat.measure.attribution import assemble, median_times, phase_times
+from remat.measure.attribution import assemble, phase_times
+from remat.measure.heads import add_heads, measure_heads
+from remat.measure.runner import StepRunner
 from remat.measure.sides import first_tensor as _first_tensor
 from remat.measure.sides import hooks_of, note_sides, noting_deaths, noting_saved, side_inputs
 from remat.measure.sides import storage_key as _storage_key
+from remat.measure.tiles import add_tiles, measure_tiles
 from remat.measure.tracer import MemoryTracer, Trace, base_bytes, host_link_bytes_per_s
 from remat.models.hf import cache_off, check_layerdrop, without_cache
 from remat.plan.sharding import per_rank_profile
@@ -223,17 +226,6 @@ def _base_keys(model: nn.Module, optimizer: Any, batch: Any) -> set[int]:
     return {_storage_key(t) for t in tensors}
 
 
-class _Clock:
-    """Marks for the timed steps on the step clock (NOTE [ CPU time on a shared CPU ])."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self.times: dict[str, float] = {}
-
-    def mark(self, label: str) -> None:
-        self.times[label] = _step.step_clock_ms(self.device)
-
-
 def _dtype_name(model: nn.Module) -> str:
     p = next(model.parameters(), None)
     return str(p.dtype).removeprefix("torch.") if p is not None else "float32"
@@ -272,16 +264,13 @@ def _measured(
                 traces[option] = (tracer.trace, hooks)
         sides = _sides(model, named, batch, loss_fn, optimizer, keys, traces["keep"][1])
         # Timed in turns, so that a change in the machine's load hits both options alike.
-        runs: dict[str, list[dict[str, float]]] = {"keep": [], "selective": []}
-        with _step.no_gc():
-            for _ in range(repeats):
-                for option, option_runs in runs.items():
-                    with _every_block(named, option):
-                        clock = _Clock(device)
-                        hooks = _marked_step(model, named, batch, loss_fn, optimizer, clock.mark)
-                        option_runs.append(phase_times(clock.times, hooks.order))
-        times.update((option, median_times(option_runs)) for option, option_runs in runs.items())
-    return assemble(
+        marked = functools.partial(_marked_step, model, named, batch, loss_fn, optimizer, base_keys=keys)
+        runner = StepRunner(marked, model, device=device, repeats=repeats)
+        timed = runner.times([functools.partial(_every_block, named, o) for o in ("keep", "selective")])
+        times.update(zip(("keep", "selective"), timed))
+        # NOTE [ The head's options ] in remat.records; NOTE [ The tiled MLP ] in remat.manual.tiled
+        heads, tiles = measure_heads(model, named, runner), measure_tiles(named, runner)
+    return add_tiles(add_heads(assemble(
         model=model,
         named=named,
         traces=traces,
@@ -298,7 +287,7 @@ def _measured(
         optimizer_bytes=opt_bytes,
         batch_bytes=_step.batch_bytes(batch),
         device_memory_bytes=torch.cuda.get_device_properties(device).total_memory if cuda else None,
-    )
+    ), heads), tiles)
 
 
 def _sides(model: nn.Module, named: list[tuple[str, nn.Module]], batch: Any, loss_fn: Any,
@@ -371,7 +360,10 @@ def _estimated(
         opt_bytes = _step.optimizer_bytes(opt)
         data = _step.batch_bytes(fake_batch)
         buffers = _step.storage_bytes(list(model.buffers()))
-        return assemble(
+        marked = functools.partial(_marked_step, model, named, fake_batch, loss_fn, opt, base_keys=keys)
+        runner = StepRunner(marked, model, spec=spec)
+        heads, tiles = measure_heads(model, named, runner), measure_tiles(named, runner)
+        return add_tiles(add_heads(assemble(
             model=model,
             named=named,
             traces=traces,
@@ -390,4 +382,4 @@ def _estimated(
             optimizer_bytes=opt_bytes,
             batch_bytes=data,
             device_memory_bytes=spec.memory_bytes,
-        )
+        ), heads), tiles)

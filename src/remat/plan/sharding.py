@@ -115,11 +115,15 @@ def _sharded(profile: Profile, world_size: int) -> Profile:
         fwd_peak_bytes=pre.fwd_peak_bytes + held["forward", "pre", None],
         grad_bytes=pre.grad_bytes - root + shard(root),
     )
-    post = dataclasses.replace(
-        post,
-        fwd_peak_bytes=post.fwd_peak_bytes + held["forward", "post", None],
-        bwd_peak_bytes=post.bwd_peak_bytes + held["backward", "post", None],
-    )
+    heads = {
+        name: dataclasses.replace(
+            seg,
+            fwd_peak_bytes=seg.fwd_peak_bytes + held["forward", "post", None],
+            bwd_peak_bytes=seg.bwd_peak_bytes + held["backward", "post", None],
+        )
+        for name, seg in {"keep": post, **profile.head_options}.items()
+    }
+    post = heads.pop("keep")
     return dataclasses.replace(
         profile,
         world_size=world_size,
@@ -130,6 +134,7 @@ def _sharded(profile: Profile, world_size: int) -> Profile:
         optimizer_peak_bytes=shard(profile.optimizer_peak_bytes),
         pre=pre,
         post=post,
+        head_options=heads,
         blocks=blocks,
         gather_bytes=gather,
     )

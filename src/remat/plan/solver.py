@@ -17,6 +17,7 @@ import numpy as np
 
 from remat.errors import InfeasibleBudget, InvalidType, InvalidValue, did_you_mean
 from remat.plan.costmodel import ChainConstraints, chain_constraints, estimate, smallest_feasible
+from remat.plan.head import best_of_heads, frontier_of_heads
 from remat.plan.search import NO_LIMIT_BYTES, optimal_picks
 from remat.records import Plan, Profile
 from remat.units import format_bytes, parse_budget
@@ -55,6 +56,9 @@ def solve(
     budget_bytes = (
         None if budget is None else parse_budget(budget, plain_peak_bytes=profile.plain_peak_bytes)
     )
+    if profile.head_options and method in _BUDGET_METHODS and budget_bytes is not None:
+        # NOTE [ The head's options ] in remat.records: the blocks solved once per head option.
+        return best_of_heads(profile, lambda one: solve(one, budget_bytes, method=method))
     chain = chain_constraints(profile)
     notes: list[str] = []
     if method in _BUDGET_METHODS:
@@ -118,6 +122,8 @@ def frontier(profile: Profile, *, points: int | None = 16) -> list[Plan]:
     """
     if points is not None and (isinstance(points, bool) or points < 2):
         raise InvalidValue(f"points must be an int >= 2 or None (every point), got {points!r}")
+    if profile.head_options:  # NOTE [ The head's options ] in remat.records
+        return frontier_of_heads(profile, lambda one: frontier(one, points=points))
     chain = chain_constraints(profile)
     top = optimal_picks(chain, NO_LIMIT_BYTES)
     assert top is not None

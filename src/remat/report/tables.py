@@ -18,6 +18,7 @@ from rich.table import Table
 from rich.text import Text
 
 from remat.errors import InvalidValue
+from remat.plan.head import head_extra_ms
 from remat.records import OPTIONS, Plan, Profile, Segment
 from remat.units import axis_unit, format_bytes
 
@@ -121,6 +122,14 @@ def plan_table(plan: Plan, profile: Profile | None = None) -> Table:
                 extra_total += cost.extra_ms
                 row += [format_bytes(cost.kept_bytes), f"{cost.extra_ms:.2f}"]
         rows.append(row)
+    if plan.head != "keep":  # NOTE [ The head's options ] in remat.records
+        row = [f"(head) {plan.head_module}", Text(plan.head)]
+        if profile is not None:
+            seg = profile.head_options.get(plan.head)
+            ms = head_extra_ms(profile, plan.head) if seg is not None else 0.0
+            extra_total += ms
+            row += [format_bytes(seg.kept_bytes), f"{ms:.2f}"] if seg is not None else ["—", "—"]
+        rows.append(row)
     if profile is not None:
         names.insert(0, "total")
         values.insert(0, "")
@@ -201,6 +210,8 @@ def profile_table(profile: Profile) -> Table:
             end_section=b is profile.blocks[-1],
         )
     table.add_row(*segment_row("(after blocks)", profile.post))
+    for name, seg in profile.head_options.items():  # NOTE [ The head's options ] in remat.records
+        table.add_row(*segment_row(f"(after blocks, head {name})", seg))
     return table
 
 

@@ -1,0 +1,118 @@
+"""The ``tiled`` option: a block kept, its MLP run over the sequence in tiles, each recomputed.
+
+# NOTE [ The tiled MLP ]
+At long sequences a transformer block's largest activations are its MLP's: the [batch, seq,
+4 x hidden] intermediates (two of them and their product for a SwiGLU), saved for the backward and
+made again as gradients there. The MLP works token by token, so it can run on a tile of the
+sequence at a time: ``tiled`` keeps the block as it is except its MLP, which runs as
+``tiles(seq, hidden)`` tiles along the sequence (dim -2), each under torch's non-reentrant
+checkpoint: the forward keeps only each tile's input (a view of the MLP's input, which the plain
+MLP keeps too), and the backward recomputes one tile's intermediates at a time. The block keeps
+its attention's activations and loses the MLP's; the price is one more forward of the MLP. The
+tile count follows ALST's tiled MLP: ``ceil(seq / hidden)``, at least 2. Outputs and gradients
+are the plain MLP's to round-off (the same per-token arithmetic). An MLP with active dropout is
+not tiled: its random numbers would be drawn tile by tile, not as the plain step draws them, so
+the gradients could not equal plain ones; ``find_mlp`` does not offer it. The MLP is found as
+the block's ``mlp`` child (transformers' decoder layers, remat's models) or a child whose class
+name ends in ``MLP`` or is ``SwiGLU``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint as _torch_checkpoint
+
+from remat.errors import BlockError
+
+__all__ = ["find_mlp", "is_tiled", "tile_block", "tiles", "untile_block"]
+
+_RECORD = "_remat_tiled"
+_NAMES = ("SwiGLU", "FeedForward")
+
+
+def tiles(seq: int, hidden: int) -> int:
+    """The number of tiles for a sequence of ``seq`` tokens of ``hidden`` features."""
+    return max(2, math.ceil(seq / max(hidden, 1)))
+
+
+def find_mlp(block: nn.Module) -> nn.Module | None:
+    """The MLP of ``block`` that ``tiled`` runs in tiles, or None (NOTE [ The tiled MLP ])."""
+    mlp = getattr(block, "mlp", None)
+    if not isinstance(mlp, nn.Module):
+        mlp = next(
+            (m for m in block.children()
+             if type(m).__name__.endswith("MLP") or type(m).__name__ in _NAMES),
+            None,
+        )  # fmt: skip
+    if mlp is None or not any(True for _ in mlp.parameters()):
+        return None
+    if any(isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0 for m in mlp.modules()):
+        return None
+    if any(float(getattr(mlp, k, 0.0) or 0.0) > 0 for k in ("dropout", "dropout_p")):
+        return None
+    return mlp
+
+
+class TiledForward:
+    """The ``forward`` of a tiled MLP (data, not a closure: NOTE [ The module form is data ])."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+
+    def _original(self) -> Any:
+        original = self.module.__dict__[_RECORD]
+        return original if original is not None else type(self.module).forward.__get__(self.module)
+
+    @property
+    def __wrapped__(self) -> Any:
+        return self._original()
+
+    def __call__(self, x: Any, *args: Any, **kwargs: Any) -> Any:
+        original = self._original()
+        if (not self.module.training or not torch.is_grad_enabled() or args or kwargs
+                or not isinstance(x, torch.Tensor) or x.dim() < 2):  # fmt: skip
+            return original(x, *args, **kwargs)
+        seq, hidden = x.shape[-2], x.shape[-1]
+        n = min(tiles(seq, hidden), seq)
+        if n < 2:
+            return original(x)
+        size = math.ceil(seq / n)
+        outs = [
+            _torch_checkpoint(original, x.narrow(-2, start, min(size, seq - start)), use_reentrant=False)
+            for start in range(0, seq, size)
+        ]
+        return torch.cat(outs, dim=-2)
+
+
+def tile_block(block: nn.Module) -> nn.Module:
+    """Run ``block``'s MLP in tiles (NOTE [ The tiled MLP ]), in place; returns the MLP."""
+    mlp = find_mlp(block)
+    if mlp is None:
+        raise BlockError(
+            f"option 'tiled' needs an MLP without dropout in the block ({type(block).__name__}): "
+            "a child named 'mlp' or of a class named '*MLP' or 'SwiGLU'; this block has none, so "
+            "the profiler does not offer 'tiled' for it"
+        )
+    if _RECORD not in mlp.__dict__:
+        object.__setattr__(mlp, _RECORD, mlp.__dict__.get("forward"))
+        object.__setattr__(mlp, "forward", TiledForward(mlp))
+    return mlp
+
+
+def untile_block(block: nn.Module) -> None:
+    """Undo ``tile_block``: the MLP's own forward again. A no-op otherwise."""
+    for module in block.children():
+        if _RECORD in module.__dict__:
+            original = module.__dict__.pop(_RECORD)
+            module.__dict__.pop("forward", None)
+            if original is not None:
+                object.__setattr__(module, "forward", original)
+
+
+def is_tiled(block: nn.Module) -> bool:
+    """Whether ``block``'s MLP runs in tiles."""
+    return any(_RECORD in m.__dict__ for m in block.children())

@@ -1,0 +1,116 @@
+"""The ``tiled`` option (a block kept, its MLP in sequence tiles, recomputed), against plain PyTorch."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import pytest
+import torch
+from torch import nn
+
+import remat
+from remat import models
+from remat.errors import BlockError
+from remat.manual.options import clear_option, option_of, set_option
+from remat.manual.tiled import find_mlp, tiles
+from remat.plan.solver import solve
+from remat.records import CHECKPOINT_OPTIONS, OPTIONS
+from tests._tables import block, cost, profile
+
+
+def test_tiled_is_an_option_but_no_checkpoint_mode() -> None:
+    assert "tiled" in OPTIONS and "tiled" not in CHECKPOINT_OPTIONS
+    assert tiles(8192, 4096) == 2 and tiles(384, 64) == 6 and tiles(10, 64) == 2
+
+
+def _grads(model: nn.Module, run) -> tuple[torch.Tensor, list[torch.Tensor]]:  # type: ignore[no-untyped-def]
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(0)
+    loss = run()
+    loss.backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    return loss.detach(), grads
+
+
+def _llama() -> tuple[nn.Module, torch.Tensor]:
+    cfg = models.LlamaConfig(n_layer=2, dim=32, ffn_dim=96, n_head=2, n_kv_head=1, vocab_size=64, max_seq=64)
+    torch.manual_seed(0)
+    return models.build_model(cfg), torch.randint(0, 64, (2, 50))
+
+
+def test_remat_llama_tiled_equals_plain_and_is_undone() -> None:
+    model, ids = _llama()
+    loss_fn = models.loss_fn_for(model)
+    want = _grads(model, lambda: loss_fn(model(ids), (ids,)))
+    layers = list(model.layers)
+    for layer in layers:
+        assert isinstance(find_mlp(layer), models.decoders.SwiGLU)
+        set_option(layer, "tiled")
+        assert option_of(layer) == "tiled"
+    calls = []
+    handle = layers[0].mlp.register_forward_hook(lambda m, a, o: calls.append(a[0].shape[1]))
+    got = _grads(model, lambda: loss_fn(model(ids), (ids,)))
+    handle.remove()
+    assert calls == [50]  # hooks see the MLP's one call, with the whole sequence
+    torch.testing.assert_close(got[0], want[0])
+    for g, w in zip(got[1], want[1]):
+        torch.testing.assert_close(g, w)
+    for layer in layers:
+        set_option(layer, "recompute")  # another option replaces tiled
+        assert option_of(layer) == "recompute" and "forward" not in layer.mlp.__dict__
+        clear_option(layer)
+        assert option_of(layer) == "keep"
+
+
+def test_transformers_llama_layers_tiled_equal_plain() -> None:
+    from remat.models.hf import build
+
+    model, batch, _ = build("llama", batch_size=2, seq_len=40, attention_dropout=0.0)
+    want = _grads(model, lambda: model(**batch).loss)
+    before = copy.deepcopy(model.state_dict())
+    prof_blocks = [m for n, m in model.named_modules() if n.startswith("model.layers.") and n.count(".") == 2]
+    for layer in prof_blocks:
+        set_option(layer, "tiled")
+    got = _grads(model, lambda: model(**batch).loss)
+    torch.testing.assert_close(got[0], want[0])
+    for g, w in zip(got[1], want[1]):
+        torch.testing.assert_close(g, w)
+    remat.remove(model)
+    assert all(option_of(layer) == "keep" for layer in prof_blocks)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+def test_not_offered_without_an_mlp_or_with_dropout() -> None:
+    cfg = models.GPTConfig(n_layer=1, n_embd=32, n_head=2, block_size=16, vocab_size=32, dropout=0.1)
+    gpt = models.build_model(cfg)
+    assert find_mlp(gpt.blocks[0]) is None
+    assert find_mlp(nn.Linear(3, 3)) is None
+    with pytest.raises(BlockError, match="option 'tiled' needs an MLP without dropout"):
+        set_option(nn.Sequential(nn.Linear(3, 3)), "tiled")
+
+
+def test_profile_measures_tiled_and_kept_bytes_drop() -> None:
+    model, ids = _llama()
+    prof = remat.profile(model, (ids,), loss_fn=models.loss_fn_for(model), repeats=1)
+    assert prof.options == ("keep", "tiled", "selective", "recompute")
+    for b in prof.blocks:
+        tiled, keep = b.options["tiled"], b.options["keep"]
+        assert tiled.kept_bytes < keep.kept_bytes and tiled.extra_ms > 0
+        # the MLP's intermediates: gate, up, silu(gate), their product, fp32 [2, 50, 96] each
+        assert keep.kept_bytes - tiled.kept_bytes >= 3 * 2 * 50 * 96 * 4
+    plan = dataclasses.replace(solve(prof, method="none"), choices={b.name: "tiled" for b in prof.blocks})
+    remat.apply(model, plan)
+    assert all(option_of(m) == "tiled" for m in model.layers)
+    remat.remove(model)
+    assert all(option_of(m) == "keep" for m in model.layers)
+
+
+def test_the_solver_takes_tiled_where_it_is_the_cheapest_fit() -> None:
+    blocks = [block(f"b{i}", keep=cost(100), tiled=cost(60, ms=1.0), recompute=cost(10, ms=5.0)) for i in range(3)]
+    prof = profile(blocks)
+    assert list(solve(prof, 300).choices.values()) == ["keep"] * 3
+    plan = solve(prof, 220)
+    assert sorted(plan.choices.values()) == ["keep", "tiled", "tiled"]  # 2 ms beats one recompute's 5
+    assert plan.estimate.peak_bytes == 220
