@@ -126,7 +126,9 @@ def test_a_user_models_chunked_call_is_planned_and_applied() -> None:
     assert prof.head_module == "head" and not prof.head_causal_lm
     assert sorted(prof.head_options) == ["chunked:128", "chunked:256", "chunked:64"]
     assert prof.head_options["chunked:64"].bwd_peak_bytes < prof.post.bwd_peak_bytes / 2
-    plan = solve(prof, prof.plain_peak_bytes - 1)
+    with pytest.raises(InfeasibleBudget):  # the head as written (4096 tokens a chunk) cannot
+        solve(dataclasses.replace(prof, head_options={}), "60%")
+    plan = solve(prof, "60%")
     assert plan.head != "keep"
     plain = measure_step(model, ids, loss_fn=loss_fn, repeats=0)
     torch.manual_seed(1)
@@ -138,6 +140,9 @@ def test_a_user_models_chunked_call_is_planned_and_applied() -> None:
     got = _grads(model, ids, loss_fn)
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w)
+    again = remat.profile(model, ids, loss_fn=loss_fn, repeats=1)  # a plan applied stays applied
+    assert model.head.__dict__["_remat_head_chunk"] == int(plan.head.split(":")[1])
+    assert again.head_options.keys() == prof.head_options.keys()
     remat.remove(model)
     assert "_remat_head_chunk" not in model.head.__dict__
 

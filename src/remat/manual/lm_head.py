@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from remat.errors import InvalidValue
-from remat.manual.head import chunked_cross_entropy, set_head_chunk
+from remat.manual.head import chunked_cross_entropy, head_chunk_of, set_head_chunk
 
 __all__ = [
     "HEAD_KEEP",
@@ -37,6 +37,7 @@ __all__ = [
     "chunk_of_option",
     "clear_head",
     "head_option_name",
+    "head_option_of",
     "set_head",
 ]
 
@@ -94,6 +95,14 @@ def set_head(model: nn.Module, head_name: str, option: str, *, causal_lm: bool) 
         original = model.__dict__.get("forward")
         object.__setattr__(model, _FORWARD_ATTR, (head_name, original))
         object.__setattr__(model, "forward", ChunkedHeadForward(model))
+
+
+def head_option_of(model: nn.Module, head_name: str) -> tuple[str, bool]:
+    """The head option ``model`` runs its head ``head_name`` with, and whether its loss is routed
+    (``set_head``'s ``causal_lm``): what to restore after measuring another."""
+    chunk = head_chunk_of(model.get_submodule(head_name))
+    option = HEAD_KEEP if chunk is None else head_option_name(chunk)
+    return option, _FORWARD_ATTR in model.__dict__
 
 
 def clear_head(model: nn.Module, head_name: str | None = None) -> None:

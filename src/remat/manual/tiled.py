@@ -14,7 +14,9 @@ are the plain MLP's to round-off (the same per-token arithmetic). An MLP with ac
 not tiled: its random numbers would be drawn tile by tile, not as the plain step draws them, so
 the gradients could not equal plain ones; ``find_mlp`` does not offer it. The MLP is found as
 the block's ``mlp`` child (transformers' decoder layers, remat's models) or a child whose class
-name ends in ``MLP`` or is ``SwiGLU``.
+name ends in ``MLP`` or is ``SwiGLU``; a mixture of experts is not tiled (its router's statistics,
+such as a load-balancing loss, are the whole batch's). Each tile is one sequence's run of tokens,
+a contiguous view of a contiguous input (MLPs may ``.view()`` their input).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ __all__ = ["find_mlp", "is_tiled", "tile_block", "tiles", "untile_block"]
 
 _RECORD = "_remat_tiled"
 _NAMES = ("SwiGLU", "FeedForward")
+_ROUTED = ("Moe", "MoE", "Sparse", "Expert", "Router")
 
 
 def tiles(seq: int, hidden: int) -> int:
@@ -50,9 +53,12 @@ def find_mlp(block: nn.Module) -> nn.Module | None:
         )  # fmt: skip
     if mlp is None or not any(True for _ in mlp.parameters()):
         return None
+    if any(any(k in type(m).__name__ for k in _ROUTED) or hasattr(m, "experts") for m in mlp.modules()):
+        return None  # a mixture of experts: its router's statistics are the whole batch's
     if any(isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0 for m in mlp.modules()):
         return None
-    if any(float(getattr(mlp, k, 0.0) or 0.0) > 0 for k in ("dropout", "dropout_p")):
+    rates = [getattr(mlp, k, None) for k in ("dropout", "dropout_p")]  # a functional dropout's rate
+    if any(isinstance(r, int | float) and not isinstance(r, bool) and r > 0 for r in rates):
         return None
     return mlp
 
@@ -74,18 +80,31 @@ class TiledForward:
     def __call__(self, x: Any, *args: Any, **kwargs: Any) -> Any:
         original = self._original()
         if (not self.module.training or not torch.is_grad_enabled() or args or kwargs
-                or not isinstance(x, torch.Tensor) or x.dim() < 2):  # fmt: skip
+                or not isinstance(x, torch.Tensor) or x.dim() not in (2, 3)):  # fmt: skip
             return original(x, *args, **kwargs)
         seq, hidden = x.shape[-2], x.shape[-1]
         n = min(tiles(seq, hidden), seq)
         if n < 2:
             return original(x)
         size = math.ceil(seq / n)
-        outs = [
-            _torch_checkpoint(original, x.narrow(-2, start, min(size, seq - start)), use_reentrant=False)
-            for start in range(0, seq, size)
-        ]
-        return torch.cat(outs, dim=-2)
+        # Tiles of one sequence each, so that every tile is a contiguous view (an MLP may .view()).
+        rows = x.unsqueeze(0) if x.dim() == 2 else x
+        out = []
+        for row in range(rows.shape[0]):
+            parts = [
+                _torch_checkpoint(original, _tile(rows, row, start, min(size, seq - start), x.dim()),
+                                  use_reentrant=False)
+                for start in range(0, seq, size)
+            ]  # fmt: skip
+            out.append(torch.cat(parts, dim=-2))
+        return out[0] if x.dim() == 2 else torch.cat(out, dim=0)
+
+
+def _tile(rows: torch.Tensor, row: int, start: int, length: int, dim: int) -> torch.Tensor:
+    """Tokens ``start:start+length`` of sequence ``row``: [length, hidden] for a 2-D input,
+    [1, length, hidden] for a 3-D one."""
+    tile = rows[row : row + 1, start : start + length]
+    return tile[0] if dim == 2 else tile
 
 
 def tile_block(block: nn.Module) -> nn.Module:

@@ -22,7 +22,14 @@ from typing import Any
 from torch import nn
 
 from remat.manual.head import noting_heads
-from remat.manual.lm_head import HEAD_KEEP, causal_lm_head, clear_head, head_option_name, set_head
+from remat.manual.lm_head import (
+    HEAD_KEEP,
+    causal_lm_head,
+    clear_head,
+    head_option_name,
+    head_option_of,
+    set_head,
+)
 from remat.measure.attribution import attribute
 from remat.measure.runner import StepRunner, every_block
 from remat.records import Profile, Segment
@@ -133,8 +140,11 @@ def _find(model: nn.Module, runner: StepRunner) -> tuple[str, bool, int] | None:
 
 @contextlib.contextmanager
 def _head(model: nn.Module, name: str, option: str, causal_lm: bool) -> Iterator[None]:
+    """The head with ``option`` while the block runs; then as it was (a plan applied keeps its)."""
+    before, routed = head_option_of(model, name)
     set_head(model, name, option, causal_lm=causal_lm)
     try:
         yield
     finally:
         clear_head(model, name)
+        set_head(model, name, before, causal_lm=routed)
