@@ -56,7 +56,7 @@ __all__ = [
 ]
 
 PROFILE_SCHEMA = 2  # 2: side inputs (NOTE [ Side inputs ])
-PLAN_SCHEMA = 1
+PLAN_SCHEMA = 2  # 2: segments (NOTE [ A segment is one recompute frame over several calls ])
 
 # NOTE [ One option vocabulary ]
 # What a block does with its activations is an *option*, spelt the same everywhere: in a Profile's
@@ -269,6 +269,12 @@ class Plan:
     """The record's schema version; files of another version are refused."""
     notes: list[str] = field(default_factory=list)
     """Free-form remarks from the solver (e.g. what dominates the peak)."""
+    segments: list[list[str]] = field(default_factory=list)
+    """Runs of consecutive blocks recomputed as one unit, ``[first, last]`` block names: only the
+    first block's input is kept, the run is replayed once in the backward. Segments nest or are
+    disjoint; a segment inside another is replayed from what the outer replay keeps (the
+    Revolve / rotor schedules). Blocks inside a segment have the choice ``keep``: kept during
+    their segment's replay. See ``remat.manual.segments`` and ``remat.plan.segments``."""
 
     def to_json(self) -> str:
         return dump_record(self, "plan")
