@@ -45,7 +45,7 @@ __all__ = ["EXACT_BLOCKS", "MAX_STATES", "SegmentResult", "segment_search"]
 EXACT_BLOCKS = 10
 MAX_STATES = 4096
 _NONE = -(2**62)
-_DROPPED = 2**63 - 1
+_NO_TICKS = 2**62
 
 
 @dataclass(frozen=True)
@@ -62,8 +62,10 @@ class _Fronts:
     """Per (span, side-input state): the Pareto front of (need, ticks, tree) of a top-level
     segment over its structures (NOTE [ Searching segments ])."""
 
-    def __init__(self, model: SegmentModel, exact: bool) -> None:
-        self.m, self.exact = model, exact
+    def __init__(self, model: SegmentModel, exact: bool, max_len: int) -> None:
+        self.m, self.exact, self.max_len = model, exact, max_len
+        self._family: dict[tuple[int, int, int], dict[int, list[tuple[int, int, Tree]]]] = {}
+        self._g: dict[int, list[int]] = {}
         self._replays: dict[tuple[int, int, int], list[tuple[int, int, Tree]]] = {}
         self._tops: dict[tuple[int, int, int], list[tuple[int, int, Tree]]] = {}
 
@@ -76,13 +78,47 @@ class _Fronts:
             if self.exact:
                 points = [(max(fwd, base + p), t, tree) for p, t, tree in self.replays(s, e, held)]
             else:
-                trees = [Tree((s, e)), Tree((s, e), tuple(Tree((j, j)) for j in range(s, e)))]
-                points = []
-                for tree in trees:
-                    p, t, _ = m.replay(tree, held)
-                    points.append((max(fwd, base + p), t, tree))
+                points = [(max(fwd, base + p), t, tree) for p, t, tree in self.families(s, held)[e]]
             self._tops[key] = _front2(points)
         return self._tops[key]
+
+    def families(self, s: int, held: int) -> dict[int, list[tuple[int, int, Tree]]]:
+        """For every end e: the flat and the two-level segment [s..e] (NOTE [ Searching segments
+        ]), their (replay peak, ticks) as ``SegmentModel.replay`` gives them, in one pass over e."""
+        key = (s, -1, held)
+        if key in self._replays:
+            return self._family[key]
+        m, g = self.m, self._grads(held)
+        out: dict[int, list[tuple[int, int, Tree]]] = {}
+        flat_level = two_level = -m.inp[s]
+        flat_f = flat_b = two_f = two_b = _NONE
+        ticks = 0
+        for e in range(s, min(m.n, s + self.max_len)):
+            if e > s:
+                ge = g[e]
+                last = ge + m.inp[e] + m.br[e]
+                flat = max(ge + flat_f, flat_b, last + flat_level)
+                two = max(ge + two_f, two_b, last + two_level)
+                out[e] = [
+                    (flat, ticks + m.tr[e], Tree((s, e))),
+                    (two, 2 * ticks + m.tr[e], Tree((s, e), tuple(Tree((j, j)) for j in range(s, e)))),
+                ]
+            flat_f = max(flat_f, flat_level + m.fk[e])
+            flat_b = max(flat_b, g[e] + flat_level + m.kk[e] + m.bk[e])
+            flat_level += m.kk[e]
+            two_f = max(two_f, two_level + m.fr[e])
+            two_b = max(two_b, two_level + m.inp[e] + g[e] + m.br[e])
+            two_level += m.inp[e]
+            ticks += m.tr[e]
+        self._replays[key] = []
+        self._family[key] = out
+        return out
+
+    def _grads(self, held: int) -> list[int]:
+        if held not in self._g:
+            m = self.m
+            self._g[held] = [m.grads_at[j] + m.delta(held, j) + m.gather for j in range(m.n)]
+        return self._g[held]
 
     def replays(self, s: int, e: int, held: int) -> list[tuple[int, int, Tree]]:
         """The front of (peak above the outer level, ticks, tree) of the backward of [s..e]."""
@@ -134,16 +170,18 @@ def _front3(states: list[tuple[int, int, int, tuple[Tree, ...]]]) -> list[tuple[
 
 
 def segment_search(
-    chain: ChainConstraints, model: SegmentModel, budget_bytes: int, *, objective: str = "time", max_len: int = 16
+    chain: ChainConstraints, model: SegmentModel, budget_bytes: int, *, objective: str = "time",
+    max_len: int = 16, below_ticks: int | None = None,
 ) -> SegmentResult | None:
     """The fastest plan (``objective="time"``) of per-block options and segments whose peak fits
-    ``budget_bytes``, or the one with the lowest peak (``"peak"``); None when none fits."""
+    ``budget_bytes``, or the one with the lowest peak (``"peak"``); None when none fits.
+    ``below_ticks``: only plans faster than that are of interest (the per-block optimum's)."""
     n, width = len(chain.kept_bytes), len(chain.options)
     if n == 0 or "keep" not in chain.options or "recompute" not in chain.options:
         return None
     exact = n <= EXACT_BLOCKS
     longest = n if exact else min(n, max_len)
-    fronts = _Fronts(model, exact)
+    fronts = _Fronts(model, exact, longest)
     keep = chain.options.index("keep")
     kept = np.array(chain.kept_bytes, dtype=np.int64).reshape(n, width)
     ticks = np.rint(np.array(chain.extra_ms, dtype=np.float64).reshape(n, width) * 1e6).astype(np.int64)
@@ -156,6 +194,9 @@ def segment_search(
     else:
         need = np.array(chain.need_bytes, dtype=np.int64).reshape(n, width)
         tails = np.array([chain.tail_bytes], dtype=np.int64)
+    states = len(tails)
+    floors = _floors(chain, model, fronts, longest, states)
+    limit = _NO_TICKS if below_ticks is None else below_ticks
     pending: list[list[tuple[np.ndarray, ...]]] = [[] for _ in range(n + 1)]
     zero = np.zeros(1, dtype=np.int64)
     pending[0].append((zero, zero, np.full(1, chain.fixed_bytes, dtype=np.int64), zero, zero - 1, zero, zero))
@@ -163,12 +204,17 @@ def segment_search(
     moves: list[list[tuple[int, int, Tree | None]]] = []  # per position: (target, option, tree)
     for q in range(n + 1):
         if not pending[q]:
-            return None  # every partial plan is over the budget
+            if q == n:
+                return None  # every partial plan is over the budget
+            saved.append((np.zeros(0, dtype=np.int64),) * 3)
+            moves.append([])
+            continue  # no plan stops here (segments jump over it)
         K, T, P, H, src, idx, mv = (np.concatenate(c) for c in zip(*pending[q]))
         pending[q] = []
         if q == n:
             break
-        alive = _front(K, T, P, H, objective)
+        hope = (K + floors[q][H] <= budget_bytes) & (T < limit)  # some finish fits, and could win
+        alive = _front(K, T, P, H, objective, hope)
         K, T, P, H, src, idx, mv = (a[alive] for a in (K, T, P, H, src, idx, mv))
         saved.append((src, idx, mv))
         table: list[tuple[int, int, Tree | None]] = []
@@ -180,14 +226,13 @@ def segment_search(
             _push(pending[q + 1], budget_bytes, K + kept[q, o], T + ticks[q, o], np.maximum(P, K + term), cH,
                   q, rows, len(table))
             table.append((q + 1, o, None))
+        groups = [(int(h), np.flatnonzero(H == h)) for h in np.unique(H).tolist()]
         for e in range(q + 1, min(n, q + longest)):
             seg_holds, seg_kept = model.holds(q, e), model.kept(q, e)
-            cH = H | seg_holds
-            for h in np.unique(cH).tolist():
-                sel = np.flatnonzero(cH == h)
-                for need_e, t, tree in fronts.top(q, e, int(h)):
+            for h, sel in groups:
+                for need_e, t, tree in fronts.top(q, e, h | seg_holds):
                     _push(pending[e + 1], budget_bytes, K[sel] + seg_kept, T[sel] + t,
-                          np.maximum(P[sel], K[sel] + need_e), cH[sel], q, sel, len(table))
+                          np.maximum(P[sel], K[sel] + need_e), H[sel] | seg_holds, q, sel, len(table))
                     table.append((e + 1, keep, tree))
     final = np.maximum(P, K + tails[H] if chain.holds else K + tails[0])
     fits = np.flatnonzero(final <= budget_bytes)
@@ -216,12 +261,35 @@ def _push(into: list[tuple[np.ndarray, ...]], budget: int, K: np.ndarray, T: np.
                      np.full(int(ok.sum()), move, dtype=np.int64)))
 
 
-def _front(K: np.ndarray, T: np.ndarray, P: np.ndarray, H: np.ndarray, objective: str) -> np.ndarray:
-    """Indices of the partial plans no other with the same state H dominates (NOTE [ Searching
-    segments ]); ``MAX_STATES`` at most per state, the fastest."""
-    out = []
-    for h in np.unique(H).tolist():
-        part = np.flatnonzero(H == h)
+def _floors(chain: ChainConstraints, model: SegmentModel, fronts: _Fronts, longest: int, states: int) -> list[np.ndarray]:
+    """[q][state]: the lowest peak blocks q.. and the head reach with nothing kept before q, with
+    segments (as ``ChainConstraints.suffix_floors`` without them): a partial plan keeping K before
+    q can still fit budget B only if K + floors[q][H] <= B."""
+    n = len(chain.kept_bytes)
+    floors = [np.zeros(states, dtype=np.int64) for _ in range(n + 1)]
+    floors[n][:] = [chain.tail_at(h) for h in range(states)]
+    for q in range(n - 1, -1, -1):
+        for h in range(states):
+            best = None
+            for o, k in enumerate(chain.kept_bytes[q]):
+                now = h | (chain.holds[q][o] if chain.holds else 0)
+                value = max(chain.need_at(q, o, now), k + int(floors[q + 1][now]))
+                best = value if best is None else min(best, value)
+            for e in range(q + 1, min(n, q + longest)):
+                now = h | model.holds(q, e)
+                low = min(p for p, _, _ in fronts.top(q, e, now))
+                best = min(best, max(low, model.kept(q, e) + int(floors[e + 1][now])))  # type: ignore[type-var]
+            assert best is not None
+            floors[q][h] = best
+    return floors
+
+
+def _front(K: np.ndarray, T: np.ndarray, P: np.ndarray, H: np.ndarray, objective: str, hope: np.ndarray) -> np.ndarray:
+    """Indices of the hopeful partial plans no other with the same state H dominates (NOTE [
+    Searching segments ]); ``MAX_STATES`` at most per state, the fastest."""
+    out = [np.zeros(0, dtype=np.int64)]
+    for h in np.unique(H[hope]).tolist():
+        part = np.flatnonzero((H == h) & hope)
         k, t, p = K[part], T[part], P[part]
         first, second = (t, p) if objective == "time" else (p, t)
         by = np.lexsort((second, first))

@@ -78,7 +78,8 @@ def solve(
             picks = optimal_picks(chain, budget_bytes)
             # NOTE [ Searching segments ]: per-block options and segments together; used when
             # strictly faster than the per-block optimum, or when only it fits.
-            seg = _segments(profile, chain, budget_bytes, "time")
+            seg = _segments(profile, chain, budget_bytes, "time",
+                            None if picks is None else _ticks(chain, picks))
             if seg is not None and seg.trees and (picks is None or seg.ticks < _ticks(chain, picks)):
                 picks, segments = seg.picks, _segment_names(profile, seg)
             if picks is None:
@@ -262,10 +263,12 @@ def _option_index(chain: ChainConstraints, option: str) -> int:
     return chain.options.index(option)
 
 
-def _segments(profile: Profile, chain: ChainConstraints, budget: int, objective: str) -> SegmentResult | None:
+def _segments(
+    profile: Profile, chain: ChainConstraints, budget: int, objective: str, below: int | None = None
+) -> SegmentResult | None:
     if not {"keep", "recompute"} <= set(chain.options):
         return None
-    return segment_search(chain, SegmentModel(profile, chain), budget, objective=objective)
+    return segment_search(chain, SegmentModel(profile, chain), budget, objective=objective, below_ticks=below)
 
 
 def _ticks(chain: ChainConstraints, picks: Sequence[int]) -> int:
