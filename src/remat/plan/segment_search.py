@@ -22,13 +22,16 @@ What is exact and what is not:
   the plan is the fastest of all plans of per-block options and laminar families of segments
   (checked against brute force in tests/test_segments_plan.py, and against Revolve's closed form
   on uniform chains);
-- longer chains: top-level segments of at most ``max_len`` blocks, each either flat (every block
+- longer chains: top-level segments of at most ``max_len`` blocks (16, 8 beyond 128 blocks), each either flat (every block
   kept in its replay) or two-level (its replay recomputes each block but the last as a segment of
   one: it holds one input in the forward and goes down to one input per block only while it is
   replayed); no deeper nesting, so the plan is the fastest of that family (and never slower than
   the per-block optimum, which the solver also computes), not of all schedules;
-- a position whose partial plans exceed ``MAX_STATES`` keeps the fastest ones only (not reached
-  by the chains in benchmarks/solve_time.py).
+- on longer chains, a position whose undominated partial plans exceed ``MAX_STATES`` keeps that
+  many, spread evenly over the front from the fewest kept bytes to the fastest (so that both
+  tight and loose budgets keep candidates); varied chains of 128 blocks and more reach it. The
+  solver uses a segment plan only when it is strictly faster than the exact per-block optimum,
+  so this makes segments help less, never a plan worse.
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ from remat.plan.segments import SegmentModel, Tree
 __all__ = ["EXACT_BLOCKS", "MAX_STATES", "SegmentResult", "segment_search"]
 
 EXACT_BLOCKS = 10
-MAX_STATES = 4096
+MAX_STATES = 256
 _NONE = -(2**62)
 _NO_TICKS = 2**62
 
@@ -171,7 +174,7 @@ def _front3(states: list[tuple[int, int, int, tuple[Tree, ...]]]) -> list[tuple[
 
 def segment_search(
     chain: ChainConstraints, model: SegmentModel, budget_bytes: int, *, objective: str = "time",
-    max_len: int = 16, below_ticks: int | None = None,
+    max_len: int | None = None, below_ticks: int | None = None,
 ) -> SegmentResult | None:
     """The fastest plan (``objective="time"``) of per-block options and segments whose peak fits
     ``budget_bytes``, or the one with the lowest peak (``"peak"``); None when none fits.
@@ -180,6 +183,8 @@ def segment_search(
     if n == 0 or "keep" not in chain.options or "recompute" not in chain.options:
         return None
     exact = n <= EXACT_BLOCKS
+    if max_len is None:  # long chains: shorter top-level segments, for the solve time
+        max_len = 16 if n <= 128 else 8
     longest = n if exact else min(n, max_len)
     fronts = _Fronts(model, exact, longest)
     keep = chain.options.index("keep")
@@ -196,6 +201,7 @@ def segment_search(
         tails = np.array([chain.tail_bytes], dtype=np.int64)
     states = len(tails)
     floors = _floors(chain, model, fronts, longest, states)
+    floor_table = np.stack(floors)  # [position, state]
     limit = _NO_TICKS if below_ticks is None else below_ticks
     pending: list[list[tuple[np.ndarray, ...]]] = [[] for _ in range(n + 1)]
     zero = np.zeros(1, dtype=np.int64)
@@ -214,7 +220,7 @@ def segment_search(
         if q == n:
             break
         hope = (K + floors[q][H] <= budget_bytes) & (T < limit)  # some finish fits, and could win
-        alive = _front(K, T, P, H, objective, hope)
+        alive = _front(K, T, P, H, objective, hope, None if exact else MAX_STATES)
         K, T, P, H, src, idx, mv = (a[alive] for a in (K, T, P, H, src, idx, mv))
         saved.append((src, idx, mv))
         table: list[tuple[int, int, Tree | None]] = []
@@ -226,14 +232,33 @@ def segment_search(
             _push(pending[q + 1], budget_bytes, K + kept[q, o], T + ticks[q, o], np.maximum(P, K + term), cH,
                   q, rows, len(table))
             table.append((q + 1, o, None))
-        groups = [(int(h), np.flatnonzero(H == h)) for h in np.unique(H).tolist()]
-        for e in range(q + 1, min(n, q + longest)):
-            seg_holds, seg_kept = model.holds(q, e), model.kept(q, e)
-            for h, sel in groups:
-                for need_e, t, tree in fronts.top(q, e, h | seg_holds):
-                    _push(pending[e + 1], budget_bytes, K[sel] + seg_kept, T[sel] + t,
-                          np.maximum(P[sel], K[sel] + need_e), H[sel] | seg_holds, q, sel, len(table))
+        for h in np.unique(H).tolist():  # segments from q: every (end, structure) at once
+            sel = np.flatnonzero(H == h)
+            rows_m = []
+            for e in range(q + 1, min(n, q + longest)):
+                seg_holds, seg_kept = model.holds(q, e), model.kept(q, e)
+                for need_e, t, tree in fronts.top(q, e, int(h) | seg_holds):
+                    rows_m.append((need_e, seg_kept, t, e + 1, int(h) | seg_holds))
                     table.append((e + 1, keep, tree))
+            if not rows_m:
+                continue
+            m_need, m_kept, m_ticks, m_target, m_held = (np.array(c, dtype=np.int64) for c in zip(*rows_m))
+            first_move = len(table) - len(rows_m)
+            Ks, Ts, Ps = K[sel][:, None], T[sel][:, None], P[sel][:, None]
+            cK, cT = Ks + m_kept, Ts + m_ticks
+            cP = np.maximum(Ps, Ks + m_need)
+            room = floor_table[m_target, m_held]
+            ok = (cP <= budget_bytes) & (cT < limit) & (cK + room <= budget_bytes)
+            r, c = np.nonzero(ok)
+            if not r.size:
+                continue
+            by = np.argsort(m_target[c], kind="stable")
+            r, c = r[by], c[by]
+            targets, starts = np.unique(m_target[c], return_index=True)
+            for target, lo, hi in zip(targets.tolist(), starts.tolist(), [*starts[1:].tolist(), r.size]):
+                rr, cc = r[lo:hi], c[lo:hi]
+                pending[target].append((cK[rr, cc], cT[rr, cc], cP[rr, cc], m_held[cc],
+                                        np.full(rr.size, q, dtype=np.int64), sel[rr], first_move + cc))
     final = np.maximum(P, K + tails[H] if chain.holds else K + tails[0])
     fits = np.flatnonzero(final <= budget_bytes)
     if not fits.size:
@@ -284,9 +309,10 @@ def _floors(chain: ChainConstraints, model: SegmentModel, fronts: _Fronts, longe
     return floors
 
 
-def _front(K: np.ndarray, T: np.ndarray, P: np.ndarray, H: np.ndarray, objective: str, hope: np.ndarray) -> np.ndarray:
+def _front(K: np.ndarray, T: np.ndarray, P: np.ndarray, H: np.ndarray, objective: str, hope: np.ndarray,
+           cap: int | None) -> np.ndarray:
     """Indices of the hopeful partial plans no other with the same state H dominates (NOTE [
-    Searching segments ]); ``MAX_STATES`` at most per state, the fastest."""
+    Searching segments ]); at most ``cap`` per state, spread over the front."""
     out = [np.zeros(0, dtype=np.int64)]
     for h in np.unique(H[hope]).tolist():
         part = np.flatnonzero((H == h) & hope)
@@ -303,7 +329,7 @@ def _front(K: np.ndarray, T: np.ndarray, P: np.ndarray, H: np.ndarray, objective
         keep[0] = True
         keep[1:] = r[1:] < np.minimum.accumulate(r)[:-1]
         chosen = order[keep]
-        if chosen.size > MAX_STATES:
-            chosen = chosen[np.argsort(rank[chosen], kind="stable")[:MAX_STATES]]
+        if cap is not None and chosen.size > cap:  # sorted by K: a spread from both ends
+            chosen = chosen[np.unique(np.linspace(0, chosen.size - 1, cap).round().astype(np.int64))]
         out.append(part[chosen])
     return np.concatenate(out)
