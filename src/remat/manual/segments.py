@@ -15,7 +15,8 @@ so that the user's forward (a loop over a ``ModuleList``, extra arguments, tuple
 - the first unpack in the backward replays the calls once, in order, under each call's RNG and
   autocast state, with the BatchNorm running statistics put back afterwards (NOTE [ BatchNorm in
   recompute ]), and fills the placeholders in the order they were packed; the replay stops as
-  soon as the last one is filled.
+  soon as the last one is filled, inside the block that saves it (as torch's early stop does:
+  the rest of that block would only allocate its output).
 Segments nest (the Revolve / rotor class of schedules): a segment inside another is a frame of
 its own in the forward too, but what it holds (its input, the tensors from outside it) it holds
 through the enclosing frame, as placeholders of that frame. So the original forward keeps only
@@ -170,6 +171,8 @@ class _Frame:
             self.filling += 1
             if slot is not None:
                 self.values[slot] = tensor.detach()
+            if self.complete():
+                raise _Done  # the rest of the block would only make its output: stop (as torch)
             return None
         slot = _Slot(self)
         self.slots.append(weakref.ref(slot))

@@ -32,7 +32,7 @@ from remat.manual.options import option_of, set_option
 from remat.measure import step as _step
 from remat.measure.attribution import assemble, median_times, phase_times
 from remat.measure.sides import first_tensor as _first_tensor
-from remat.measure.sides import hooks_of, note_sides, noting_saved, side_inputs
+from remat.measure.sides import hooks_of, note_sides, noting_saved, side_inputs, with_skips
 from remat.measure.sides import storage_key as _storage_key
 from remat.measure.tracer import MemoryTracer, Trace, base_bytes
 from remat.models.hf import cache_off, check_layerdrop, without_cache
@@ -285,7 +285,7 @@ def _measured(
                         hooks = _marked_step(model, named, batch, loss_fn, optimizer, clock.mark)
                         option_runs.append(phase_times(clock.times, hooks.order))
         times.update((option, median_times(option_runs)) for option, option_runs in runs.items())
-    return assemble(
+    return with_skips(hooks_of(traces["keep"][1]), assemble(
         model=model,
         named=named,
         traces=traces,
@@ -302,7 +302,7 @@ def _measured(
         optimizer_bytes=opt_bytes,
         batch_bytes=_step.batch_bytes(batch),
         device_memory_bytes=torch.cuda.get_device_properties(device).total_memory if cuda else None,
-    )
+    ))
 
 
 def _host_link(device: torch.device) -> float:

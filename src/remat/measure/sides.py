@@ -11,6 +11,7 @@ the part before the blocks saves (it lives to the end of the backward under ever
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -20,10 +21,11 @@ import torch
 
 from remat.errors import ProfileError
 from remat.measure import step as _step
-from remat.records import SideInput
+from remat.records import Profile, SideInput
 
 __all__ = [
     "SeenSides", "first_tensor", "hooks_of", "note_sides", "noting_saved", "side_inputs", "storage_key",
+    "with_skips",
 ]  # fmt: skip
 
 
@@ -54,6 +56,7 @@ def note_sides(hooks: SeenSides, i: int, x: torch.Tensor | None, inputs: Any) ->
     if x is not None:
         hooks.firsts.add(storage_key(x))
         seen.add(storage_key(x))
+        _first_keys(hooks)[i] = storage_key(x)
     hooks.sides[i] = []
     for t in _step.tensors_in(inputs):
         if storage_key(t) not in seen and (x is None or t.device == x.device):
@@ -116,3 +119,31 @@ def side_inputs(
             )
         )
     return records
+
+
+def with_skips(traced: SeenSides, profile: Profile) -> Profile:
+    """``profile`` with ``skip_bytes``: per block, the bytes of the long skips it receives (besides
+    its first input, another block's first input: left out of the side inputs) or whose first
+    input is one."""
+    names = [b.name for b in profile.blocks]
+    firsts = {key: i for i, key in _first_keys(traced).items()}
+    skips: dict[str, int] = {}
+    for i in traced.order:
+        for key, nbytes in traced.sides.get(i, []):
+            if key not in traced.firsts:
+                continue
+            # Both ends: the block receiving the skip, and the block whose first input it is
+            # (that input outlives the block: the forward holds it for the other one).
+            for j in {i, firsts.get(key, i)}:
+                if j < len(names):
+                    skips[names[j]] = skips.get(names[j], 0) + nbytes
+    return dataclasses.replace(profile, skip_bytes=skips)
+
+
+def _first_keys(hooks: SeenSides) -> dict[int, int]:
+    """[block]: the storage key of its first input (kept on the hooks object)."""
+    keys = getattr(hooks, "_first_keys", None)
+    if keys is None:
+        keys = {}
+        setattr(hooks, "_first_keys", keys)  # noqa: B010 (not part of the SeenSides protocol)
+    return keys  # type: ignore[no-any-return]

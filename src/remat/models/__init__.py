@@ -21,6 +21,7 @@ from remat.models.decoders import (
     LlamaConfig,
     rope_cos_sin,
 )
+from remat.models.graphs import BiasLM, BiasLMConfig, UNet, UNetConfig
 from remat.models.encoders import (
     Bert,
     BertConfig,
@@ -35,6 +36,10 @@ from remat.models.encoders import (
 
 __all__ = [
     "GPT",
+    "BiasLM",
+    "BiasLMConfig",
+    "UNet",
+    "UNetConfig",
     "Batch",
     "Bert",
     "BertConfig",

@@ -96,7 +96,7 @@ class _Fronts:
         flat_level = two_level = -m.inp[s]
         flat_f = flat_b = two_f = two_b = _NONE
         ticks = 0
-        for e in range(s, min(m.n, s + self.max_len)):
+        for e in range(s, min(m.reach[s] + 1, s + self.max_len)):
             if e > s:
                 ge = g[e]
                 last = ge + m.inp[e] + m.br[e]
@@ -140,7 +140,7 @@ class _Fronts:
                 else:
                     v = max(peak, ge + level + m.inp[e] + m.br[e])
                     states.setdefault(e + 1, []).append((level, t + m.tr[e], v, kids))
-                for b in range(p, e + 1):
+                for b in range(p, min(e, m.reach[p]) + 1):
                     if (p, b) == (s, e):
                         continue
                     run = b < e
@@ -235,7 +235,7 @@ def segment_search(
         for h in np.unique(H).tolist():  # segments from q: every (end, structure) at once
             sel = np.flatnonzero(H == h)
             rows_m = []
-            for e in range(q + 1, min(n, q + longest)):
+            for e in range(q + 1, min(model.reach[q] + 1, q + longest)):
                 seg_holds, seg_kept = model.holds(q, e), model.kept(q, e)
                 for need_e, t, tree in fronts.top(q, e, int(h) | seg_holds):
                     rows_m.append((need_e, seg_kept, t, e + 1, int(h) | seg_holds))
@@ -300,7 +300,7 @@ def _floors(chain: ChainConstraints, model: SegmentModel, fronts: _Fronts, longe
                 now = h | (chain.holds[q][o] if chain.holds else 0)
                 value = max(chain.need_at(q, o, now), k + int(floors[q + 1][now]))
                 best = value if best is None else min(best, value)
-            for e in range(q + 1, min(n, q + longest)):
+            for e in range(q + 1, min(model.reach[q] + 1, q + longest)):
                 now = h | model.holds(q, e)
                 low = min(p for p, _, _ in fronts.top(q, e, now))
                 best = min(best, max(low, model.kept(q, e) + int(floors[e + 1][now])))  # type: ignore[type-var]

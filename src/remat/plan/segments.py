@@ -94,6 +94,10 @@ class SegmentModel:
         self.ms = [c.extra_ms for c in r]
         self.tr = [int(round(c.extra_ms * _TICKS_PER_MS)) for c in r]
         self.rng = [max(0, kr - i) for kr, i in zip(self.kr, self.inp)]
+        skip = [profile.skip_bytes.get(b.name, 0) for b in blocks]
+        self.reach = [0] * n  # [s]: the last block a segment from s may end at (no skip inside)
+        for s in range(n - 1, -1, -1):
+            self.reach[s] = s if s + 1 >= n or skip[s + 1] else self.reach[s + 1]
         self.lead = profile.base_bytes + profile.pre.kept_bytes
         self.gather = profile.gather_bytes
         after = [0] * n  # gradients live at block j's backward start, beyond the parameters'
