@@ -31,12 +31,16 @@ class UNetConfig:
     in_channels: int = 3
     channels: int = 16
     """Channels of every block."""
-    depth: int = 4
-    """Down blocks (and as many up blocks)."""
+    depth: int = 3
+    """Resolution levels of the down path (and of the up path)."""
+    blocks_per_level: int = 2
+    """Blocks at each level of each path; the last down block of a level hands its output to the
+    up path (a long skip), the first up block of a level takes it."""
     num_classes: int = 10
 
     def __post_init__(self) -> None:
-        check_config(self.depth >= 1, f"UNetConfig: depth must be at least 1, got {self.depth}")
+        check_config(self.depth >= 1 and self.blocks_per_level >= 1,
+                     f"UNetConfig: depth and blocks_per_level must be at least 1, got {self}")
         check_config(self.image_size % 2 ** (self.depth - 1) == 0,
                      f"UNetConfig: image_size={self.image_size} is not divisible by 2**(depth-1)")
 
@@ -56,33 +60,41 @@ class ConvUnit(nn.Module):
 
 
 class DownBlock(nn.Module):
-    def __init__(self, c: int, *, pool: bool) -> None:
+    def __init__(self, c: int, *, pool: bool, skip: bool) -> None:
         super().__init__()
-        self.pool, self.unit = pool, ConvUnit(c, c)
+        self.pool, self.skip, self.unit = pool, skip, ConvUnit(c, c)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.unit(F.avg_pool2d(x, 2) if self.pool else x)
 
 
 class UpBlock(nn.Module):
-    def __init__(self, c: int, *, upsample: bool) -> None:
+    def __init__(self, c: int, *, upsample: bool, skip: bool) -> None:
         super().__init__()
-        self.upsample, self.unit = upsample, ConvUnit(2 * c, c)
+        self.upsample, self.skip = upsample, skip
+        self.unit = ConvUnit(2 * c if skip else c, c)
 
-    def forward(self, x: torch.Tensor, skip: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, skip: torch.Tensor | None = None) -> torch.Tensor:
         if self.upsample:
             x = F.interpolate(x, scale_factor=2.0, mode="nearest")
-        return self.unit(torch.cat([x, skip], dim=1))
+        return self.unit(x if skip is None else torch.cat([x, skip], dim=1))
 
 
 class UNet(nn.Module):
     def __init__(self, config: UNetConfig) -> None:
         super().__init__()
         self.config = c = config
+        n = c.blocks_per_level
         self.stem = nn.Conv2d(c.in_channels, c.channels, 3, padding=1)
-        self.down = nn.ModuleList(DownBlock(c.channels, pool=i > 0) for i in range(c.depth))
-        self.mid = DownBlock(c.channels, pool=False)
-        self.up = nn.ModuleList(UpBlock(c.channels, upsample=i > 0) for i in range(c.depth))
+        self.down = nn.ModuleList(
+            DownBlock(c.channels, pool=level > 0 and k == 0, skip=k == n - 1)
+            for level in range(c.depth) for k in range(n)
+        )
+        self.mid = DownBlock(c.channels, pool=False, skip=False)
+        self.up = nn.ModuleList(
+            UpBlock(c.channels, upsample=level > 0 and k == 0, skip=k == 0)
+            for level in range(c.depth) for k in range(n)
+        )
         self.head = nn.Linear(c.channels, c.num_classes)
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
@@ -90,10 +102,11 @@ class UNet(nn.Module):
         skips = []
         for block in self.down:
             h = block(h)
-            skips.append(h)
+            if block.skip:
+                skips.append(h)
         h = self.mid(h)
         for block in self.up:
-            h = block(h, skips.pop())
+            h = block(h, skips.pop()) if block.skip else block(h)
         return self.head(h.mean(dim=(2, 3)))
 
 
