@@ -86,16 +86,16 @@ def _beta(s: int, r: int) -> int:
     return math.comb(s + r, s) if r >= 0 else 0
 
 
-def revolve_steps(l: int, s: int) -> int:
+def revolve_steps(steps: int, s: int) -> int:
     r = 0
-    while l > _beta(s, r):
+    while steps > _beta(s, r):
         r += 1
-    return r * l - _beta(s + 1, r - 1)
+    return r * steps - _beta(s + 1, r - 1)
 
 
 def test_the_closed_form_itself() -> None:
-    assert [revolve_steps(l, 1) for l in range(1, 6)] == [0, 1, 3, 6, 10]  # l(l-1)/2 with one
-    assert [revolve_steps(l, 2) for l in range(1, 7)] == [0, 1, 2, 4, 6, 8]
+    assert [revolve_steps(k, 1) for k in range(1, 6)] == [0, 1, 3, 6, 10]  # l(l-1)/2 with one
+    assert [revolve_steps(k, 2) for k in range(1, 7)] == [0, 1, 2, 4, 6, 8]
     assert revolve_steps(10, 9) == 9  # enough checkpoints: every step but the last once
 
 
@@ -108,12 +108,12 @@ def _uniform_chain(n: int, a: int = 1000) -> Profile:
 
 
 @pytest.mark.parametrize("s", [1, 2, 3, 4])
-@pytest.mark.parametrize("l", [1, 2, 3, 4, 5, 6, 7, 8, 9, 10])
-def test_uniform_chains_take_revolves_least_number_of_forward_steps(l: int, s: int) -> None:
-    p, a = _uniform_chain(l), 1000
+@pytest.mark.parametrize("steps", [1, 2, 3, 4, 5, 6, 7, 8, 9, 10])
+def test_uniform_chains_take_revolves_least_number_of_forward_steps(steps: int, s: int) -> None:
+    p, a = _uniform_chain(steps), 1000
     plan = solve(p, s + a)
     assert plan.estimate.peak_bytes <= s + a
-    assert round(plan.estimate.step_ms - p.plain_step_ms) == revolve_steps(l, s)
+    assert round(plan.estimate.step_ms - p.plain_step_ms) == revolve_steps(steps, s)
 
 
 def test_segments_go_below_every_per_block_plan() -> None:

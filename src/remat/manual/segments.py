@@ -30,248 +30,21 @@ next step starts clean.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import threading
-import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import get_device_states, set_device_states
+from torch.utils.checkpoint import get_device_states
 
 from remat.errors import CheckpointError, InvalidType, InvalidValue
-from remat.manual.batchnorm import RestoreRunningStats
+from remat.manual.frames import Call, Done, Frame, autocast_state, walk
 
 __all__ = ["SegmentForward", "Segments", "apply_segments", "remove_segments", "segments_of"]
 
 _RECORD = "_remat_segment"
-
-
-class _Done(Exception):
-    """Raised inside a replay once every placeholder of the frame is filled (early stop)."""
-
-
-class _Slot:
-    """A placeholder for one saved tensor of a frame."""
-
-    __slots__ = ("__weakref__", "frame")
-
-    def __init__(self, frame: _Frame) -> None:
-        self.frame = frame
-
-
-@dataclasses.dataclass(frozen=True)
-class _Held:
-    """A tensor from outside the frame, held by it: itself, or a placeholder of the parent."""
-
-    value: Any
-    requires_grad: bool
-
-
-@dataclasses.dataclass(frozen=True)
-class _Out:
-    """An output of an earlier call of the same frame, at ``path`` inside it."""
-
-    call: int
-    path: tuple[Any, ...]
-
-
-@dataclasses.dataclass(frozen=True)
-class _Call:
-    index: int
-    inner: Callable[..., Any]
-    args: Any
-    kwargs: Any
-    rng: tuple[torch.Tensor, list[int], list[torch.Tensor]]
-    autocast: tuple[tuple[str, bool, torch.dtype], ...]
-    autocast_cache: bool
-
-
-def _walk(obj: Any, fn: Callable[[torch.Tensor, tuple[Any, ...]], Any], path: tuple[Any, ...] = ()) -> Any:
-    """``obj`` with every tensor inside (tuples, lists, dicts) replaced by ``fn(tensor, path)``."""
-    if isinstance(obj, torch.Tensor):
-        return fn(obj, path)
-    if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
-        return tuple(_walk(v, fn, (*path, i)) for i, v in enumerate(obj))
-    if isinstance(obj, list):
-        return [_walk(v, fn, (*path, i)) for i, v in enumerate(obj)]
-    if isinstance(obj, dict) and type(obj) is dict:
-        return {k: _walk(v, fn, (*path, k)) for k, v in obj.items()}
-    return obj
-
-
-def _resolve(obj: Any, parent: _Frame | None, outs: list[Any]) -> Any:
-    """A recorded argument for the replay: outputs of the replayed calls, held tensors unpacked."""
-    if isinstance(obj, _Out):
-        return _at(outs[obj.call], obj.path)
-    if isinstance(obj, _Held):
-        value = (obj.value if parent is None else parent.unpack(obj.value)).detach()
-        return value.requires_grad_(True) if obj.requires_grad else value
-    if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
-        return tuple(_resolve(v, parent, outs) for v in obj)
-    if isinstance(obj, list):
-        return [_resolve(v, parent, outs) for v in obj]
-    if isinstance(obj, dict) and type(obj) is dict:
-        return {k: _resolve(v, parent, outs) for k, v in obj.items()}
-    return obj
-
-
-def _last_uses(calls: Sequence[_Call]) -> dict[int, list[int]]:
-    """[k]: the calls whose outputs call k reads last."""
-    last: dict[int, int] = {}
-    for k, call in enumerate(calls):
-        for ref in _refs((call.args, call.kwargs)):
-            last[ref.call] = k
-    by_reader: dict[int, list[int]] = {}
-    for j, k in last.items():
-        by_reader.setdefault(k, []).append(j)
-    return by_reader
-
-
-def _refs(obj: Any) -> Iterator[_Out]:
-    if isinstance(obj, _Out):
-        yield obj
-    elif isinstance(obj, (tuple, list)):
-        for v in obj:
-            yield from _refs(v)
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            yield from _refs(v)
-
-
-def _at(obj: Any, path: tuple[Any, ...]) -> Any:
-    for key in path:
-        obj = obj[key]
-    return obj
-
-
-class _Frame:
-    """One segment's recompute frame (NOTE [ A segment is one recompute frame over several calls ])."""
-
-    def __init__(self, owner: Segments, span: tuple[int, int], parent: _Frame | None) -> None:
-        self.owner, self.span, self.parent = owner, span, parent
-        self.next = span[0]
-        self.slots: list[weakref.ref[_Slot]] = []
-        self.values: weakref.WeakKeyDictionary[_Slot, torch.Tensor] = weakref.WeakKeyDictionary()
-        self.calls: list[_Call] = []
-        self.outputs: dict[int, tuple[weakref.ref[torch.Tensor], int, tuple[Any, ...]]] = {}
-        self.filling = -1  # during the replay: the index of the next placeholder to fill
-        self.replayed = False
-
-    def contains(self, i: int) -> bool:
-        return self.span[0] <= i <= self.span[1]
-
-    # --- the forward: placeholders and records -------------------------------------------------
-
-    def pack(self, tensor: torch.Tensor) -> Any:
-        if self.filling >= 0:  # replaying: the placeholder packed at this point gets the tensor
-            slot = self.slots[self.filling]() if self.filling < len(self.slots) else None
-            self.filling += 1
-            if slot is not None:
-                self.values[slot] = tensor.detach()
-            if self.complete():
-                raise _Done  # the rest of the block would only make its output: stop (as torch)
-            return None
-        slot = _Slot(self)
-        self.slots.append(weakref.ref(slot))
-        return slot
-
-    def unpack(self, slot: Any) -> torch.Tensor:
-        if slot is None:  # a tensor saved by the replay itself, which nothing backpropagates
-            raise CheckpointError("remat segments: the replay's own graph cannot be backpropagated")
-        frame: _Frame = slot.frame
-        if not frame.replayed:
-            frame.replay()
-        try:
-            return frame.values[slot]
-        except KeyError:
-            raise CheckpointError(
-                f"remat segment {frame.owner.label(frame.span)}: a saved tensor was not recomputed "
-                "(was its backward run twice without retain_graph=True?)"
-            ) from None
-
-    def hold(self, tensor: torch.Tensor) -> _Held:
-        value = tensor if self.parent is None else self.parent.pack(tensor)
-        return _Held(value, tensor.requires_grad)
-
-    def record(self, call: _Call, args: Any, kwargs: Any) -> None:
-        """Record a call of block ``call.index``; its tensors as outputs of earlier calls or held."""
-
-        def ref(t: torch.Tensor, path: tuple[Any, ...]) -> Any:
-            known = self.outputs.get(id(t))
-            if known is not None and known[0]() is t:
-                return _Out(known[1], known[2])
-            return self.hold(t)
-
-        self.calls.append(dataclasses.replace(call, args=_walk(args, ref), kwargs=_walk(kwargs, ref)))
-        self.next = call.index + 1
-
-    def note_output(self, out: Any) -> None:
-        k = len(self.calls) - 1
-
-        def note(t: torch.Tensor, path: tuple[Any, ...]) -> None:
-            self.outputs[id(t)] = (weakref.ref(t), k, path)
-
-        _walk(out, note)
-
-    # --- the backward: the replay ----------------------------------------------------------------
-
-    def complete(self) -> bool:
-        return self.filling >= len(self.slots)
-
-    def replay(self) -> None:
-        owner = self.owner
-        previous = owner.swap_stack([self])
-        self.filling = 0
-        outs: list[Any] = []
-        try:
-            with torch.enable_grad(), RestoreRunningStats(tuple(owner.modules[self.span[0] : self.span[1] + 1])):
-                last_use = _last_uses(self.calls)
-                for k, call in enumerate(self.calls):
-                    args, kwargs = self._inputs(call, outs)
-                    for j in last_use.pop(k, ()):
-                        outs[j] = None  # no later call reads it: let it go as the forward did
-                    outs.append(self._run(call, args, kwargs))
-                    if self.complete():
-                        break
-        except _Done:
-            pass
-        finally:
-            owner.swap_stack(previous)
-            filled, self.filling = self.filling, -1
-        self.replayed = True
-        if filled < len(self.slots):
-            raise CheckpointError(
-                f"remat segment {owner.label(self.span)}: its forward saved {len(self.slots)} "
-                f"tensors, its replay only {filled}; a segment's blocks must compute the same "
-                "way every time they run (no branches on global state or on timing)"
-            )
-        self.calls.clear()  # the inputs are no longer needed: the placeholders are filled
-
-    def _inputs(self, call: _Call, outs: list[Any]) -> tuple[Any, Any]:
-        # Module-level helpers, no nested closures: a recursive closure is a reference cycle that
-        # would keep the replay's outputs alive until the garbage collector runs.
-        return _resolve(call.args, self.parent, outs), _resolve(call.kwargs, self.parent, outs)
-
-    def _run(self, call: _Call, args: Any, kwargs: Any) -> Any:
-        cpu, devices, states = call.rng
-        with contextlib.ExitStack() as stack:
-            stack.enter_context(torch.random.fork_rng(devices=devices))
-            torch.set_rng_state(cpu)
-            if devices:
-                set_device_states(devices, states)
-            for device, enabled, dtype in call.autocast:
-                stack.enter_context(
-                    torch.autocast(device_type=device, dtype=dtype, enabled=enabled, cache_enabled=call.autocast_cache)
-                )
-            return self.owner.call(call.index, call.inner, args, kwargs)
-
-
-def _autocast_state() -> tuple[tuple[str, bool, torch.dtype], ...]:
-    devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
-    return tuple((d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in devices)
 
 
 class Segments:
@@ -307,13 +80,13 @@ class Segments:
         outer = [s for s in self.spans if s != span and s[0] <= span[0] and span[1] <= s[1]]
         return min(outer, key=lambda s: s[1] - s[0]) if outer else None
 
-    def _stack(self) -> list[_Frame]:
+    def _stack(self) -> list[Frame]:
         stack = getattr(self._local, "stack", None)
         if stack is None:
             stack = self._local.stack = []
         return stack
 
-    def swap_stack(self, stack: list[_Frame]) -> list[_Frame]:
+    def swap_stack(self, stack: list[Frame]) -> list[Frame]:
         previous = self._stack()
         self._local.stack = stack
         return previous
@@ -342,14 +115,14 @@ class Segments:
                     )
             if recording:
                 tensors: list[torch.Tensor] = []
-                _walk((args, kwargs), lambda t, _: tensors.append(t))
+                walk((args, kwargs), lambda t, _: tensors.append(t))
                 devices, states = get_device_states(*tensors)
-                call = _Call(i, inner, (), {}, (torch.get_rng_state(), devices, states),
-                             _autocast_state(), torch.is_autocast_cache_enabled())
+                call = Call(i, inner, (), {}, (torch.get_rng_state(), devices, states),
+                             autocast_state(), torch.is_autocast_cache_enabled())
                 for f in recording:
                     f.record(call, args, kwargs)
                 if replaying and stack[0].complete():
-                    raise _Done  # the replaying frame has all it needs (NOTE above: early stop)
+                    raise Done  # the replaying frame has all it needs (NOTE above: early stop)
             with torch.autograd.graph.saved_tensors_hooks(top.pack, top.unpack):
                 out = inner(*args, **kwargs)
             for f in recording:
@@ -357,14 +130,14 @@ class Segments:
             while stack and stack[-1].filling < 0 and stack[-1].span[1] == i:
                 stack.pop()
             return out
-        except _Done:
+        except Done:
             raise
         except BaseException:
             if not replaying:
                 stack.clear()
             raise
 
-    def _open(self, i: int, stack: list[_Frame]) -> None:
+    def _open(self, i: int, stack: list[Frame]) -> None:
         for span in self.starting.get(i, ()):
             top = stack[-1] if stack else None
             if top is not None and top.filling >= 0 and span[0] <= top.span[0] and top.span[1] <= span[1]:
@@ -377,7 +150,7 @@ class Segments:
                     f"segment {self.label(span)} starts at block {self.names[i]}, which should run "
                     f"{where}, but {found}; the blocks of a segment must run once each, in order"
                 )
-            stack.append(_Frame(self, span, top))
+            stack.append(Frame(self, span, top))
 
 
 class SegmentForward:

@@ -21,7 +21,6 @@ from remat.models.decoders import (
     LlamaConfig,
     rope_cos_sin,
 )
-from remat.models.graphs import BiasLM, BiasLMConfig, UNet, UNetConfig
 from remat.models.encoders import (
     Bert,
     BertConfig,
@@ -33,16 +32,15 @@ from remat.models.encoders import (
     ViT,
     ViTConfig,
 )
+from remat.models.graphs import BiasLM, BiasLMConfig, UNet, UNetConfig
 
 __all__ = [
     "GPT",
-    "BiasLM",
-    "BiasLMConfig",
-    "UNet",
-    "UNetConfig",
     "Batch",
     "Bert",
     "BertConfig",
+    "BiasLM",
+    "BiasLMConfig",
     "Block",
     "ConvNet",
     "ConvNetConfig",
@@ -55,6 +53,8 @@ __all__ = [
     "LossFn",
     "ModelConfig",
     "ResBlock",
+    "UNet",
+    "UNetConfig",
     "ViT",
     "ViTConfig",
     "build_model",

@@ -71,7 +71,8 @@ def build_model(config: ModelConfig, *, dtype: torch.dtype = torch.float32,
 def _config_of(model_or_config: nn.Module | ModelConfig) -> ModelConfig:
     if isinstance(model_or_config, nn.Module):
         config = getattr(model_or_config, "config", None)
-        if not isinstance(config, tuple(_MODELS)):
+        if not isinstance(config, GPTConfig | LlamaConfig | ConvNetConfig | BertConfig | ViTConfig
+                          | UNetConfig | BiasLMConfig):
             raise InvalidType(f"{type(model_or_config).__name__} is not one of remat's built-in "
                             "models (GPT, Llama, ConvNet, Bert, ViT, UNet, BiasLM)")
         return config

@@ -219,7 +219,7 @@ def segment_search(
         pending[q] = []
         if q == n:
             break
-        hope = (K + floors[q][H] <= budget_bytes) & (T < limit)  # some finish fits, and could win
+        hope = (K + floors[q][H] <= budget_bytes) & (limit > T)  # some finish fits, and could win
         alive = _front(K, T, P, H, objective, hope, None if exact else MAX_STATES)
         K, T, P, H, src, idx, mv = (a[alive] for a in (K, T, P, H, src, idx, mv))
         saved.append((src, idx, mv))
@@ -233,7 +233,7 @@ def segment_search(
                   q, rows, len(table))
             table.append((q + 1, o, None))
         for h in np.unique(H).tolist():  # segments from q: every (end, structure) at once
-            sel = np.flatnonzero(H == h)
+            sel = np.flatnonzero(h == H)
             rows_m = []
             for e in range(q + 1, min(model.reach[q] + 1, q + longest)):
                 seg_holds, seg_kept = model.holds(q, e), model.kept(q, e)
@@ -266,21 +266,21 @@ def segment_search(
     order = np.lexsort((K[fits], final[fits], T[fits])) if objective == "time" else np.lexsort((K[fits], T[fits], final[fits]))
     at = int(fits[order[0]])
     best_ticks, best_peak = int(T[at]), int(final[at])
-    picks, trees = [keep] * n, []
+    picks, trees = [keep] * n, list[Tree]()
     q, i, move = int(src[at]), int(idx[at]), int(mv[at])
     while q >= 0:
-        target, o, tree = moves[q][move]
-        if tree is None:
+        _, o, step = moves[q][move]
+        if step is None:
             picks[q] = o
         else:
-            trees.append(tree)
+            trees.append(step)
         q, i, move = int(saved[q][0][i]), int(saved[q][1][i]), int(saved[q][2][i])
     return SegmentResult(picks=picks, trees=sorted(trees, key=lambda t: t.span), ticks=best_ticks, peak_bytes=best_peak)
 
 
 def _push(into: list[tuple[np.ndarray, ...]], budget: int, K: np.ndarray, T: np.ndarray, P: np.ndarray,
           H: np.ndarray, q: int, rows: np.ndarray, move: int) -> None:
-    ok = P <= budget
+    ok = budget >= P
     if ok.any():
         into.append((K[ok], T[ok], P[ok], H[ok], np.full(int(ok.sum()), q, dtype=np.int64), rows[ok],
                      np.full(int(ok.sum()), move, dtype=np.int64)))
@@ -315,7 +315,7 @@ def _front(K: np.ndarray, T: np.ndarray, P: np.ndarray, H: np.ndarray, objective
     Searching segments ]); at most ``cap`` per state, spread over the front."""
     out = [np.zeros(0, dtype=np.int64)]
     for h in np.unique(H[hope]).tolist():
-        part = np.flatnonzero((H == h) & hope)
+        part = np.flatnonzero((h == H) & hope)
         k, t, p = K[part], T[part], P[part]
         first, second = (t, p) if objective == "time" else (p, t)
         by = np.lexsort((second, first))

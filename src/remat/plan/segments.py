@@ -92,7 +92,7 @@ class SegmentModel:
         self.kk, self.fk, self.bk = [c.kept_bytes for c in k], [c.fwd_peak_bytes for c in k], [c.bwd_peak_bytes for c in k]
         self.kr, self.fr, self.br = [c.kept_bytes for c in r], [c.fwd_peak_bytes for c in r], [c.bwd_peak_bytes for c in r]
         self.ms = [c.extra_ms for c in r]
-        self.tr = [int(round(c.extra_ms * _TICKS_PER_MS)) for c in r]
+        self.tr = [round(c.extra_ms * _TICKS_PER_MS) for c in r]
         self.rng = [max(0, kr - i) for kr, i in zip(self.kr, self.inp)]
         skip = [profile.skip_bytes.get(b.name, 0) for b in blocks]
         self.reach = [0] * n  # [s]: the last block a segment from s may end at (no skip inside)

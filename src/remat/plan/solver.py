@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from remat.errors import InfeasibleBudget, InvalidType, InvalidValue, did_you_mean
-from remat.plan.costmodel import ChainConstraints, chain_constraints, estimate, smallest_feasible
+from remat.plan.costmodel import ChainConstraints, chain_constraints, smallest_feasible
 from remat.plan.search import NO_LIMIT_BYTES, optimal_picks
 from remat.plan.segment_search import SegmentResult, segment_search
 from remat.plan.segments import SegmentModel, estimate_segments
@@ -272,7 +272,7 @@ def _segments(
 
 
 def _ticks(chain: ChainConstraints, picks: Sequence[int]) -> int:
-    return sum(int(round(chain.extra_ms[i][o] * 1_000_000)) for i, o in enumerate(picks))
+    return sum(round(chain.extra_ms[i][o] * 1_000_000) for i, o in enumerate(picks))
 
 
 def _segment_names(profile: Profile, seg: SegmentResult) -> list[list[str]]:
