@@ -143,3 +143,12 @@ def test_plan_json_keeps_segments_and_blocks_inside_must_keep() -> None:
     bad = dict(plan.choices, **{plan.segments[0][0]: "recompute"})
     with pytest.raises(ValueError, match="inside a segment"):
         estimate_segments(p, bad, plan.segments)
+
+
+def test_the_plan_table_shows_segments() -> None:
+    from remat.report.tables import plan_table, render_text
+
+    p = _uniform_chain(6)
+    plan = solve(p, 2 + 1000)
+    text = render_text(plan_table(plan, p), width=140)
+    assert f"{len(plan.segments)} segments" in text and "keep (segment" in text
