@@ -305,7 +305,7 @@ def run_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
         plan_for(peaks[c.name], c.name)
     lowest = min(peaks.values())
     below: list[str] = []
-    if lowest - floor > 0.02 * lowest:  # room for budgets that differ from the lowest peer's
+    if floor < lowest:  # remat can go below every peer: budgets down to its floor
         for share in BELOW:
             label = f"below {len(below) + 1}"
             plan_for(floor + round(share * (lowest - floor)), label)
