@@ -32,8 +32,9 @@ from remat.manual.options import option_of, set_option
 from remat.measure import step as _step
 from remat.measure.attribution import assemble, median_times, phase_times
 from remat.measure.sides import first_tensor as _first_tensor
-from remat.measure.sides import hooks_of, note_sides, noting_saved, side_inputs, with_skips
+from remat.measure.sides import hooks_of, note_output, note_sides, noting_saved, side_inputs
 from remat.measure.sides import storage_key as _storage_key
+from remat.measure.sides import with_skips as _with_skips
 from remat.measure.tracer import MemoryTracer, Trace, base_bytes
 from remat.models.hf import cache_off, check_layerdrop, without_cache
 from remat.plan.sharding import per_rank_profile
@@ -148,7 +149,7 @@ class _Hooks:
             self.mark(f"fe{i}")
             self.running = [j for j in self.running if j != i]
             y = _first_tensor(output)
-            self.firsts.update(_storage_key(t) for t in (y,) if t is not None)
+            note_output(self, i, y)
             self.out_bytes[i] = y.untyped_storage().nbytes() if y is not None else 0
             if y is not None and y.requires_grad:
                 y.register_hook(lambda g: self.mark(f"bs{i}"))
@@ -285,7 +286,7 @@ def _measured(
                         hooks = _marked_step(model, named, batch, loss_fn, optimizer, clock.mark)
                         option_runs.append(phase_times(clock.times, hooks.order))
         times.update((option, median_times(option_runs)) for option, option_runs in runs.items())
-    return with_skips(hooks_of(traces["keep"][1]), assemble(
+    return _with_skips(hooks_of(traces["keep"][1]), assemble(
         model=model,
         named=named,
         traces=traces,

@@ -24,7 +24,14 @@ from remat.measure import step as _step
 from remat.records import Profile, SideInput
 
 __all__ = [
-    "SeenSides", "first_tensor", "hooks_of", "note_sides", "noting_saved", "side_inputs", "storage_key",
+    "SeenSides",
+    "first_tensor",
+    "hooks_of",
+    "note_output",
+    "note_sides",
+    "noting_saved",
+    "side_inputs",
+    "storage_key",
     "with_skips",
 ]  # fmt: skip
 
@@ -56,12 +63,19 @@ def note_sides(hooks: SeenSides, i: int, x: torch.Tensor | None, inputs: Any) ->
     if x is not None:
         hooks.firsts.add(storage_key(x))
         seen.add(storage_key(x))
-        _first_keys(hooks)[i] = storage_key(x)
+        _keys(hooks, "_first_keys")[i] = storage_key(x)
     hooks.sides[i] = []
     for t in _step.tensors_in(inputs):
         if storage_key(t) not in seen and (x is None or t.device == x.device):
             seen.add(storage_key(t))
             hooks.sides[i].append((storage_key(t), t.untyped_storage().nbytes()))
+
+
+def note_output(hooks: SeenSides, i: int, y: torch.Tensor | None) -> None:
+    """Note block i's first output (``y``), a storage that is no side input of later blocks."""
+    if y is not None:
+        hooks.firsts.add(storage_key(y))
+        _keys(hooks, "_output_keys")[i] = storage_key(y)
 
 
 @contextmanager
@@ -122,28 +136,36 @@ def side_inputs(
 
 
 def with_skips(traced: SeenSides, profile: Profile) -> Profile:
-    """``profile`` with ``skip_bytes``: per block, the bytes of the long skips it receives (besides
-    its first input, another block's first input: left out of the side inputs) or whose first
-    input is one."""
+    """``profile`` with ``skip_bytes``: per block, the bytes a segment holding it after its first
+    block would hold that the segment cost model does not count: the long skips it receives
+    (besides its first input, another block's first input or output: left out of the side
+    inputs), a first input that the forward holds for another block too, or a first input that is
+    not the previous block's output (computed between the blocks, e.g. a pooling in the model's
+    own forward)."""
     names = [b.name for b in profile.blocks]
-    firsts = {key: i for i, key in _first_keys(traced).items()}
+    first_keys, output_keys = _keys(traced, "_first_keys"), _keys(traced, "_output_keys")
+    firsts = {key: i for i, key in first_keys.items()}
     skips: dict[str, int] = {}
+
+    def add(j: int, nbytes: int) -> None:
+        if j < len(names):
+            skips[names[j]] = skips.get(names[j], 0) + max(1, nbytes)
+
     for i in traced.order:
         for key, nbytes in traced.sides.get(i, []):
-            if key not in traced.firsts:
-                continue
-            # Both ends: the block receiving the skip, and the block whose first input it is
-            # (that input outlives the block: the forward holds it for the other one).
-            for j in {i, firsts.get(key, i)}:
-                if j < len(names):
-                    skips[names[j]] = skips.get(names[j], 0) + nbytes
+            if key in traced.firsts:  # both ends: the block receiving it, the block whose input it is
+                for j in {i, firsts.get(key, i)}:
+                    add(j, nbytes)
+    for a, b in zip(traced.order, traced.order[1:]):
+        if b in first_keys and output_keys.get(a) != first_keys[b]:
+            add(b, 0)
     return dataclasses.replace(profile, skip_bytes=skips)
 
 
-def _first_keys(hooks: SeenSides) -> dict[int, int]:
-    """[block]: the storage key of its first input (kept on the hooks object)."""
-    keys = getattr(hooks, "_first_keys", None)
+def _keys(hooks: SeenSides, name: str) -> dict[int, int]:
+    """[block]: a storage key noted on the hooks object (not part of the SeenSides protocol)."""
+    keys = getattr(hooks, name, None)
     if keys is None:
         keys = {}
-        setattr(hooks, "_first_keys", keys)  # noqa: B010 (not part of the SeenSides protocol)
+        setattr(hooks, name, keys)
     return keys  # type: ignore[no-any-return]
