@@ -204,10 +204,11 @@ class Profile:
     """The head's forward peak (as ``post.fwd_peak_bytes``) when the side inputs are still held by
     checkpoints, measured with every block recomputed; without side inputs, ``post``'s own."""
     skip_bytes: dict[str, int] = field(default_factory=dict)
-    """Per block (when not 0): bytes it receives besides its first input that another block's
-    forward produced (a UNet's long skip). A segment would hold them as its own inputs, which
-    the segment cost model does not count, so the solver puts no such block after the first of
-    a segment (NOTE [ Searching segments ] in ``remat.plan.segment_search``)."""
+    """Per block (when not 0): bytes a segment holding it after its first block would hold that
+    the segment cost model does not count: long skips it receives (a UNet's), a first input the
+    forward holds for another block too, or a first input that is not the previous block's
+    output (computed between blocks). The solver puts no such block after the first of a
+    segment (NOTE [ Searching segments ] in ``remat.plan.segment_search``)."""
     schema_version: int = PROFILE_SCHEMA
     """The record's schema version; files of another version are refused."""
 
