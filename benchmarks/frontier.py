@@ -1,6 +1,6 @@
 """remat side by side with PyTorch's own options on the memory / step-time frontier.
 
-    .venv/bin/python benchmarks/frontier.py [--models gpt,llama,cnn,hf-gpt2,hf-llama]
+    .venv/bin/python benchmarks/frontier.py [--models gpt,llama,cnn,unet,bias-lm,hf-gpt2,hf-llama]
         [--out bench-out] [--repeats 5] [--device cpu|cuda] [--quick]
 
 For each model, in one process and with one measurement: the plain step; torch checkpointing on
