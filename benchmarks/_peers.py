@@ -50,9 +50,11 @@ from torch.utils.checkpoint import checkpoint, checkpoint_sequential
 from remat.applier import apply, remove
 from remat.manual.blocks import find_blocks
 from remat.models import (
+    BiasLMConfig,
     ConvNetConfig,
     GPTConfig,
     LlamaConfig,
+    UNetConfig,
     build_model,
     loss_fn_for,
     make_batch,
@@ -63,7 +65,7 @@ from remat.records import Plan
 __all__ = ["MODELS", "Case", "Config", "build_case", "compiled", "every_k", "plain", "remat_plan", "sequential"]
 
 #: Models the benchmark knows, in the order of its default run.
-MODELS = ("gpt", "llama", "cnn", "hf-gpt2", "hf-llama")
+MODELS = ("gpt", "llama", "cnn", "unet", "bias-lm", "hf-gpt2", "hf-llama")
 HF_MODELS = ("hf-gpt2", "hf-llama")
 
 
@@ -141,6 +143,19 @@ _CNN = {
     "cpu": (ConvNetConfig(image_size=32, channels=(16, 32, 64), blocks_per_stage=2), 8),
     "gpu": (ConvNetConfig(image_size=224, channels=(64, 128, 256, 512), blocks_per_stage=2), 64),
 }
+# The two models that are not one chain: a UNet with long skips (two blocks per level) and a
+# decoder passing one attention bias to every block, at a long sequence (activations, not the
+# parameters' gradients, dominate the backward: where segments can go below every block).
+_UNET = {
+    "quick": (UNetConfig(image_size=16, channels=8, depth=2), 2),
+    "cpu": (UNetConfig(image_size=32, channels=16, depth=3), 8),
+    "gpu": (UNetConfig(image_size=256, channels=64, depth=4), 16),
+}
+_BIAS = {
+    "quick": (BiasLMConfig(n_layer=4, dim=32, n_head=2, max_seq=64, vocab_size=256), 2, 64),
+    "cpu": (BiasLMConfig(n_layer=8, dim=64, n_head=4, max_seq=256, vocab_size=512), 4, 256),
+    "gpu": (BiasLMConfig(n_layer=16, dim=1024, n_head=16, max_seq=2048, vocab_size=32000), 4, 2048),
+}
 # transformers configs: (layers, hidden, heads, kv heads, intermediate, vocab, batch, seq)
 _HF_GPT2 = {"quick": (4, 64, 2, 2, 256, 512, 2, 64), "cpu": (8, 128, 4, 4, 512, 2048, 2, 128),
             "gpu": (36, 1280, 20, 20, 5120, 50257, 4, 2048)}
@@ -170,6 +185,22 @@ def build_case(name: str, *, size: str, device: torch.device, dtype: torch.dtype
                     f"{cfg.blocks_per_stage}/stage, batch {batch_size} x {cfg.image_size}²",
                     model=model, batch=batch, loss_fn=loss_fn_for(model),
                     optimizer=_adamw(model), blocks=[])
+    elif name == "unet":
+        ucfg, batch_size = _UNET[size]
+        model = build_model(ucfg, dtype=dtype, device=device)
+        batch = make_batch(model, batch_size=batch_size, dtype=dtype, device=device)
+        case = Case(name=name, title=f"UNet {ucfg.depth} levels x {ucfg.blocks_per_level} blocks, "
+                    f"{ucfg.channels} channels, long skips, batch {batch_size} x {ucfg.image_size}²",
+                    model=model, batch=batch, loss_fn=loss_fn_for(model), optimizer=_adamw(model),
+                    blocks=[], no_sequential="its up blocks take the down path's outputs (long "
+                    "skips): not a chain of one-argument blocks")
+    elif name == "bias-lm":
+        bcfg, batch_size, seq = _BIAS[size]
+        model = build_model(bcfg, dtype=dtype, device=device)
+        batch = make_batch(model, batch_size=batch_size, seq_len=seq, device=device)
+        case = Case(name=name, title=f"BiasLM {bcfg.n_layer} x {bcfg.dim}, one attention bias "
+                    f"into every block, batch {batch_size} x {seq}", model=model, batch=batch,
+                    loss_fn=loss_fn_for(model), optimizer=_adamw(model), blocks=[])
     elif name in ("gpt", "llama"):
         lm: Any = _GPT if name == "gpt" else _LLAMA
         cfg, batch_size, seq = lm[size]
@@ -236,7 +267,7 @@ def sqrt_segments(n: int) -> int:
 def _add_sequential(case: Case) -> None:
     model, n = case.model, len(case.blocks)
     segments = sqrt_segments(n)
-    if case.hf:
+    if case.hf or case.no_sequential:
         return
     if isinstance(model, nn.Sequential):
         if [m for _, m in case.blocks] != list(model.children()):
@@ -247,6 +278,8 @@ def _add_sequential(case: Case) -> None:
         case.sequential = _GPTSequential(model, segments)
     elif type(model).__name__ == "Llama":
         case.sequential = _LlamaSequential(model, segments)
+    elif type(model).__name__ == "BiasLM":
+        case.sequential = _BiasSequential(model, segments)
     else:
         case.no_sequential = f"no chain form for {type(model).__name__}"
         return
@@ -299,6 +332,30 @@ class _LlamaSequential(nn.Module):
         hidden = checkpoint_sequential([adapter(layer) for layer in m.layers], self.segments,
                                        hidden, use_reentrant=False)
         return m.lm_head(m.norm(hidden))
+
+
+class _BiasSequential(nn.Module):
+    """remat.models.BiasLM.forward with its block loop run by checkpoint_sequential; each block
+    through an adapter that passes the bias."""
+
+    def __init__(self, model: nn.Module, segments: int) -> None:
+        super().__init__()
+        self.model: Any = model
+        self.segments = segments
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        m, t = self.model, ids.shape[1]
+        x = m.embed(ids)
+        pos = torch.arange(t, device=ids.device)
+        dist = (pos[None, :] - pos[:, None]).clamp(max=0).to(x.dtype)
+        causal = torch.full((t, t), -math.inf, device=ids.device, dtype=x.dtype).triu(1)
+        bias = m.slopes[:, None, None] * dist + causal
+
+        def adapter(block: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+            return lambda h: block(h, bias)
+
+        x = checkpoint_sequential([adapter(b) for b in m.blocks], self.segments, x, use_reentrant=False)
+        return m.lm_head(m.norm(x))
 
 
 def _check_same_forward(case: Case) -> None:

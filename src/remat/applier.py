@@ -41,6 +41,7 @@ from remat.manual.blocks import fingerprint
 from remat.manual.head import set_head_chunk
 from remat.manual.lm_head import chunk_of_option, clear_head, set_head
 from remat.manual.options import clear_option, set_option
+from remat.manual.segments import apply_segments, remove_segments
 from remat.measure.step import check_compiled
 from remat.models.hf import cache_off
 from remat.records import OPTIONS, Plan
@@ -119,9 +120,12 @@ def apply(model: nn.Module, plan: Plan, *, strict: bool = True) -> nn.Module:
     if plan.head != "keep" and plan.head_module not in modules:
         raise PlanMismatch(f"the plan chunks the head {plan.head_module!r}, which is not in this "
                            f"{type(model).__name__}{did_you_mean(plan.head_module, list(modules))}")
+    spans = _spans(plan)
     remove(model)
     for name, option in plan.choices.items():
         set_option(modules[name], option)
+    names = list(plan.choices)
+    apply_segments([modules[n] for n in names], spans, names)  # over the options just set
     if plan.head != "keep":
         set_head(model, plan.head_module, plan.head, causal_lm=plan.head_causal_lm)
     object.__setattr__(model, _PLAN_ATTR, plan)
@@ -132,6 +136,7 @@ def apply(model: nn.Module, plan: Plan, *, strict: bool = True) -> nn.Module:
 
 def remove(model: nn.Module) -> nn.Module:
     """Undo ``apply``: every block runs its own forward again. A no-op on a plain model."""
+    remove_segments(list(model.modules()))  # segments sit over the options: off first
     for module in model.modules():
         clear_option(module)
         clear_head(module)
@@ -148,8 +153,31 @@ def applied_plan(model: nn.Module) -> Plan | None:
     return model.__dict__.get(_PLAN_ATTR) or (inner.__dict__.get(_PLAN_ATTR) if inner is not None else None)
 
 
+def _spans(plan: Plan) -> list[tuple[int, int]]:
+    """The plan's segments as (first, last) positions in its blocks, checked."""
+    index = {name: i for i, name in enumerate(plan.choices)}
+    spans = []
+    for seg in plan.segments:
+        if len(seg) != 2 or any(n not in index for n in seg) or index[seg[0]] > index[seg[1]]:
+            raise PlanMismatch(
+                f"the plan's segment {seg!r} is not a [first, last] pair of its blocks in forward "
+                f"order; expected two of {list(index)[:3]}..."
+            )
+        first, last = index[seg[0]], index[seg[1]]
+        inside = [n for n in list(plan.choices)[first : last + 1] if plan.choices[n] != "keep"]
+        if inside:
+            raise PlanMismatch(
+                f"the plan's segment {seg[0]}..{seg[1]} holds block {inside[0]!r} with option "
+                f"{plan.choices[inside[0]]!r}; blocks inside a segment take 'keep' (the segment "
+                "recomputes them)"
+            )
+        spans.append((first, last))
+    return spans
+
+
 def _summary(plan: Plan) -> str:
     counts: dict[str, int] = {}
     for option in plan.choices.values():
         counts[option] = counts.get(option, 0) + 1
-    return ", ".join(f"{n} {o}" for o, n in counts.items())
+    text = ", ".join(f"{n} {o}" for o, n in counts.items())
+    return text + (f", {len(plan.segments)} segments" if plan.segments else "")

@@ -56,7 +56,7 @@ __all__ = [
 ]
 
 PROFILE_SCHEMA = 3  # 2: side inputs (NOTE [ Side inputs ]); 3: head options (NOTE [ The head's options ])
-PLAN_SCHEMA = 2  # 2: the head's option
+PLAN_SCHEMA = 2  # 2: the head's option, segments (NOTE [ A segment is one recompute frame over several calls ])
 
 # NOTE [ The head's options ]
 # The part after the blocks (final norm, head, loss) is a segment with options too: ``keep`` (as
@@ -228,6 +228,12 @@ class Profile:
     head_options: dict[str, Segment] = field(default_factory=dict)
     """The head's options besides ``keep`` (which is ``post``), e.g. ``"chunked:1024"``, each the
     segment after the blocks as measured with that option (NOTE [ The head's options ])."""
+    skip_bytes: dict[str, int] = field(default_factory=dict)
+    """Per block (when not 0): bytes a segment holding it after its first block would hold that
+    the segment cost model does not count: long skips it receives (a UNet's), a first input the
+    forward holds for another block too, or a first input that is not the previous block's
+    output (computed between blocks). The solver puts no such block after the first of a
+    segment (NOTE [ Searching segments ] in ``remat.plan.segment_search``)."""
     schema_version: int = PROFILE_SCHEMA
     """The record's schema version; files of another version are refused."""
 
@@ -300,6 +306,12 @@ class Plan:
     """The record's schema version; files of another version are refused."""
     notes: list[str] = field(default_factory=list)
     """Free-form remarks from the solver (e.g. what dominates the peak)."""
+    segments: list[list[str]] = field(default_factory=list)
+    """Runs of consecutive blocks recomputed as one unit, ``[first, last]`` block names: only the
+    first block's input is kept, the run is replayed once in the backward. Segments nest or are
+    disjoint; a segment inside another is replayed from what the outer replay keeps (the
+    Revolve / rotor schedules). Blocks inside a segment have the choice ``keep``: kept during
+    their segment's replay. See ``remat.manual.segments`` and ``remat.plan.segments``."""
 
     def to_json(self) -> str:
         return dump_record(self, "plan")

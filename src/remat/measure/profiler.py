@@ -32,8 +32,16 @@ from remat.measure.attribution import assemble, phase_times
 from remat.measure.heads import add_heads, measure_heads
 from remat.measure.runner import StepRunner
 from remat.measure.sides import first_tensor as _first_tensor
-from remat.measure.sides import hooks_of, note_sides, noting_deaths, noting_saved, side_inputs
+from remat.measure.sides import (
+    hooks_of,
+    note_output,
+    note_sides,
+    noting_deaths,
+    noting_saved,
+    side_inputs,
+)
 from remat.measure.sides import storage_key as _storage_key
+from remat.measure.sides import with_skips as _with_skips
 from remat.measure.tiles import add_tiles, measure_tiles
 from remat.measure.tracer import MemoryTracer, Trace, base_bytes, host_link_bytes_per_s
 from remat.models.hf import cache_off, check_layerdrop, without_cache
@@ -151,7 +159,7 @@ class _Hooks:
             self.mark(f"fe{i}")
             self.running = [j for j in self.running if j != i]
             y = _first_tensor(output)
-            self.firsts.update(_storage_key(t) for t in (y,) if t is not None)
+            note_output(self, i, y)
             self.out_bytes[i] = y.untyped_storage().nbytes() if y is not None else 0
             if y is not None and y.requires_grad:
                 y.register_hook(lambda g: self.mark(f"bs{i}"))
@@ -270,7 +278,7 @@ def _measured(
         times.update(zip(("keep", "selective"), timed))
         # NOTE [ The head's options ] in remat.records; NOTE [ The tiled MLP ] in remat.manual.tiled
         heads, tiles = measure_heads(model, named, runner), measure_tiles(named, runner)
-    return add_tiles(add_heads(assemble(
+    return _with_skips(hooks_of(traces["keep"][1]), add_tiles(add_heads(assemble(
         model=model,
         named=named,
         traces=traces,
@@ -287,7 +295,7 @@ def _measured(
         optimizer_bytes=opt_bytes,
         batch_bytes=_step.batch_bytes(batch),
         device_memory_bytes=torch.cuda.get_device_properties(device).total_memory if cuda else None,
-    ), heads), tiles)
+    ), heads), tiles))
 
 
 def _sides(model: nn.Module, named: list[tuple[str, nn.Module]], batch: Any, loss_fn: Any,

@@ -11,6 +11,7 @@ the part before the blocks saves (it lives to the end of the backward under ever
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import weakref
 from collections.abc import Iterator
@@ -21,11 +22,19 @@ import torch
 
 from remat.errors import ProfileError
 from remat.measure import step as _step
-from remat.records import SideInput
+from remat.records import Profile, SideInput
 
 __all__ = [
-    "SeenSides", "first_tensor", "hooks_of", "note_sides", "noting_deaths", "noting_saved", "side_inputs",
+    "SeenSides",
+    "first_tensor",
+    "hooks_of",
+    "note_output",
+    "note_sides",
+    "noting_deaths",
+    "noting_saved",
+    "side_inputs",
     "storage_key",
+    "with_skips",
 ]  # fmt: skip
 
 
@@ -60,6 +69,7 @@ def note_sides(hooks: SeenSides, i: int, x: torch.Tensor | None, inputs: Any) ->
     if x is not None:
         hooks.firsts.add(storage_key(x))
         seen.add(storage_key(x))
+        _keys(hooks, "_first_keys")[i] = storage_key(x)
     hooks.sides[i] = []
     for t in _step.tensors_in(inputs):
         if storage_key(t) not in seen and (x is None or t.device == x.device):
@@ -84,6 +94,13 @@ def noting_deaths(hooks: SeenSides, model: torch.nn.Module) -> Iterator[None]:
     finally:
         handle.remove()
         hooks.forward_done = True  # a storage freed later, in the backward or after, dies there
+
+
+def note_output(hooks: SeenSides, i: int, y: torch.Tensor | None) -> None:
+    """Note block i's first output (``y``), a storage that is no side input of later blocks."""
+    if y is not None:
+        hooks.firsts.add(storage_key(y))
+        _keys(hooks, "_output_keys")[i] = storage_key(y)
 
 
 @contextmanager
@@ -153,3 +170,39 @@ def _dies_after(hooks: SeenSides, key: int, names: list[str]) -> str | None:
     if position == len(hooks.order) - 1 and ended:
         return None
     return names[hooks.order[position]]
+
+
+def with_skips(traced: SeenSides, profile: Profile) -> Profile:
+    """``profile`` with ``skip_bytes``: per block, the bytes a segment holding it after its first
+    block would hold that the segment cost model does not count: the long skips it receives
+    (besides its first input, another block's first input or output: left out of the side
+    inputs), a first input that the forward holds for another block too, or a first input that is
+    not the previous block's output (computed between the blocks, e.g. a pooling in the model's
+    own forward)."""
+    names = [b.name for b in profile.blocks]
+    first_keys, output_keys = _keys(traced, "_first_keys"), _keys(traced, "_output_keys")
+    firsts = {key: i for i, key in first_keys.items()}
+    skips: dict[str, int] = {}
+
+    def add(j: int, nbytes: int) -> None:
+        if j < len(names):
+            skips[names[j]] = skips.get(names[j], 0) + max(1, nbytes)
+
+    for i in traced.order:
+        for key, nbytes in traced.sides.get(i, []):
+            if key in traced.firsts:  # both ends: the block receiving it, the block whose input it is
+                for j in {i, firsts.get(key, i)}:
+                    add(j, nbytes)
+    for a, b in zip(traced.order, traced.order[1:]):
+        if b in first_keys and output_keys.get(a) != first_keys[b]:
+            add(b, 0)
+    return dataclasses.replace(profile, skip_bytes=skips)
+
+
+def _keys(hooks: SeenSides, name: str) -> dict[int, int]:
+    """[block]: a storage key noted on the hooks object (not part of the SeenSides protocol)."""
+    keys = getattr(hooks, name, None)
+    if keys is None:
+        keys = {}
+        setattr(hooks, name, keys)
+    return keys  # type: ignore[no-any-return]

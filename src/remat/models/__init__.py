@@ -32,12 +32,15 @@ from remat.models.encoders import (
     ViT,
     ViTConfig,
 )
+from remat.models.graphs import BiasLM, BiasLMConfig, UNet, UNetConfig
 
 __all__ = [
     "GPT",
     "Batch",
     "Bert",
     "BertConfig",
+    "BiasLM",
+    "BiasLMConfig",
     "Block",
     "ConvNet",
     "ConvNetConfig",
@@ -50,6 +53,8 @@ __all__ = [
     "LossFn",
     "ModelConfig",
     "ResBlock",
+    "UNet",
+    "UNetConfig",
     "ViT",
     "ViTConfig",
     "build_model",

@@ -14,6 +14,7 @@ from torch import nn
 from remat.errors import InvalidType
 from remat.models.decoders import GPT, GPTConfig, Llama, LlamaConfig, check_config
 from remat.models.encoders import Bert, BertConfig, ConvNet, ConvNetConfig, ViT, ViTConfig
+from remat.models.graphs import BiasLM, BiasLMConfig, UNet, UNetConfig
 
 __all__ = [
     "Batch",
@@ -33,9 +34,12 @@ LossFn: TypeAlias = Callable[[Any, Batch], torch.Tensor]
 
 # ------------------------------------------------------------------- building, batches, losses
 
-ModelConfig: TypeAlias = GPTConfig | LlamaConfig | ConvNetConfig | BertConfig | ViTConfig
+ModelConfig: TypeAlias = (
+    GPTConfig | LlamaConfig | ConvNetConfig | BertConfig | ViTConfig | UNetConfig | BiasLMConfig
+)
 _MODELS: dict[type, Callable[[Any], nn.Module]] = {
-    GPTConfig: GPT, LlamaConfig: Llama, ConvNetConfig: ConvNet, BertConfig: Bert, ViTConfig: ViT}
+    GPTConfig: GPT, LlamaConfig: Llama, ConvNetConfig: ConvNet, BertConfig: Bert, ViTConfig: ViT,
+    UNetConfig: UNet, BiasLMConfig: BiasLM}
 
 
 @contextlib.contextmanager
@@ -67,9 +71,10 @@ def build_model(config: ModelConfig, *, dtype: torch.dtype = torch.float32,
 def _config_of(model_or_config: nn.Module | ModelConfig) -> ModelConfig:
     if isinstance(model_or_config, nn.Module):
         config = getattr(model_or_config, "config", None)
-        if not isinstance(config, GPTConfig | LlamaConfig | ConvNetConfig | BertConfig | ViTConfig):
+        if not isinstance(config, GPTConfig | LlamaConfig | ConvNetConfig | BertConfig | ViTConfig
+                          | UNetConfig | BiasLMConfig):
             raise InvalidType(f"{type(model_or_config).__name__} is not one of remat's built-in "
-                            "models (GPT, Llama, ConvNet, Bert, ViT)")
+                            "models (GPT, Llama, ConvNet, Bert, ViT, UNet, BiasLM)")
         return config
     return model_or_config
 
@@ -85,7 +90,7 @@ def make_batch(model_or_config: nn.Module | ModelConfig, *, batch_size: int,
     """
     cfg = _config_of(model_or_config)
     check_config(batch_size >= 1, f"batch_size must be at least 1, got {batch_size}")
-    if isinstance(cfg, ConvNetConfig | ViTConfig):
+    if isinstance(cfg, ConvNetConfig | ViTConfig | UNetConfig):
         check_config(seq_len is None, f"{type(cfg).__name__} takes images: give image_size, not seq_len")
         size = cfg.image_size if image_size is None else image_size
         shape = (batch_size, cfg.in_channels, size, size)
@@ -123,7 +128,7 @@ def classification_loss(logits: torch.Tensor, batch: Batch) -> torch.Tensor:
 def loss_fn_for(model_or_config: nn.Module | ModelConfig) -> LossFn:
     """The standard ``loss_fn(output, batch)`` for a built-in model or config."""
     cfg = _config_of(model_or_config)
-    if isinstance(cfg, GPTConfig | LlamaConfig):
+    if isinstance(cfg, GPTConfig | LlamaConfig | BiasLMConfig):
         return lm_loss
     if isinstance(cfg, BertConfig):
         return mlm_loss

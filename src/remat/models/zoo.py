@@ -27,6 +27,7 @@ from remat.models import (
     LlamaConfig,
     LossFn,
     ModelConfig,
+    UNetConfig,
     ViTConfig,
     build_model,
     loss_fn_for,
@@ -222,7 +223,7 @@ def spec(model: str | ModelConfig, *, batch_size: int | None = None, seq_len: in
     if not dtype.is_floating_point:
         raise InvalidValue(f"dtype must be a floating point type (torch.float32, torch.bfloat16, "
                          f"...), got {dtype}")
-    if isinstance(config, ConvNetConfig | ViTConfig):
+    if isinstance(config, ConvNetConfig | ViTConfig | UNetConfig):
         if seq_len is not None:
             raise InvalidValue(f"{name} is an image model: give image_size, not seq_len")
         if image_size is not None:

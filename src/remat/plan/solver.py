@@ -16,13 +16,17 @@ from pathlib import Path
 import numpy as np
 
 from remat.errors import InfeasibleBudget, InvalidType, InvalidValue, did_you_mean
-from remat.plan.costmodel import ChainConstraints, chain_constraints, estimate, smallest_feasible
+from remat.plan.costmodel import ChainConstraints, chain_constraints, smallest_feasible
 from remat.plan.head import best_of_heads, frontier_of_heads
 from remat.plan.search import NO_LIMIT_BYTES, optimal_picks
+from remat.plan.segment_search import SegmentResult, segment_search
+from remat.plan.segments import SegmentModel, estimate_segments
 from remat.records import Plan, Profile
 from remat.units import format_bytes, parse_budget
 
-__all__ = ["METHODS", "InfeasibleBudget", "check_method", "frontier", "in_eval_mode", "solve"]
+__all__ = [
+    "METHODS", "InfeasibleBudget", "check_method", "frontier", "in_eval_mode", "smallest_any", "solve",
+]
 
 #: The solvers ``solve`` offers. ``optimal`` and ``greedy`` need a budget; the rest ignore it.
 METHODS: tuple[str, ...] = ("optimal", "greedy", "none", "all", "every_k", "sqrt")
@@ -73,16 +77,23 @@ def solve(
                 f"options {unused} are not offered by every block on {profile.device!r}; "
                 "the planner did not use them"
             )
+        segments: list[list[str]] = []
         if method == "optimal":
             picks = optimal_picks(chain, budget_bytes)
+            # NOTE [ Searching segments ]: per-block options and segments together; used when
+            # strictly faster than the per-block optimum, or when only it fits.
+            seg = _segments(profile, chain, budget_bytes, "time",
+                            None if picks is None else _ticks(chain, picks))
+            if seg is not None and seg.trees and (picks is None or seg.ticks < _ticks(chain, picks)):
+                picks, segments = seg.picks, _segment_names(profile, seg)
             if picks is None:
                 raise _infeasible(profile, budget_bytes)
         else:
             picks = _greedy_picks(profile, chain, budget_bytes)
         names = [chain.options[o] for o in picks]
     else:
-        names = _baseline(method, chain, len(profile.blocks), k)
-    plan = _plan(profile, names, budget_bytes, method, notes)
+        names, segments = _baseline(method, chain, len(profile.blocks), k), []
+    plan = _plan(profile, names, budget_bytes, method, notes, segments)
     if budget_bytes is not None and plan.estimate.peak_bytes > budget_bytes:
         over = (
             f"does not fit the budget: predicted peak {format_bytes(plan.estimate.peak_bytes)} "
@@ -258,19 +269,52 @@ def _option_index(chain: ChainConstraints, option: str) -> int:
     return chain.options.index(option)
 
 
+def _segments(
+    profile: Profile, chain: ChainConstraints, budget: int, objective: str, below: int | None = None
+) -> SegmentResult | None:
+    if not {"keep", "recompute"} <= set(chain.options):
+        return None
+    return segment_search(chain, SegmentModel(profile, chain), budget, objective=objective, below_ticks=below)
+
+
+def _ticks(chain: ChainConstraints, picks: Sequence[int]) -> int:
+    return sum(round(chain.extra_ms[i][o] * 1_000_000) for i, o in enumerate(picks))
+
+
+def _segment_names(profile: Profile, seg: SegmentResult) -> list[list[str]]:
+    names = [b.name for b in profile.blocks]
+    spans = sorted((s for t in seg.trees for s in t.spans()), key=lambda s: (s[0], -s[1]))
+    return [[names[a], names[b]] for a, b in spans]
+
+
+def smallest_any(profile: Profile) -> tuple[int, str]:
+    """``smallest_feasible`` over plans with segments too: the lowest peak any plan reaches, and
+    what dominates it (or where it falls, when segments reach below every per-block plan)."""
+    low, why = smallest_feasible(profile)
+    chain = chain_constraints(profile)
+    seg = _segments(profile, chain, NO_LIMIT_BYTES, "peak")
+    if seg is None or not seg.trees or seg.peak_bytes >= low:
+        return low, why
+    choices = {b.name: chain.options[o] for b, o in zip(profile.blocks, seg.picks)}
+    where = estimate_segments(profile, choices, _segment_names(profile, seg)).peak_phase
+    return seg.peak_bytes, f"with segments; the peak falls at the {where}"
+
+
 def _plan(
     profile: Profile,
     options: Sequence[str],
     budget_bytes: int | None,
     method: str,
     notes: list[str],
+    segments: list[list[str]] | None = None,
 ) -> Plan:
     choices = {b.name: o for b, o in zip(profile.blocks, options)}
     return Plan(
         choices=choices,
+        segments=list(segments or []),
         budget_bytes=budget_bytes,
         method=method,
-        estimate=estimate(profile, choices),
+        estimate=estimate_segments(profile, choices, segments or []),
         model=profile.model,
         fingerprint=profile.fingerprint,
         device=profile.device,
@@ -281,7 +325,7 @@ def _plan(
 
 
 def _infeasible(profile: Profile, budget_bytes: int) -> InfeasibleBudget:
-    smallest, dominant = smallest_feasible(profile)
+    smallest, dominant = smallest_any(profile)
     assert smallest > budget_bytes, (smallest, budget_bytes)
     if 2 * (profile.param_bytes + profile.optimizer_bytes) >= smallest:
         advice = (

@@ -103,16 +103,24 @@ def plan_table(plan: Plan, profile: Profile | None = None) -> Table:
         budget,
         f"{est.step_ms:.1f} ms ({_percent(est.overhead)})",
     ]
+    order = list(plan.choices)
+    spans = [(order.index(a), order.index(b), a, b) for a, b in plan.segments if a in order and b in order]
+    segs = f", {len(spans)} segments" if spans else ""
     table = Table(
-        title=f"plan for {plan.model}: {plan.method}, {len(plan.choices)} blocks",
+        title=f"plan for {plan.model}: {plan.method}, {len(plan.choices)} blocks{segs}",
         box=box.SIMPLE_HEAD,
         collapse_padding=True,
         show_footer=True,
     )
     rows: list[list[str | Text]] = []
     kept_total, extra_total = 0, 0.0
-    for name, option in plan.choices.items():
-        row: list[str | Text] = [name, Text(option, style=_OPTION_STYLES.get(option, ""))]
+    for i, (name, option) in enumerate(plan.choices.items()):
+        inside = [sp for sp in spans if sp[0] <= i <= sp[1]]
+        shown = option
+        if inside:  # the innermost segment holding it (a segment recomputes its kept blocks)
+            _, _, a, b = min(inside, key=lambda sp: sp[1] - sp[0])
+            shown = f"{option} (segment {a}..{b})"
+        row: list[str | Text] = [name, Text(shown, style=_OPTION_STYLES.get(option, ""))]
         if profile is not None:
             cost = blocks[name].options.get(option) if name in blocks else None
             if cost is None:

@@ -1,0 +1,244 @@
+"""The recompute frame behind ``remat.manual.segments`` (NOTE [ A segment is one recompute frame
+over several calls ] there): placeholders for saved tensors, the records of each call, the
+replay that fills them."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import weakref
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+from torch.utils.checkpoint import set_device_states
+
+from remat.errors import CheckpointError
+from remat.manual.batchnorm import RestoreRunningStats
+
+__all__ = ["Call", "Done", "Frame", "Held", "Out", "Slot", "autocast_state", "walk"]
+
+
+class Done(Exception):
+    """Raised inside a replay once every placeholder of the frame is filled (early stop)."""
+
+
+class Slot:
+    """A placeholder for one saved tensor of a frame."""
+
+    __slots__ = ("__weakref__", "frame")
+
+    def __init__(self, frame: Frame) -> None:
+        self.frame = frame
+
+
+@dataclasses.dataclass(frozen=True)
+class Held:
+    """A tensor from outside the frame, held by it: itself, or a placeholder of the parent."""
+
+    value: Any
+    requires_grad: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class Out:
+    """An output of an earlier call of the same frame, at ``path`` inside it."""
+
+    call: int
+    path: tuple[Any, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Call:
+    index: int
+    inner: Callable[..., Any]
+    args: Any
+    kwargs: Any
+    rng: tuple[torch.Tensor, list[int], list[torch.Tensor]]
+    autocast: tuple[tuple[str, bool, torch.dtype], ...]
+    autocast_cache: bool
+
+
+def walk(obj: Any, fn: Callable[[torch.Tensor, tuple[Any, ...]], Any], path: tuple[Any, ...] = ()) -> Any:
+    """``obj`` with every tensor inside (tuples, lists, dicts) replaced by ``fn(tensor, path)``."""
+    if isinstance(obj, torch.Tensor):
+        return fn(obj, path)
+    if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
+        return tuple(walk(v, fn, (*path, i)) for i, v in enumerate(obj))
+    if isinstance(obj, list):
+        return [walk(v, fn, (*path, i)) for i, v in enumerate(obj)]
+    if isinstance(obj, dict) and type(obj) is dict:
+        return {k: walk(v, fn, (*path, k)) for k, v in obj.items()}
+    return obj
+
+
+def resolve(obj: Any, parent: Frame | None, outs: list[Any]) -> Any:
+    """A recorded argument for the replay: outputs of the replayed calls, held tensors unpacked."""
+    if isinstance(obj, Out):
+        return at(outs[obj.call], obj.path)
+    if isinstance(obj, Held):
+        value = (obj.value if parent is None else parent.unpack(obj.value)).detach()
+        return value.requires_grad_(True) if obj.requires_grad else value
+    if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
+        return tuple(resolve(v, parent, outs) for v in obj)
+    if isinstance(obj, list):
+        return [resolve(v, parent, outs) for v in obj]
+    if isinstance(obj, dict) and type(obj) is dict:
+        return {k: resolve(v, parent, outs) for k, v in obj.items()}
+    return obj
+
+
+def last_uses(calls: Sequence[Call]) -> dict[int, list[int]]:
+    """[k]: the calls whose outputs call k reads last."""
+    last: dict[int, int] = {}
+    for k, call in enumerate(calls):
+        for ref in refs((call.args, call.kwargs)):
+            last[ref.call] = k
+    by_reader: dict[int, list[int]] = {}
+    for j, k in last.items():
+        by_reader.setdefault(k, []).append(j)
+    return by_reader
+
+
+def refs(obj: Any) -> Iterator[Out]:
+    if isinstance(obj, Out):
+        yield obj
+    elif isinstance(obj, (tuple, list)):
+        for v in obj:
+            yield from refs(v)
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from refs(v)
+
+
+def at(obj: Any, path: tuple[Any, ...]) -> Any:
+    for key in path:
+        obj = obj[key]
+    return obj
+
+
+class Frame:
+    """One segment's recompute frame (NOTE [ A segment is one recompute frame over several calls ])."""
+
+    def __init__(self, owner: Any, span: tuple[int, int], parent: Frame | None) -> None:
+        self.owner, self.span, self.parent = owner, span, parent
+        self.next = span[0]
+        self.slots: list[weakref.ref[Slot]] = []
+        self.values: weakref.WeakKeyDictionary[Slot, torch.Tensor] = weakref.WeakKeyDictionary()
+        self.calls: list[Call] = []
+        self.outputs: dict[int, tuple[weakref.ref[torch.Tensor], int, tuple[Any, ...]]] = {}
+        self.filling = -1  # during the replay: the index of the next placeholder to fill
+        self.replayed = False
+
+    def contains(self, i: int) -> bool:
+        return self.span[0] <= i <= self.span[1]
+
+    # --- the forward: placeholders and records -------------------------------------------------
+
+    def pack(self, tensor: torch.Tensor) -> Any:
+        if self.filling >= 0:  # replaying: the placeholder packed at this point gets the tensor
+            slot = self.slots[self.filling]() if self.filling < len(self.slots) else None
+            self.filling += 1
+            if slot is not None:
+                self.values[slot] = tensor.detach()
+            if self.complete():
+                raise Done  # the rest of the block would only make its output: stop (as torch)
+            return None
+        slot = Slot(self)
+        self.slots.append(weakref.ref(slot))
+        return slot
+
+    def unpack(self, slot: Any) -> torch.Tensor:
+        if slot is None:  # a tensor saved by the replay itself, which nothing backpropagates
+            raise CheckpointError("remat segments: the replay's own graph cannot be backpropagated")
+        frame: Frame = slot.frame
+        if not frame.replayed:
+            frame.replay()
+        try:
+            return frame.values[slot]
+        except KeyError:
+            raise CheckpointError(
+                f"remat segment {frame.owner.label(frame.span)}: a saved tensor was not recomputed "
+                "(was its backward run twice without retain_graph=True?)"
+            ) from None
+
+    def hold(self, tensor: torch.Tensor) -> Held:
+        value = tensor if self.parent is None else self.parent.pack(tensor)
+        return Held(value, tensor.requires_grad)
+
+    def record(self, call: Call, args: Any, kwargs: Any) -> None:
+        """Record a call of block ``call.index``; its tensors as outputs of earlier calls or held."""
+
+        def ref(t: torch.Tensor, path: tuple[Any, ...]) -> Any:
+            known = self.outputs.get(id(t))
+            if known is not None and known[0]() is t:
+                return Out(known[1], known[2])
+            return self.hold(t)
+
+        self.calls.append(dataclasses.replace(call, args=walk(args, ref), kwargs=walk(kwargs, ref)))
+        self.next = call.index + 1
+
+    def note_output(self, out: Any) -> None:
+        k = len(self.calls) - 1
+
+        def note(t: torch.Tensor, path: tuple[Any, ...]) -> None:
+            self.outputs[id(t)] = (weakref.ref(t), k, path)
+
+        walk(out, note)
+
+    # --- the backward: the replay ----------------------------------------------------------------
+
+    def complete(self) -> bool:
+        return self.filling >= len(self.slots)
+
+    def replay(self) -> None:
+        owner = self.owner
+        previous = owner.swap_stack([self])
+        self.filling = 0
+        outs: list[Any] = []
+        try:
+            with torch.enable_grad(), RestoreRunningStats(tuple(owner.modules[self.span[0] : self.span[1] + 1])):
+                last_use = last_uses(self.calls)
+                for k, call in enumerate(self.calls):
+                    args, kwargs = self._inputs(call, outs)
+                    for j in last_use.pop(k, ()):
+                        outs[j] = None  # no later call reads it: let it go as the forward did
+                    outs.append(self._run(call, args, kwargs))
+                    if self.complete():
+                        break
+        except Done:
+            pass
+        finally:
+            owner.swap_stack(previous)
+            filled, self.filling = self.filling, -1
+        self.replayed = True
+        if filled < len(self.slots):
+            raise CheckpointError(
+                f"remat segment {owner.label(self.span)}: its forward saved {len(self.slots)} "
+                f"tensors, its replay only {filled}; a segment's blocks must compute the same "
+                "way every time they run (no branches on global state or on timing)"
+            )
+        self.calls.clear()  # the inputs are no longer needed: the placeholders are filled
+
+    def _inputs(self, call: Call, outs: list[Any]) -> tuple[Any, Any]:
+        # Module-level helpers, no nested closures: a recursive closure is a reference cycle that
+        # would keep the replay's outputs alive until the garbage collector runs.
+        return resolve(call.args, self.parent, outs), resolve(call.kwargs, self.parent, outs)
+
+    def _run(self, call: Call, args: Any, kwargs: Any) -> Any:
+        cpu, devices, states = call.rng
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(torch.random.fork_rng(devices=devices))
+            torch.set_rng_state(cpu)
+            if devices:
+                set_device_states(devices, states)
+            for device, enabled, dtype in call.autocast:
+                stack.enter_context(
+                    torch.autocast(device_type=device, dtype=dtype, enabled=enabled, cache_enabled=call.autocast_cache)
+                )
+            return self.owner.call(call.index, call.inner, args, kwargs)
+
+
+def autocast_state() -> tuple[tuple[str, bool, torch.dtype], ...]:
+    devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+    return tuple((d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in devices)

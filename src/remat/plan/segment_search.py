@@ -1,0 +1,335 @@
+"""The search over per-block options and segments together: the fastest plan that fits a budget,
+or the lowest peak any plan reaches. Pure: numpy, no torch.
+
+# NOTE [ Searching segments ]
+By NOTE [ A segment's costs from per-block numbers ] (``remat.plan.segments``) a top-level
+segment [s..e] is, for the prefix-sum search, one more option that spans blocks s..e: it adds its
+kept bytes to the prefix, its side-input groups to the state, and one peak candidate (prefix +
+its need) and its replay ticks. So the search is the Pareto DP of ``remat.plan.search`` (NOTE [
+Pareto DP over prefix kept bytes ]: a partial plan is dropped when another with the same side-
+input state keeps no more bytes and is no slower, or as fast with a peak no higher), over
+positions 0..n, where the moves out of position q are block q's options (to q + 1) and the
+segments that start at q (to e + 1). The same DP with the peak alone as the objective gives the
+lowest peak of any plan.
+A segment's own structure (which inner segments its replay uses, nested how deep) only changes
+its need and its ticks, which depend on the blocks inside it and the side-input state alone, not
+on the rest of the plan. So each (span, state) contributes the Pareto front of (need, ticks) over
+its structures, found by the same DP one level down, over the span's items (a block kept in the
+replay, or an inner segment, whose own front is found the same way), memoised per span: the rotor
+recursion, in Pareto form, with no memory discretised.
+What is exact and what is not:
+- chains of at most ``EXACT_BLOCKS`` blocks: every top-level segment length, every nesting, so
+  the plan is the fastest of all plans of per-block options and laminar families of segments
+  (checked against brute force in tests/test_segments_plan.py, and against Revolve's closed form
+  on uniform chains);
+- longer chains: top-level segments of at most ``max_len`` blocks (16, 8 beyond 128 blocks), each either flat (every block
+  kept in its replay) or two-level (its replay recomputes each block but the last as a segment of
+  one: it holds one input in the forward and goes down to one input per block only while it is
+  replayed); no deeper nesting, so the plan is the fastest of that family (and never slower than
+  the per-block optimum, which the solver also computes), not of all schedules;
+- on longer chains, a position whose undominated partial plans exceed ``MAX_STATES`` keeps that
+  many, spread evenly over the front from the fewest kept bytes to the fastest (so that both
+  tight and loose budgets keep candidates); varied chains of 128 blocks and more reach it. The
+  solver uses a segment plan only when it is strictly faster than the exact per-block optimum,
+  so this makes segments help less, never a plan worse.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from remat.plan.costmodel import ChainConstraints
+from remat.plan.segments import SegmentModel, Tree
+
+__all__ = ["EXACT_BLOCKS", "MAX_STATES", "SegmentResult", "segment_search"]
+
+EXACT_BLOCKS = 10
+MAX_STATES = 256
+_NONE = -(2**62)
+_NO_TICKS = 2**62
+
+
+@dataclass(frozen=True)
+class SegmentResult:
+    picks: list[int]
+    """Per block: the option index (into ``chain.options``); ``keep`` for blocks in segments."""
+    trees: list[Tree]
+    """The top-level segments with their nested ones."""
+    ticks: int
+    peak_bytes: int
+
+
+class _Fronts:
+    """Per (span, side-input state): the Pareto front of (need, ticks, tree) of a top-level
+    segment over its structures (NOTE [ Searching segments ])."""
+
+    def __init__(self, model: SegmentModel, exact: bool, max_len: int) -> None:
+        self.m, self.exact, self.max_len = model, exact, max_len
+        self._family: dict[tuple[int, int, int], dict[int, list[tuple[int, int, Tree]]]] = {}
+        self._g: dict[int, list[int]] = {}
+        self._replays: dict[tuple[int, int, int], list[tuple[int, int, Tree]]] = {}
+        self._tops: dict[tuple[int, int, int], list[tuple[int, int, Tree]]] = {}
+
+    def top(self, s: int, e: int, held: int) -> list[tuple[int, int, Tree]]:
+        key = (s, e, held)
+        if key not in self._tops:
+            m = self.m
+            fwd, _ = m.forward_need(s, e)
+            base = m.lead + m.kept(s, e)
+            if self.exact:
+                points = [(max(fwd, base + p), t, tree) for p, t, tree in self.replays(s, e, held)]
+            else:
+                points = [(max(fwd, base + p), t, tree) for p, t, tree in self.families(s, held)[e]]
+            self._tops[key] = _front2(points)
+        return self._tops[key]
+
+    def families(self, s: int, held: int) -> dict[int, list[tuple[int, int, Tree]]]:
+        """For every end e: the flat and the two-level segment [s..e] (NOTE [ Searching segments
+        ]), their (replay peak, ticks) as ``SegmentModel.replay`` gives them, in one pass over e."""
+        key = (s, -1, held)
+        if key in self._replays:
+            return self._family[key]
+        m, g = self.m, self._grads(held)
+        out: dict[int, list[tuple[int, int, Tree]]] = {}
+        flat_level = two_level = -m.inp[s]
+        flat_f = flat_b = two_f = two_b = _NONE
+        ticks = 0
+        for e in range(s, min(m.reach[s] + 1, s + self.max_len)):
+            if e > s:
+                ge = g[e]
+                last = ge + m.inp[e] + m.br[e]
+                flat = max(ge + flat_f, flat_b, last + flat_level)
+                two = max(ge + two_f, two_b, last + two_level)
+                out[e] = [
+                    (flat, ticks + m.tr[e], Tree((s, e))),
+                    (two, 2 * ticks + m.tr[e], Tree((s, e), tuple(Tree((j, j)) for j in range(s, e)))),
+                ]
+            flat_f = max(flat_f, flat_level + m.fk[e])
+            flat_b = max(flat_b, g[e] + flat_level + m.kk[e] + m.bk[e])
+            flat_level += m.kk[e]
+            two_f = max(two_f, two_level + m.fr[e])
+            two_b = max(two_b, two_level + m.inp[e] + g[e] + m.br[e])
+            two_level += m.inp[e]
+            ticks += m.tr[e]
+        self._replays[key] = []
+        self._family[key] = out
+        return out
+
+    def _grads(self, held: int) -> list[int]:
+        if held not in self._g:
+            m = self.m
+            self._g[held] = [m.grads_at[j] + m.delta(held, j) + m.gather for j in range(m.n)]
+        return self._g[held]
+
+    def replays(self, s: int, e: int, held: int) -> list[tuple[int, int, Tree]]:
+        """The front of (peak above the outer level, ticks, tree) of the backward of [s..e]."""
+        key = (s, e, held)
+        if key in self._replays:
+            return self._replays[key]
+        m = self.m
+        ge = m.grads_at[e] + m.delta(held, e) + m.gather
+        states: dict[int, list[tuple[int, int, int, tuple[Tree, ...]]]] = {s: [(-m.inp[s], 0, _NONE, ())]}
+        for p in range(s, e + 1):
+            for level, t, peak, kids in _front3(states.pop(p, [])):
+                if p < e:
+                    g = m.grads_at[p] + m.delta(held, p) + m.gather
+                    v = max(peak, ge + level + m.fk[p], g + level + m.kk[p] + m.bk[p])
+                    states.setdefault(p + 1, []).append((level + m.kk[p], t + m.tr[p], v, kids))
+                else:
+                    v = max(peak, ge + level + m.inp[e] + m.br[e])
+                    states.setdefault(e + 1, []).append((level, t + m.tr[e], v, kids))
+                for b in range(p, min(e, m.reach[p]) + 1):
+                    if (p, b) == (s, e):
+                        continue
+                    run = b < e
+                    f0 = ge + level + m.fz(p, b) if run else _NONE
+                    extra = sum(m.tr[p : b + 1]) if run else 0
+                    for cp, ct, tree in self.replays(p, b, held):
+                        v = max(peak, f0, level + m.inp[p] + cp)
+                        states.setdefault(b + 1, []).append((level + m.inp[p], t + extra + ct, v, (*kids, tree)))
+        final = [(peak, t, Tree((s, e), kids)) for _, t, peak, kids in states.get(e + 1, [])]
+        self._replays[key] = result = _front2(final)
+        return result
+
+
+def _front2(points: list[tuple[int, int, Tree]]) -> list[tuple[int, int, Tree]]:
+    """The points no other beats on (value, ticks), fastest first."""
+    out: list[tuple[int, int, Tree]] = []
+    for p in sorted(points, key=lambda x: (x[1], x[0])):
+        if not out or p[0] < out[-1][0]:
+            out.append(p)
+    return out
+
+
+def _front3(states: list[tuple[int, int, int, tuple[Tree, ...]]]) -> list[tuple[int, int, int, tuple[Tree, ...]]]:
+    """The states no other beats on (level, ticks, peak) all at once."""
+    out: list[tuple[int, int, int, tuple[Tree, ...]]] = []
+    for st in sorted(states, key=lambda x: (x[1], x[2], x[0])):
+        if not any(o[0] <= st[0] and o[1] <= st[1] and o[2] <= st[2] for o in out):
+            out.append(st)
+    return out
+
+
+def segment_search(
+    chain: ChainConstraints, model: SegmentModel, budget_bytes: int, *, objective: str = "time",
+    max_len: int | None = None, below_ticks: int | None = None,
+) -> SegmentResult | None:
+    """The fastest plan (``objective="time"``) of per-block options and segments whose peak fits
+    ``budget_bytes``, or the one with the lowest peak (``"peak"``); None when none fits.
+    ``below_ticks``: only plans faster than that are of interest (the per-block optimum's)."""
+    n, width = len(chain.kept_bytes), len(chain.options)
+    if n == 0 or "keep" not in chain.options or "recompute" not in chain.options:
+        return None
+    exact = n <= EXACT_BLOCKS
+    if max_len is None:  # long chains: shorter top-level segments, for the solve time
+        max_len = 16 if n <= 128 else 8
+    longest = n if exact else min(n, max_len)
+    fronts = _Fronts(model, exact, longest)
+    keep = chain.options.index("keep")
+    kept = np.array(chain.kept_bytes, dtype=np.int64).reshape(n, width)
+    ticks = np.rint(np.array(chain.extra_ms, dtype=np.float64).reshape(n, width) * 1e6).astype(np.int64)
+    if chain.holds:
+        holds = np.array(chain.holds, dtype=np.int64).reshape(n, width)
+        fwd = np.array(chain.fwd_need_bytes, dtype=np.int64).reshape(n, width)
+        bwd = np.array(chain.bwd_need_bytes, dtype=np.int64).reshape(n, width)
+        delta = np.array(chain.delta_bytes, dtype=np.int64).reshape(n, -1)
+        tails = np.array(chain.tail_held_bytes, dtype=np.int64)
+    else:
+        need = np.array(chain.need_bytes, dtype=np.int64).reshape(n, width)
+        tails = np.array([chain.tail_bytes], dtype=np.int64)
+    states = len(tails)
+    floors = _floors(chain, model, fronts, longest, states)
+    floor_table = np.stack(floors)  # [position, state]
+    limit = _NO_TICKS if below_ticks is None else below_ticks
+    pending: list[list[tuple[np.ndarray, ...]]] = [[] for _ in range(n + 1)]
+    zero = np.zeros(1, dtype=np.int64)
+    pending[0].append((zero, zero, np.full(1, chain.fixed_bytes, dtype=np.int64), zero, zero - 1, zero, zero))
+    saved: list[tuple[np.ndarray, ...]] = []
+    moves: list[list[tuple[int, int, Tree | None]]] = []  # per position: (target, option, tree)
+    for q in range(n + 1):
+        if not pending[q]:
+            if q == n:
+                return None  # every partial plan is over the budget
+            saved.append((np.zeros(0, dtype=np.int64),) * 3)
+            moves.append([])
+            continue  # no plan stops here (segments jump over it)
+        K, T, P, H, src, idx, mv = (np.concatenate(c) for c in zip(*pending[q]))
+        pending[q] = []
+        if q == n:
+            break
+        hope = (K + floors[q][H] <= budget_bytes) & (limit > T)  # some finish fits, and could win
+        alive = _front(K, T, P, H, objective, hope, None if exact else MAX_STATES)
+        K, T, P, H, src, idx, mv = (a[alive] for a in (K, T, P, H, src, idx, mv))
+        saved.append((src, idx, mv))
+        table: list[tuple[int, int, Tree | None]] = []
+        moves.append(table)
+        rows = np.arange(K.size, dtype=np.int64)
+        for o in range(width):
+            cH = H | holds[q, o] if chain.holds else H
+            term = np.maximum(fwd[q, o], bwd[q, o] + delta[q][cH]) if chain.holds else need[q, o]
+            _push(pending[q + 1], budget_bytes, K + kept[q, o], T + ticks[q, o], np.maximum(P, K + term), cH,
+                  q, rows, len(table))
+            table.append((q + 1, o, None))
+        for h in np.unique(H).tolist():  # segments from q: every (end, structure) at once
+            sel = np.flatnonzero(h == H)
+            rows_m = []
+            for e in range(q + 1, min(model.reach[q] + 1, q + longest)):
+                seg_holds, seg_kept = model.holds(q, e), model.kept(q, e)
+                for need_e, t, tree in fronts.top(q, e, int(h) | seg_holds):
+                    rows_m.append((need_e, seg_kept, t, e + 1, int(h) | seg_holds))
+                    table.append((e + 1, keep, tree))
+            if not rows_m:
+                continue
+            m_need, m_kept, m_ticks, m_target, m_held = (np.array(c, dtype=np.int64) for c in zip(*rows_m))
+            first_move = len(table) - len(rows_m)
+            Ks, Ts, Ps = K[sel][:, None], T[sel][:, None], P[sel][:, None]
+            cK, cT = Ks + m_kept, Ts + m_ticks
+            cP = np.maximum(Ps, Ks + m_need)
+            room = floor_table[m_target, m_held]
+            ok = (cP <= budget_bytes) & (cT < limit) & (cK + room <= budget_bytes)
+            r, c = np.nonzero(ok)
+            if not r.size:
+                continue
+            by = np.argsort(m_target[c], kind="stable")
+            r, c = r[by], c[by]
+            targets, starts = np.unique(m_target[c], return_index=True)
+            for target, lo, hi in zip(targets.tolist(), starts.tolist(), [*starts[1:].tolist(), r.size]):
+                rr, cc = r[lo:hi], c[lo:hi]
+                pending[target].append((cK[rr, cc], cT[rr, cc], cP[rr, cc], m_held[cc],
+                                        np.full(rr.size, q, dtype=np.int64), sel[rr], first_move + cc))
+    final = np.maximum(P, K + tails[H] if chain.holds else K + tails[0])
+    fits = np.flatnonzero(final <= budget_bytes)
+    if not fits.size:
+        return None
+    order = np.lexsort((K[fits], final[fits], T[fits])) if objective == "time" else np.lexsort((K[fits], T[fits], final[fits]))
+    at = int(fits[order[0]])
+    best_ticks, best_peak = int(T[at]), int(final[at])
+    picks, trees = [keep] * n, list[Tree]()
+    q, i, move = int(src[at]), int(idx[at]), int(mv[at])
+    while q >= 0:
+        _, o, step = moves[q][move]
+        if step is None:
+            picks[q] = o
+        else:
+            trees.append(step)
+        q, i, move = int(saved[q][0][i]), int(saved[q][1][i]), int(saved[q][2][i])
+    return SegmentResult(picks=picks, trees=sorted(trees, key=lambda t: t.span), ticks=best_ticks, peak_bytes=best_peak)
+
+
+def _push(into: list[tuple[np.ndarray, ...]], budget: int, K: np.ndarray, T: np.ndarray, P: np.ndarray,
+          H: np.ndarray, q: int, rows: np.ndarray, move: int) -> None:
+    ok = budget >= P
+    if ok.any():
+        into.append((K[ok], T[ok], P[ok], H[ok], np.full(int(ok.sum()), q, dtype=np.int64), rows[ok],
+                     np.full(int(ok.sum()), move, dtype=np.int64)))
+
+
+def _floors(chain: ChainConstraints, model: SegmentModel, fronts: _Fronts, longest: int, states: int) -> list[np.ndarray]:
+    """[q][state]: the lowest peak blocks q.. and the head reach with nothing kept before q, with
+    segments (as ``ChainConstraints.suffix_floors`` without them): a partial plan keeping K before
+    q can still fit budget B only if K + floors[q][H] <= B."""
+    n = len(chain.kept_bytes)
+    floors = [np.zeros(states, dtype=np.int64) for _ in range(n + 1)]
+    floors[n][:] = [chain.tail_at(h) for h in range(states)]
+    for q in range(n - 1, -1, -1):
+        for h in range(states):
+            best = None
+            for o, k in enumerate(chain.kept_bytes[q]):
+                now = h | (chain.holds[q][o] if chain.holds else 0)
+                value = max(chain.need_at(q, o, now), k + int(floors[q + 1][now]))
+                best = value if best is None else min(best, value)
+            for e in range(q + 1, min(model.reach[q] + 1, q + longest)):
+                now = h | model.holds(q, e)
+                low = min(p for p, _, _ in fronts.top(q, e, now))
+                best = min(best, max(low, model.kept(q, e) + int(floors[e + 1][now])))  # type: ignore[type-var]
+            assert best is not None
+            floors[q][h] = best
+    return floors
+
+
+def _front(K: np.ndarray, T: np.ndarray, P: np.ndarray, H: np.ndarray, objective: str, hope: np.ndarray,
+           cap: int | None) -> np.ndarray:
+    """Indices of the hopeful partial plans no other with the same state H dominates (NOTE [
+    Searching segments ]); at most ``cap`` per state, spread over the front."""
+    out = [np.zeros(0, dtype=np.int64)]
+    for h in np.unique(H[hope]).tolist():
+        part = np.flatnonzero((h == H) & hope)
+        k, t, p = K[part], T[part], P[part]
+        first, second = (t, p) if objective == "time" else (p, t)
+        by = np.lexsort((second, first))
+        step = np.ones(by.size, dtype=np.int64)
+        step[1:] = (first[by][1:] != first[by][:-1]) | (second[by][1:] != second[by][:-1])
+        rank = np.empty(part.size, dtype=np.int64)
+        rank[by] = np.cumsum(step)  # equal pairs, equal ranks
+        order = np.lexsort((rank, k))
+        r = rank[order]
+        keep = np.empty(order.size, dtype=bool)
+        keep[0] = True
+        keep[1:] = r[1:] < np.minimum.accumulate(r)[:-1]
+        chosen = order[keep]
+        if cap is not None and chosen.size > cap:  # sorted by K: a spread from both ends
+            chosen = chosen[np.unique(np.linspace(0, chosen.size - 1, cap).round().astype(np.int64))]
+        out.append(part[chosen])
+    return np.concatenate(out)

@@ -1,0 +1,289 @@
+"""Multi-block segments in the cost model: a plan's peak and time when runs of blocks are
+recomputed as one unit, nested or not, from the Profile's per-block numbers. Pure: no torch.
+
+# NOTE [ A segment's costs from per-block numbers ]
+Write in_j for block j's input bytes, and K/F/B for an option's kept, forward-peak and
+backward-peak bytes (keep: Kk, Fk, Bk; recompute: Kr, Fr, Br, and Tr its extra time, one
+re-forward). A checkpoint's kept bytes beyond its input, rng_j = Kr_j - in_j, are what it
+stashes (the RNG state on the CPU); a segment stashes as much per call. Everything is read off the
+profile, nothing is measured for segments (``remat.manual.segments`` is the mechanism):
+- the forward of a segment [s..e] is that of recomputed blocks whose inputs, but the first, are
+  not kept: block s keeps Kr_s, each later block rng_j, and each runs at its Fr_j;
+- its backward starts with the replay: the items of the segment in order, each either a block
+  kept during the replay (it keeps Kk_j, runs at Fk_j) or an inner segment, which keeps only its
+  input in_a and runs its blocks without keeping anything (at most Fr over them: an F_0 pass);
+  the first item shares the segment's own input, and an inner segment that ends the segment is
+  not run at all (the replay stops once its input is kept). Then the items' backwards in reverse:
+  a kept block j at its Bk_j with what the items before it keep, the last block e as a recomputed
+  block's backward (in_e + Br_e: its re-forward and backward), an inner segment by the same rules,
+  one level down, from what the items before it keep;
+- the live level under all of it is the cost model's (NOTE [ Every peak candidate is a prefix
+  sum ]): parameters, what the blocks before the segment keep, the gradients so far; side inputs
+  of any block of the segment are held by it as a checkpoint holds them (its call records hold
+  them), from its forward to its first block's backward (NOTE [ A side input's extra life ]);
+- time: each block of a replay runs once per replay it is part of (Tr_j each): a kept block once,
+  an inner segment's blocks once in the outer replay's F_0 pass (unless it ends the segment) and
+  then as many times as their own replays run them.
+A segment of one block is exactly a recomputed block. Every candidate is a constant of the
+segment plus the bytes kept before it, so a top-level segment is one more option spanning several
+blocks for the prefix-sum search (``remat.plan.segment_search``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from remat.errors import InvalidValue
+from remat.plan.costmodel import ChainConstraints, chain_constraints, estimate
+from remat.plan.sides import side_groups
+from remat.records import Estimate, Profile
+
+__all__ = ["SegmentModel", "Tree", "estimate_segments", "forest"]
+
+_TICKS_PER_MS = 1_000_000  # as remat.plan.search: NOTE [ Time in integer ticks ]
+_NONE = -(2**62)
+
+
+@dataclass(frozen=True)
+class Tree:
+    """A segment and the segments directly inside it (block positions, inclusive)."""
+
+    span: tuple[int, int]
+    children: tuple[Tree, ...] = ()
+
+    def spans(self) -> list[tuple[int, int]]:
+        return [self.span, *(s for c in self.children for s in c.spans())]
+
+
+def forest(spans: Sequence[tuple[int, int]], n: int) -> list[Tree]:
+    """The top-level segments of ``spans`` with their nested ones; refuses partial overlaps."""
+    clean = sorted({(int(a), int(b)) for a, b in spans}, key=lambda s: (s[0], -s[1]))
+    for a, b in clean:
+        if not 0 <= a <= b < n:
+            raise InvalidValue(f"segment ({a}, {b}) is not a span of the {n} blocks")
+
+    def build(lo: int, hi: int, pool: list[tuple[int, int]]) -> tuple[Tree, ...]:
+        out, i = [], 0
+        while i < len(pool):
+            a, b = pool[i]
+            inner = [s for s in pool[i + 1 :] if s[0] <= b]
+            if any(s[1] > b for s in inner):
+                raise InvalidValue(f"segments ({a}, {b}) and {next(s for s in inner if s[1] > b)} "
+                                   "overlap without one containing the other")
+            out.append(Tree((a, b), build(a, b, inner)))
+            i += 1 + len(inner)
+        return tuple(out)
+
+    return list(build(0, n - 1, clean))
+
+
+class SegmentModel:
+    """A profile's per-block numbers for segments (NOTE [ A segment's costs from per-block
+    numbers ]); None-like when a block offers no ``keep`` or no ``recompute``."""
+
+    def __init__(self, profile: Profile, chain: ChainConstraints | None = None) -> None:
+        self.profile = profile
+        self.chain = chain or chain_constraints(profile)
+        blocks = profile.blocks
+        self.n = n = len(blocks)
+        k, r = [b.options["keep"] for b in blocks], [b.options["recompute"] for b in blocks]
+        self.inp = [b.input_bytes for b in blocks]
+        self.kk, self.fk, self.bk = [c.kept_bytes for c in k], [c.fwd_peak_bytes for c in k], [c.bwd_peak_bytes for c in k]
+        self.kr, self.fr, self.br = [c.kept_bytes for c in r], [c.fwd_peak_bytes for c in r], [c.bwd_peak_bytes for c in r]
+        self.ms = [c.extra_ms for c in r]
+        self.tr = [round(c.extra_ms * _TICKS_PER_MS) for c in r]
+        self.rng = [max(0, kr - i) for kr, i in zip(self.kr, self.inp)]
+        skip = [profile.skip_bytes.get(b.name, 0) for b in blocks]
+        self.reach = [0] * n  # [s]: the last block a segment from s may end at (no skip inside)
+        for s in range(n - 1, -1, -1):
+            self.reach[s] = s if s + 1 >= n or skip[s + 1] else self.reach[s + 1]
+        self.lead = profile.base_bytes + profile.pre.kept_bytes
+        self.gather = profile.gather_bytes
+        after = [0] * n  # gradients live at block j's backward start, beyond the parameters'
+        acc = profile.post.grad_bytes
+        for j in range(n - 1, -1, -1):
+            after[j] = acc
+            acc += blocks[j].grad_bytes
+        self.grads_at = after
+        sides = side_groups(profile)
+        self.sides = sides if profile.side_inputs else None
+        self.uses = [0] * n  # the side-input groups each block receives, as a mask
+        if self.sides is not None:
+            for g, users in enumerate(self.sides.consumers):
+                for j in users:
+                    self.uses[j] |= 1 << g
+
+    # --- one segment ---------------------------------------------------------------------------
+
+    def delta(self, held: int, j: int) -> int:
+        return self.sides.delta_bytes(held, j) if self.sides is not None else 0
+
+    def holds(self, s: int, e: int) -> int:
+        mask = 0
+        for j in range(s, e + 1):
+            mask |= self.uses[j]
+        return mask
+
+    def kept(self, s: int, e: int) -> int:
+        """Bytes the segment keeps from its forward until its first block's backward ends."""
+        return self.kr[s] + sum(self.rng[s + 1 : e + 1])
+
+    def forward_need(self, s: int, e: int) -> tuple[int, int]:
+        """The segment's highest forward candidate minus what the blocks before it keep, and at
+        which block."""
+        best, at, level = _NONE, s, 0
+        for j in range(s, e + 1):
+            value = self.lead + level + self.fr[j] + self.gather
+            if value > best:
+                best, at = value, j
+            level += self.kr[s] if j == s else self.rng[j]
+        return best, at
+
+    def need(self, tree: Tree, held: int) -> tuple[int, int, str]:
+        """(peak candidate minus the bytes kept before the segment, extra ticks, where) of a
+        top-level segment with its inner ones; ``held``: the side-input state after it."""
+        s, e = tree.span
+        fwd, at = self.forward_need(s, e)
+        peak, ticks, where = self.replay(tree, held)
+        bwd = self.lead + self.kept(s, e) + peak
+        if fwd >= bwd:
+            return fwd, ticks, f"forward of {self.profile.blocks[at].name}"
+        return bwd, ticks, where
+
+    def replay(self, tree: Tree, held: int) -> tuple[int, int, str]:
+        return _replay(self, tree, held)
+
+    def fz(self, a: int, b: int) -> int:
+        """The highest forward candidate of an F_0 pass over blocks a..b, above the level before it."""
+        return max([self.fr[a]] + [self.inp[a] + self.fr[j] for j in range(a + 1, b + 1)])
+
+
+def _replay(m: SegmentModel, tree: Tree, held: int) -> tuple[int, int, str]:
+    """(peak above the segment's outer level, ticks, where) of ``tree``'s backward: its replay
+    and its items' backwards (NOTE [ A segment's costs from per-block numbers ]). The outer level
+    is the live level without the gradients: everything kept outside, the segment's input
+    included."""
+    s, e = tree.span
+    names = m.profile.blocks
+    items: list[int | Tree] = []
+    j, kids = s, list(tree.children)
+    while j <= e:
+        if kids and kids[0].span[0] == j:
+            items.append(kids[0])
+            j = kids.pop(0).span[1] + 1
+        else:
+            items.append(j)
+            j += 1
+    ge = m.grads_at[e] + m.delta(held, e) + m.gather
+    best, where, ticks = _NONE, "", 0
+    level = -m.inp[s]  # what the items before keep; the segment's input is in the outer level
+    before: list[int] = []
+    for item in items:  # the replay, forward
+        before.append(level)
+        if isinstance(item, Tree):
+            a, b = item.span
+            if b < e:
+                value = ge + level + m.fz(a, b)
+                if value > best:
+                    best, where = value, f"replay of {names[a].name}..{names[b].name}"
+                ticks += sum(m.tr[a : b + 1])
+            level += m.inp[a]
+        elif item < e:
+            value = ge + level + m.fk[item]
+            if value > best:
+                best, where = value, f"replay of {names[item].name}"
+            ticks += m.tr[item]
+            level += m.kk[item]
+        else:
+            ticks += m.tr[item]
+    for item, level in zip(reversed(items), reversed(before)):  # the backward, items in reverse
+        if isinstance(item, Tree):
+            peak, t, inner = _replay(m, item, held)
+            value, ticks = level + m.inp[item.span[0]] + peak, ticks + t
+            if value > best:
+                best, where = value, inner
+            continue
+        g = m.grads_at[item] + m.delta(held, item) + m.gather
+        value = g + level + (m.inp[e] + m.br[e] if item == e else m.kk[item] + m.bk[item])
+        if value > best:
+            best, where = value, f"backward of {names[item].name} (segment {names[s].name}..{names[e].name})"
+    return best, ticks, where
+
+
+# --- a whole plan ------------------------------------------------------------------------------
+
+
+def estimate_segments(
+    profile: Profile, choices: Mapping[str, str], segments: Sequence[Sequence[str]]
+) -> Estimate:
+    """``remat.plan.costmodel.estimate`` for a plan with segments (``Plan.segments``: pairs of
+    block names); without segments, exactly ``estimate``."""
+    if not segments:
+        return estimate(profile, choices)
+    estimate(profile, choices)  # validates the choices
+    index = {b.name: i for i, b in enumerate(profile.blocks)}
+    spans = []
+    for seg in segments:
+        if len(seg) != 2 or any(n not in index for n in seg):
+            raise InvalidValue(f"segment {list(seg)!r} is not a [first, last] pair of block names of this profile")
+        spans.append((index[seg[0]], index[seg[1]]))
+    trees = forest(spans, len(profile.blocks))
+    m = SegmentModel(profile)
+    chain = m.chain
+    inside = {j for t in trees for j in range(t.span[0], t.span[1] + 1)}
+    for j in sorted(inside):
+        if choices[profile.blocks[j].name] != "keep":
+            raise InvalidValue(f"block {profile.blocks[j].name!r} is inside a segment; its choice must be 'keep'")
+    starts = {t.span[0]: t for t in trees}
+    col = {o: c for c, o in enumerate(chain.options)}
+    peak, where = chain.fixed_bytes, "the embeddings or the optimizer step"
+    prefix = held = 0
+    extra_ms = 0.0
+    i = 0
+    while i < m.n:
+        tree = starts.get(i)
+        if tree is None:
+            o = col[choices[profile.blocks[i].name]]
+            held |= chain.holds[i][o] if chain.holds else 0
+            value = prefix + chain.need_at(i, o, held)
+            if value > peak:
+                peak, where = value, _per_block_where(chain, profile, i, o, held)
+            prefix += chain.kept_bytes[i][o]
+            extra_ms += chain.extra_ms[i][o]
+            i += 1
+            continue
+        s, e = tree.span
+        held |= m.holds(s, e)
+        need, _, at = m.need(tree, held)
+        if prefix + need > peak:
+            peak, where = prefix + need, at
+        prefix += m.kept(s, e)
+        extra_ms += _replay_ms(m, tree)
+        i = e + 1
+    tail = prefix + chain.tail_at(held)
+    if tail > peak:
+        peak, where = tail, "forward or backward of the head"
+    step_ms = profile.plain_step_ms + extra_ms
+    overhead = step_ms / profile.plain_step_ms - 1.0 if profile.plain_step_ms else 0.0
+    return Estimate(peak_bytes=peak, peak_phase=where, step_ms=step_ms, overhead=overhead)
+
+
+def _per_block_where(chain: ChainConstraints, profile: Profile, i: int, o: int, held: int) -> str:
+    if not chain.holds:
+        return f"forward or backward of {profile.blocks[i].name}"
+    fwd = chain.fwd_need_bytes[i][o]
+    stage = "forward" if fwd >= chain.need_at(i, o, held) else "backward"
+    return f"{stage} of {profile.blocks[i].name}"
+
+
+def _replay_ms(m: SegmentModel, tree: Tree) -> float:
+    """The extra milliseconds of a segment's replays (as ``_replay`` counts ticks)."""
+    s, e = tree.span
+    covered = {j for c in tree.children for j in range(c.span[0], c.span[1] + 1)}
+    ms = sum(m.ms[j] for j in range(s, e + 1) if j not in covered)
+    for c in tree.children:
+        if c.span[1] < e:
+            ms += sum(m.ms[c.span[0] : c.span[1] + 1])
+        ms += _replay_ms(m, c)
+    return ms

@@ -1,0 +1,154 @@
+"""Segments in the cost model and the solver (NOTE [ A segment's costs from per-block numbers ],
+NOTE [ Searching segments ]): against brute force over every plan of small chains, against
+Revolve's closed form on uniform chains, and the plain per-block model unchanged."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+
+import pytest
+from _tables import block, chains, cost, profile
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from remat.plan.costmodel import chain_constraints, estimate
+from remat.plan.segments import estimate_segments
+from remat.plan.solver import smallest_any, solve
+from remat.records import Plan, Profile
+
+
+def _laminar(n: int) -> list[list[tuple[int, int]]]:
+    spans = [(a, b) for a in range(n) for b in range(a, n)]
+    out = []
+    for r in range(len(spans) + 1):
+        for family in itertools.combinations(spans, r):
+            if all(not (a < c <= b < d) and not (c < a <= d < b) for (a, b), (c, d) in itertools.combinations(family, 2)):
+                out.append(list(family))
+    return out
+
+
+def _every_plan(p: Profile) -> list[tuple[int, float]]:
+    """(peak, extra ms) of every plan: per-block options and laminar families of segments."""
+    chain = chain_constraints(p)
+    names = [b.name for b in p.blocks]
+    out = []
+    for family in _laminar(len(names)):
+        inside = {j for a, b in family for j in range(a, b + 1)}
+        free = [j for j in range(len(names)) if j not in inside]
+        segs = [[names[a], names[b]] for a, b in family]
+        for opts in itertools.product(chain.options, repeat=len(free)):
+            choices = {n: "keep" for n in names}
+            choices.update({names[j]: o for j, o in zip(free, opts)})
+            est = estimate_segments(p, choices, segs)
+            out.append((est.peak_bytes, est.step_ms - p.plain_step_ms))
+    return out
+
+
+@settings(max_examples=25, deadline=None)
+@given(chains(max_blocks=3, max_blocks_3=4, sides=False), st.floats(0, 1))
+def test_solve_is_the_fastest_of_every_plan_with_segments(p: Profile, share: float) -> None:
+    _check_against_brute_force(p, share)
+
+
+@settings(max_examples=20, deadline=None)
+@given(chains(max_blocks=3, max_blocks_3=3, sides=True), st.floats(0, 1))
+def test_solve_is_the_fastest_of_every_plan_with_side_inputs(p: Profile, share: float) -> None:
+    _check_against_brute_force(p, share)
+
+
+def _check_against_brute_force(p: Profile, share: float) -> None:
+    if not p.blocks:
+        return
+    plans = _every_plan(p)
+    low, high = min(pk for pk, _ in plans), max(pk for pk, _ in plans)
+    assert smallest_any(p)[0] == low
+    budget = low + int(share * (high - low))
+    best = min(ms for pk, ms in plans if pk <= budget)
+    plan = solve(p, budget)
+    assert plan.estimate.peak_bytes <= budget
+    assert plan.estimate.step_ms - p.plain_step_ms == pytest.approx(best, abs=1e-9)
+    assert estimate_segments(p, plan.choices, plan.segments) == plan.estimate
+    assert Plan.from_json(plan.to_json()) == plan
+
+
+# NOTE [ Revolve's closed form ]
+# Griewank & Walther ("Algorithm 799: Revolve", ACM TOMS 26(1), 2000): reversing l steps with s
+# checkpoints (the initial state one of them) takes at least t(l, s) = r*l - beta(s+1, r-1)
+# forward steps besides the reverse sweep's own, where beta(s, r) = C(s+r, s) and r is the repetition
+# number, the least r with l <= beta(s, r). On a chain of identical blocks whose activations take
+# A >> one input, a budget of s inputs + A allows one block taped (kept) at a time and s kept
+# inputs: exactly Revolve's setting, with a recomputed block's re-forward as one forward step.
+
+
+def _beta(s: int, r: int) -> int:
+    return math.comb(s + r, s) if r >= 0 else 0
+
+
+def revolve_steps(steps: int, s: int) -> int:
+    r = 0
+    while steps > _beta(s, r):
+        r += 1
+    return r * steps - _beta(s + 1, r - 1)
+
+
+def test_the_closed_form_itself() -> None:
+    assert [revolve_steps(k, 1) for k in range(1, 6)] == [0, 1, 3, 6, 10]  # l(l-1)/2 with one
+    assert [revolve_steps(k, 2) for k in range(1, 7)] == [0, 1, 2, 4, 6, 8]
+    assert revolve_steps(10, 9) == 9  # enough checkpoints: every step but the last once
+
+
+def _uniform_chain(n: int, a: int = 1000) -> Profile:
+    blocks = [
+        block(f"layers.{i}", keep=cost(a, fwd=1, bwd=0), recompute=cost(1, fwd=1, bwd=a - 1, ms=1.0))
+        for i in range(n)
+    ]
+    return profile(blocks, plain_step_ms=10.0)
+
+
+@pytest.mark.parametrize("s", [1, 2, 3, 4])
+@pytest.mark.parametrize("steps", [1, 2, 3, 4, 5, 6, 7, 8, 9, 10])
+def test_uniform_chains_take_revolves_least_number_of_forward_steps(steps: int, s: int) -> None:
+    p, a = _uniform_chain(steps), 1000
+    plan = solve(p, s + a)
+    assert plan.estimate.peak_bytes <= s + a
+    assert round(plan.estimate.step_ms - p.plain_step_ms) == revolve_steps(steps, s)
+
+
+def test_segments_go_below_every_per_block_plan() -> None:
+    p = _uniform_chain(8)
+    low, why = smallest_any(p)
+    per_block = estimate(p, {b.name: "recompute" for b in p.blocks}).peak_bytes
+    assert low < per_block and "segments" in why
+    plan = solve(p, low)
+    assert plan.segments and plan.estimate.peak_bytes == low
+
+
+def test_no_segments_is_the_per_block_estimate() -> None:
+    p = _uniform_chain(4)
+    choices = {"layers.0": "recompute", "layers.1": "keep", "layers.2": "recompute", "layers.3": "keep"}
+    assert estimate_segments(p, choices, []) == estimate(p, choices)
+    # A segment of one block is a recomputed block.
+    single = dict(choices, **{"layers.0": "keep"})
+    one, per_block = estimate_segments(p, single, [["layers.0", "layers.0"]]), estimate(p, choices)
+    assert (one.peak_bytes, one.step_ms) == (per_block.peak_bytes, per_block.step_ms)
+
+
+def test_plan_json_keeps_segments_and_blocks_inside_must_keep() -> None:
+    p = _uniform_chain(6)
+    plan = solve(p, 3 + 1000)
+    assert plan.segments
+    assert json.loads(plan.to_json())["segments"] == plan.segments
+    bad = dict(plan.choices, **{plan.segments[0][0]: "recompute"})
+    with pytest.raises(ValueError, match="inside a segment"):
+        estimate_segments(p, bad, plan.segments)
+
+
+def test_the_plan_table_shows_segments() -> None:
+    from remat.report.tables import plan_table, render_text
+
+    p = _uniform_chain(6)
+    plan = solve(p, 2 + 1000)
+    text = render_text(plan_table(plan, p), width=140)
+    assert f"{len(plan.segments)} segments" in text and "keep (segment" in text
