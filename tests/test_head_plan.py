@@ -13,9 +13,8 @@ import remat
 from remat.errors import InfeasibleBudget, InvalidValue, PlanMismatch
 from remat.measure.heads import chunk_sizes
 from remat.measure.tracer import measure_step
-from remat.plan.costmodel import smallest_feasible
 from remat.plan.head import estimate_with_head, head_names, with_head
-from remat.plan.solver import frontier, solve
+from remat.plan.solver import frontier, smallest_any, solve
 from remat.records import Plan, Profile
 from tests._tables import block, cost, profile, segment
 
@@ -64,8 +63,9 @@ def test_the_solver_chooses_head_and_blocks_under_one_budget() -> None:
         solve(dataclasses.replace(prof, head_options={}), 300)
     with pytest.raises(InfeasibleBudget) as info:
         solve(prof, 40)
-    lowest = min(smallest_feasible(with_head(prof, h))[0] for h in head_names(prof))
-    assert info.value.smallest_bytes == lowest == smallest_feasible(with_head(prof, "chunked:32"))[0]
+    # the floor is the lowest over head options, segments included (NOTE [ Searching segments ])
+    lowest = min(smallest_any(with_head(prof, h))[0] for h in head_names(prof))
+    assert info.value.smallest_bytes == lowest == smallest_any(with_head(prof, "chunked:32"))[0]
     assert solve(prof, method="all").head == "keep"  # baselines leave the head as written
 
 
