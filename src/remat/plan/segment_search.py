@@ -96,6 +96,7 @@ class _Fronts:
         flat_level = two_level = -m.inp[s]
         flat_f = flat_b = two_f = two_b = _NONE
         ticks = 0
+        singles: tuple[Tree, ...] = ()
         for e in range(s, min(m.reach[s] + 1, s + self.max_len)):
             if e > s:
                 ge = g[e]
@@ -104,8 +105,9 @@ class _Fronts:
                 two = max(ge + two_f, two_b, last + two_level)
                 out[e] = [
                     (flat, ticks + m.tr[e], Tree((s, e))),
-                    (two, 2 * ticks + m.tr[e], Tree((s, e), tuple(Tree((j, j)) for j in range(s, e)))),
+                    (two, 2 * ticks + m.tr[e], Tree((s, e), singles)),
                 ]
+            singles = (*singles, Tree((e, e)))
             flat_f = max(flat_f, flat_level + m.fk[e])
             flat_b = max(flat_b, g[e] + flat_level + m.kk[e] + m.bk[e])
             flat_level += m.kk[e]
