@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -248,3 +249,39 @@ def test_verified_auto_raises_with_the_measured_numbers(monkeypatch: pytest.Monk
         remat.auto(model, batch, "80%", loss_fn=loss_fn, repeats=1, verify=True)
     assert "raise the budget to at least" in str(e.value)
     assert applied_plan(model) is None
+
+
+def test_a_segment_plan_that_measures_over_gives_way_to_per_block_options(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """NOTE [ A verified plan fits ]: a plan with segments that measures over its budget is
+    replaced by the per-block optimum at the same budget before any budget is tightened."""
+    import dataclasses
+
+    from remat import autoplan
+    from remat.models import UNetConfig, build_model, loss_fn_for, make_batch
+    from remat.plan.costmodel import smallest_feasible
+
+    torch.manual_seed(0)
+    model = build_model(UNetConfig(image_size=32, channels=16))
+    batch, loss = make_batch(model, batch_size=4), loss_fn_for(model)
+    prof = profile(model, batch, loss_fn=loss, repeats=1)
+    budget = smallest_feasible(prof)[0]  # the per-block floor: segments do it faster
+    assert solve(prof, budget).segments, "pick a budget where the fastest plan has segments"
+    real = autoplan._verify
+    seen: list[Plan] = []
+
+    def verify(model: Any, batch: Any, plan: Plan, **kw: Any) -> Any:
+        seen.append(plan)
+        report = real(model, batch, plan, **kw)
+        if plan.segments:  # as if the segment model had under-predicted it by a byte
+            report = dataclasses.replace(report, measured_peak_bytes=plan.budget_bytes + 1)
+        return report
+
+    monkeypatch.setattr(autoplan, "_verify", verify)
+    with caplog.at_level("WARNING", logger="remat.autoplan"):
+        plan, report = remat.auto(model, batch, budget, loss_fn=loss, repeats=1, verify=True)
+    assert seen[0].segments and not plan.segments and len(seen) == 2
+    assert "per-block options only" in caplog.text
+    assert report.fits and report.measured_peak_bytes == plan.estimate.peak_bytes <= budget
+    remat.remove(model)

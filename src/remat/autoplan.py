@@ -3,8 +3,10 @@
 # NOTE [ A verified plan fits ]
 The cost model can under-predict a model it has not seen (a tensor that crosses blocks and lives
 longer under checkpointing than in the plain step, say). With ``verify=True``, ``auto`` therefore
-never returns a plan whose measured peak is over the budget: when the measurement exceeds it, the
-plan is solved again for the budget less the measured excess (a warning says so, with the
+never returns a plan whose measured peak is over the budget: when a plan with multi-block segments
+measures over, the budget is solved again with per-block options only (whose predictions are
+exact on every model tested; segments' are not yet on all); when the measurement still exceeds it,
+the plan is solved again for the budget less the measured excess (a warning says so, with the
 numbers), applied and measured again, up to ``RESOLVES`` times; when no plan is predicted to fit
 the tightened budget, or the last one still measures over, it raises ``InfeasibleBudget`` with the
 measured numbers and leaves the model without a plan. The returned plan keeps the user's budget,
@@ -117,7 +119,21 @@ def _fitted(
     report = _verify(model, batch, plan, loss_fn=loss_fn, optimizer=optimizer, repeats=repeats)
     if budget is None:
         return plan, report
-    target = budget
+    target, segments = budget, True
+    if not report.fits and plan.segments:
+        segments = False
+        # Per-block plans are predicted to the byte on every model tested; segment plans less so.
+        log.warning("remat: the plan with segments measured %s against its budget %s (predicted "
+                    "%s); solving again with per-block options only",
+                    format_bytes(report.measured_peak_bytes), format_bytes(budget),
+                    format_bytes(plan.estimate.peak_bytes))
+        try:
+            plan = solve(prof, budget, method=method, segments=segments)
+        except InfeasibleBudget:
+            pass
+        else:
+            apply(model, plan)
+            report = _verify(model, batch, plan, loss_fn=loss_fn, optimizer=optimizer, repeats=repeats)
     for _ in range(RESOLVES):
         if report.fits:
             return plan, report
@@ -129,7 +145,7 @@ def _fitted(
             format_bytes(plan.estimate.peak_bytes), format_bytes(max(target, 0)),
         )  # fmt: skip
         try:
-            tighter = solve(prof, target, method=method) if target > 0 else None
+            tighter = solve(prof, target, method=method, segments=segments) if target > 0 else None
         except InfeasibleBudget:
             tighter = None
         if tighter is None:

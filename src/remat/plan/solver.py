@@ -39,6 +39,7 @@ def solve(
     *,
     method: str = "optimal",
     k: int | None = None,
+    segments: bool = True,
 ) -> Plan:
     """One option per block for ``profile``'s step, by ``method`` (one of ``METHODS``).
 
@@ -47,6 +48,7 @@ def solve(
     plan that fits it and ``greedy`` a quick approximation; both raise ``InfeasibleBudget`` when
     none fits. The baselines ``none``, ``all``, ``every_k`` (``k``, default 2) and ``sqrt`` return
     their fixed plan, with a note in ``Plan.notes`` when it exceeds a budget given.
+    ``segments=False``: ``optimal`` chooses per-block options only (no multi-block segments).
     """
     if not isinstance(profile, Profile):
         raise InvalidType(
@@ -62,7 +64,9 @@ def solve(
     )
     if profile.head_options and method in _BUDGET_METHODS and budget_bytes is not None:
         # NOTE [ The head's options ] in remat.records: the blocks solved once per head option.
-        return best_of_heads(profile, lambda one: solve(one, budget_bytes, method=method))
+        return best_of_heads(
+            profile, lambda one: solve(one, budget_bytes, method=method, segments=segments)
+        )
     chain = chain_constraints(profile)
     notes: list[str] = []
     if method in _BUDGET_METHODS:
@@ -77,23 +81,23 @@ def solve(
                 f"options {unused} are not offered by every block on {profile.device!r}; "
                 "the planner did not use them"
             )
-        segments: list[list[str]] = []
+        spans: list[list[str]] = []
         if method == "optimal":
             picks = optimal_picks(chain, budget_bytes)
             # NOTE [ Searching segments ]: per-block options and segments together; used when
             # strictly faster than the per-block optimum, or when only it fits.
-            seg = _segments(profile, chain, budget_bytes, "time",
-                            None if picks is None else _ticks(chain, picks))
+            seg = None if not segments else _segments(
+                profile, chain, budget_bytes, "time", None if picks is None else _ticks(chain, picks))
             if seg is not None and seg.trees and (picks is None or seg.ticks < _ticks(chain, picks)):
-                picks, segments = seg.picks, _segment_names(profile, seg)
+                picks, spans = seg.picks, _segment_names(profile, seg)
             if picks is None:
-                raise _infeasible(profile, budget_bytes)
+                raise _infeasible(profile, budget_bytes, segments)
         else:
             picks = _greedy_picks(profile, chain, budget_bytes)
         names = [chain.options[o] for o in picks]
     else:
-        names, segments = _baseline(method, chain, len(profile.blocks), k), []
-    plan = _plan(profile, names, budget_bytes, method, notes, segments)
+        names, spans = _baseline(method, chain, len(profile.blocks), k), []
+    plan = _plan(profile, names, budget_bytes, method, notes, spans)
     if budget_bytes is not None and plan.estimate.peak_bytes > budget_bytes:
         over = (
             f"does not fit the budget: predicted peak {format_bytes(plan.estimate.peak_bytes)} "
@@ -324,8 +328,8 @@ def _plan(
     )
 
 
-def _infeasible(profile: Profile, budget_bytes: int) -> InfeasibleBudget:
-    smallest, dominant = smallest_any(profile)
+def _infeasible(profile: Profile, budget_bytes: int, segments: bool = True) -> InfeasibleBudget:
+    smallest, dominant = (smallest_any if segments else smallest_feasible)(profile)
     assert smallest > budget_bytes, (smallest, budget_bytes)
     if 2 * (profile.param_bytes + profile.optimizer_bytes) >= smallest:
         advice = (
