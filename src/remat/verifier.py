@@ -150,7 +150,7 @@ def verify_many(
     loss_fn = _step.resolve_loss_fn(loss_fn)
     unique: dict[tuple[tuple[str, str], ...], Plan] = {}
     for plan in plans:
-        if plan.head != "keep" or any(option != "keep" for option in plan.choices.values()):
+        if plan.head != "keep" or plan.segments or any(o != "keep" for o in plan.choices.values()):
             unique.setdefault(_key(plan), plan)
     previous = applied_plan(model)
     try:
@@ -204,7 +204,10 @@ def verify_many(
 
 
 def _key(plan: Plan) -> tuple[tuple[str, str], ...]:
-    return (*sorted(plan.choices.items()), ("(head)", plan.head))
+    """What makes two plans run alike: the choices, the head and the segments (a plan of
+    segments over blocks that all 'keep' is no plain step)."""
+    segments = tuple(("(segment)", f"{a}..{b}") for a, b in plan.segments)
+    return (*sorted(plan.choices.items()), ("(head)", plan.head), *segments)
 
 
 def _compare(plain: list[torch.Tensor], planned: list[torch.Tensor], *, exact: bool = True) -> tuple[float, bool]:

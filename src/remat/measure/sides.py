@@ -70,6 +70,8 @@ def note_sides(hooks: SeenSides, i: int, x: torch.Tensor | None, inputs: Any) ->
         hooks.firsts.add(storage_key(x))
         seen.add(storage_key(x))
         _keys(hooks, "_first_keys")[i] = storage_key(x)
+        live = _keys(hooks, "_output_keys")  # NOTE [ Storage keys are reused ]
+        _keys(hooks, "_first_of")[i] = next((j for j, key in live.items() if key == storage_key(x)), -1)
     hooks.sides[i] = []
     for t in _step.tensors_in(inputs):
         if storage_key(t) not in seen and (x is None or t.device == x.device):
@@ -101,6 +103,18 @@ def note_output(hooks: SeenSides, i: int, y: torch.Tensor | None) -> None:
     if y is not None:
         hooks.firsts.add(storage_key(y))
         _keys(hooks, "_output_keys")[i] = storage_key(y)
+        weakref.finalize(y.untyped_storage(), _output_died, hooks, i, storage_key(y))
+
+
+def _output_died(hooks: SeenSides, i: int, key: int) -> None:
+    """# NOTE [ Storage keys are reused ]
+    A storage key is an address, and a freed storage's address is soon another's: a UNet's
+    interpolated and concatenated input can take the key of the output it was computed from,
+    once that output is freed. So an output's key is dropped when its storage dies, and a
+    block's first input is matched, when it arrives, only against the outputs still alive."""
+    live = _keys(hooks, "_output_keys")
+    if live.get(i) == key:
+        del live[i]
 
 
 @contextmanager
@@ -180,7 +194,7 @@ def with_skips(traced: SeenSides, profile: Profile) -> Profile:
     not the previous block's output (computed between the blocks, e.g. a pooling in the model's
     own forward)."""
     names = [b.name for b in profile.blocks]
-    first_keys, output_keys = _keys(traced, "_first_keys"), _keys(traced, "_output_keys")
+    first_keys, first_of = _keys(traced, "_first_keys"), _keys(traced, "_first_of")
     firsts = {key: i for i, key in first_keys.items()}
     skips: dict[str, int] = {}
 
@@ -194,7 +208,7 @@ def with_skips(traced: SeenSides, profile: Profile) -> Profile:
                 for j in {i, firsts.get(key, i)}:
                     add(j, nbytes)
     for a, b in zip(traced.order, traced.order[1:]):
-        if b in first_keys and output_keys.get(a) != first_keys[b]:
+        if b in first_keys and first_of.get(b) != a:
             add(b, 0)
     return dataclasses.replace(profile, skip_bytes=skips)
 

@@ -1,0 +1,88 @@
+"""Every plan ``solve`` returns, segments or not, measures within 1% of its prediction and never
+over its budget, on models with long skips, pooling between blocks, stages and side inputs; and
+``verify`` measures a plan of segments over blocks that all 'keep' (no plain step)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from test_stacks import _unet, _unet_loss
+
+import remat
+from remat.measure.profiler import profile
+from remat.measure.tracer import measure_step
+from remat.models import BiasLMConfig, GPTConfig, UNetConfig, build_model, loss_fn_for, make_batch
+from remat.plan.segments import estimate_segments
+from remat.plan.solver import smallest_any, solve
+
+Case = tuple[torch.nn.Module, Any, Any]
+
+
+def _built(cfg: Any, **kw: Any) -> Callable[[], Case]:
+    def make() -> Case:
+        torch.manual_seed(0)
+        model = build_model(cfg)
+        return model, make_batch(model, batch_size=4, **kw), loss_fn_for(model)
+    return make
+
+
+def _stacks_unet() -> Case:  # pooling and interpolation between blocks, in the user's forward
+    model, batch = _unet()
+    return model, batch, _unet_loss
+
+
+def _convnext() -> Case:  # stages with downsampling inside, as the blocks
+    _hf_zoo = pytest.importorskip("_hf_zoo")
+    pytest.importorskip("transformers")
+    model, batch, _ = _hf_zoo.ZOO["convnext"]()
+    return model, batch, None
+
+
+CASES: dict[str, Callable[[], Case]] = {
+    "gpt": _built(GPTConfig(n_layer=6, n_embd=64, n_head=2, block_size=128, vocab_size=256), seq_len=128),
+    "unet": _built(UNetConfig(image_size=32, channels=16)),
+    "bias": _built(BiasLMConfig(n_layer=6, dim=64, n_head=2, max_seq=128, vocab_size=256), seq_len=128),
+    "stacks-unet": _stacks_unet,
+    "convnext": _convnext,
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_every_plan_solve_returns_fits_and_is_predicted(name: str) -> None:
+    model, batch, loss = CASES[name]()
+    prof = profile(model, batch, loss_fn=loss, repeats=1)
+    low, high = smallest_any(prof)[0], prof.plain_peak_bytes
+    every = solve(prof, method="all").estimate.peak_bytes  # about torch's every-block peak
+    budgets = sorted({low, every, low + (high - low) // 10, low + 2 * (high - low) // 5})
+    seen: dict[tuple[Any, ...], int] = {}
+    for budget in budgets:
+        plan = solve(prof, budget)
+        key = (tuple(sorted(plan.choices.items())), tuple(map(tuple, plan.segments)))
+        if key not in seen:
+            remat.apply(model, plan, strict=False)
+            seen[key] = measure_step(model, batch, loss_fn=loss, repeats=0).peak_bytes
+            remat.remove(model)
+        measured, predicted = seen[key], plan.estimate.peak_bytes
+        assert measured <= budget, (budget, plan.segments, predicted, measured)
+        assert abs(measured - predicted) <= 0.01 * measured, (budget, plan.segments, predicted, measured)
+
+
+def test_verify_measures_a_plan_of_segments_over_kept_blocks() -> None:
+    model, batch, loss = CASES["unet"]()
+    prof = profile(model, batch, loss_fn=loss, repeats=1)
+    names = [b.name for b in prof.blocks]
+    keep, segments = solve(prof, method="none"), [[names[0], names[1]]]
+    predicted = estimate_segments(prof, keep.choices, segments)
+    plan = dataclasses.replace(keep, segments=segments, estimate=predicted)
+    assert set(plan.choices.values()) == {"keep"}
+    report = remat.verify(model, batch, plan, loss_fn=loss, repeats=1)
+    remat.apply(model, plan, strict=False)
+    measured = measure_step(model, batch, loss_fn=loss, repeats=0).peak_bytes
+    remat.remove(model)
+    assert measured < report.plain_peak_bytes  # the segment saves something: no plain step
+    assert report.measured_peak_bytes == measured == predicted.peak_bytes
+    assert report.grads_equal
