@@ -41,6 +41,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from remat.plan.costmodel import ChainConstraints
+from remat.plan.search import TimeFloor
 from remat.plan.segments import SegmentModel, Tree
 
 __all__ = ["EXACT_BLOCKS", "MAX_STATES", "SegmentResult", "segment_search"]
@@ -176,11 +177,12 @@ def _front3(states: list[tuple[int, int, int, tuple[Tree, ...]]]) -> list[tuple[
 
 def segment_search(
     chain: ChainConstraints, model: SegmentModel, budget_bytes: int, *, objective: str = "time",
-    max_len: int | None = None, below_ticks: int | None = None,
+    max_len: int | None = None, below_ticks: int | None = None, floor: TimeFloor | None = None,
 ) -> SegmentResult | None:
     """The fastest plan (``objective="time"``) of per-block options and segments whose peak fits
     ``budget_bytes``, or the one with the lowest peak (``"peak"``); None when none fits.
-    ``below_ticks``: only plans faster than that are of interest (the per-block optimum's)."""
+    ``below_ticks``: only plans faster than that are of interest (the per-block optimum's);
+    ``floor``: a lower bound on the ticks still to add, to drop partial plans that cannot be."""
     n, width = len(chain.kept_bytes), len(chain.options)
     if n == 0 or "keep" not in chain.options or "recompute" not in chain.options:
         return None
@@ -202,7 +204,12 @@ def segment_search(
         need = np.array(chain.need_bytes, dtype=np.int64).reshape(n, width)
         tails = np.array([chain.tail_bytes], dtype=np.int64)
     states = len(tails)
-    floors = _floors(chain, model, fronts, longest, states)
+    if floor is not None and below_ticks is not None:
+        # The time floor prunes; these floors (which would need every span's front) are only
+        # the head's, a weaker bound that holds for every state (NOTE [ Searching segments ]).
+        floors = [np.full(states, int(tails.min()), dtype=np.int64) for _ in range(n + 1)]
+    else:
+        floors = _floors(chain, model, fronts, longest, states)
     floor_table = np.stack(floors)  # [position, state]
     limit = _NO_TICKS if below_ticks is None else below_ticks
     pending: list[list[tuple[np.ndarray, ...]]] = [[] for _ in range(n + 1)]
@@ -222,6 +229,8 @@ def segment_search(
         if q == n:
             break
         hope = (K + floors[q][H] <= budget_bytes) & (limit > T)  # some finish fits, and could win
+        if floor is not None and below_ticks is not None:
+            hope &= limit > T + floor.at(q, K)
         alive = _front(K, T, P, H, objective, hope, None if exact else MAX_STATES)
         K, T, P, H, src, idx, mv = (a[alive] for a in (K, T, P, H, src, idx, mv))
         saved.append((src, idx, mv))
@@ -234,8 +243,8 @@ def segment_search(
             _push(pending[q + 1], budget_bytes, K + kept[q, o], T + ticks[q, o], np.maximum(P, K + term), cH,
                   q, rows, len(table))
             table.append((q + 1, o, None))
-        for h in np.unique(H).tolist():  # segments from q: every (end, structure) at once
-            sel = np.flatnonzero(h == H)
+        for h in (np.unique(H).tolist() if chain.holds else [0]):  # segments from q, all at once
+            sel = np.flatnonzero(h == H) if chain.holds else rows
             rows_m = []
             for e in range(q + 1, min(model.reach[q] + 1, q + longest)):
                 seg_holds, seg_kept = model.holds(q, e), model.kept(q, e)
@@ -316,8 +325,11 @@ def _front(K: np.ndarray, T: np.ndarray, P: np.ndarray, H: np.ndarray, objective
     """Indices of the hopeful partial plans no other with the same state H dominates (NOTE [
     Searching segments ]); at most ``cap`` per state, spread over the front."""
     out = [np.zeros(0, dtype=np.int64)]
-    for h in np.unique(H[hope]).tolist():
-        part = np.flatnonzero((h == H) & hope)
+    one = bool(H.size) and int(H.min()) == int(H.max())  # one side-input state: no split
+    for h in [int(H[0])] if one else np.unique(H[hope]).tolist():
+        part = np.flatnonzero(hope) if one else np.flatnonzero((h == H) & hope)
+        if not part.size:
+            continue
         k, t, p = K[part], T[part], P[part]
         first, second = (t, p) if objective == "time" else (p, t)
         by = np.lexsort((second, first))
