@@ -32,6 +32,20 @@ What is exact and what is not:
   tight and loose budgets keep candidates); varied chains of 128 blocks and more reach it. The
   solver uses a segment plan only when it is strictly faster than the exact per-block optimum,
   so this makes segments help less, never a plan worse.
+A floor on the time (``remat.plan.search.time_floor``) makes ``solve`` fast without changing what
+is exact: in the relaxation where each block has one more option that keeps no bytes, fits any
+budget and costs its recompute's ticks (a block in a segment costs at least that: every replay
+recomputes it, and a segment keeps no negative bytes), the fastest per-block plan is no slower
+than any plan with segments. ``solve`` computes that floor (the bounded per-block DP of NOTE [
+Bounding the search ], on the relaxed options) and skips the segment search when even the floor
+from block 0 is no faster than the per-block optimum; otherwise the search drops every partial
+plan (and every segment move) whose ticks plus the floor from where it stands cannot beat it. With
+that floor in place the search's memory floors are only the head's (the exact per-position ones
+need every span's front, most of the search's cost on long chains); what they no longer cut the
+time floor does, or the plan is over the budget and dropped at its end. Both cuts only drop
+partial plans that cannot end strictly faster than the per-block optimum, so results the solver
+uses are those of the search without them, up to which states the ``MAX_STATES`` cap keeps on
+long chains (fewer compete for it).
 """
 
 from __future__ import annotations
@@ -260,6 +274,8 @@ def segment_search(
             cP = np.maximum(Ps, Ks + m_need)
             room = floor_table[m_target, m_held]
             ok = (cP <= budget_bytes) & (cT < limit) & (cK + room <= budget_bytes)
+            if floor is not None and below_ticks is not None:
+                ok &= cT + floor.at(m_target[None, :], cK) < limit
             r, c = np.nonzero(ok)
             if not r.size:
                 continue
