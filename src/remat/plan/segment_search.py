@@ -218,7 +218,8 @@ def segment_search(
         need = np.array(chain.need_bytes, dtype=np.int64).reshape(n, width)
         tails = np.array([chain.tail_bytes], dtype=np.int64)
     states = len(tails)
-    if floor is not None and below_ticks is not None:
+    pruned = floor is not None and below_ticks is not None
+    if pruned:
         # The time floor prunes; these floors (which would need every span's front) are only
         # the head's, a weaker bound that holds for every state (NOTE [ Searching segments ]).
         floors = [np.full(states, int(tails.min()), dtype=np.int64) for _ in range(n + 1)]
@@ -226,6 +227,7 @@ def segment_search(
         floors = _floors(chain, model, fronts, longest, states)
     floor_table = np.stack(floors)  # [position, state]
     limit = _NO_TICKS if below_ticks is None else below_ticks
+    recompute = np.concatenate([[0], np.cumsum([max(0, t) for t in model.tr])]).tolist()
     pending: list[list[tuple[np.ndarray, ...]]] = [[] for _ in range(n + 1)]
     zero = np.zeros(1, dtype=np.int64)
     pending[0].append((zero, zero, np.full(1, chain.fixed_bytes, dtype=np.int64), zero, zero - 1, zero, zero))
@@ -243,7 +245,7 @@ def segment_search(
         if q == n:
             break
         hope = (K + floors[q][H] <= budget_bytes) & (limit > T)  # some finish fits, and could win
-        if floor is not None and below_ticks is not None:
+        if pruned and floor is not None:
             hope &= limit > T + floor.at(q, K)
         alive = _front(K, T, P, H, objective, hope, None if exact else MAX_STATES)
         K, T, P, H, src, idx, mv = (a[alive] for a in (K, T, P, H, src, idx, mv))
@@ -260,8 +262,14 @@ def segment_search(
         for h in (np.unique(H).tolist() if chain.holds else [0]):  # segments from q, all at once
             sel = np.flatnonzero(h == H) if chain.holds else rows
             rows_m = []
+            low_t, low_k = (int(T[sel].min()), int(K[sel].min())) if pruned and sel.size else (0, 0)
             for e in range(q + 1, min(model.reach[q] + 1, q + longest)):
                 seg_holds, seg_kept = model.holds(q, e), model.kept(q, e)
+                if pruned and floor is not None and (  # replays cost at least their recomputes
+                    low_t + recompute[e + 1] - recompute[q] + int(floor.at(e + 1, np.array([low_k + seg_kept]))[0])
+                    >= limit
+                ):
+                    continue  # no state here ends faster through this span: its front is not needed
                 for need_e, t, tree in fronts.top(q, e, int(h) | seg_holds):
                     rows_m.append((need_e, seg_kept, t, e + 1, int(h) | seg_holds))
                     table.append((e + 1, keep, tree))
@@ -274,7 +282,7 @@ def segment_search(
             cP = np.maximum(Ps, Ks + m_need)
             room = floor_table[m_target, m_held]
             ok = (cP <= budget_bytes) & (cT < limit) & (cK + room <= budget_bytes)
-            if floor is not None and below_ticks is not None:
+            if pruned and floor is not None:
                 ok &= cT + floor.at(m_target[None, :], cK) < limit
             r, c = np.nonzero(ok)
             if not r.size:
