@@ -11,7 +11,7 @@ import numpy as np
 
 from remat.plan.costmodel import ChainConstraints
 
-__all__ = ["NO_LIMIT_BYTES", "optimal_picks"]
+__all__ = ["NO_LIMIT_BYTES", "TimeFloor", "optimal_picks", "time_floor"]
 
 # NOTE [ Pareto DP over prefix kept bytes ]
 # By NOTE [ Every peak candidate is a prefix sum ] (costmodel.py), what the blocks before block i
@@ -54,6 +54,10 @@ __all__ = ["NO_LIMIT_BYTES", "optimal_picks"]
 # - the full search then drops every partial plan whose time + rest exceeds the upper bound.
 #   Partial plans of every plan as fast as the best survive, so ties are broken as before.
 # Repeated identical blocks rarely need the bounds: their partial plans stay in the hundreds.
+# Each block's kept bytes are rounded down to whole cells in ``rest``, so the bound loosens by up
+# to a cell per block: long chains get more cells (64 per block, 4096..32768; at 512 varied blocks
+# this cut the partial plans the full search visits from 12-14 million to 3-4 million), stored as
+# int32 in units of a few ticks (rounded down: still a lower bound) to keep the table small.
 
 # "No budget" for the search: far above any device's memory, far below int64 overflow.
 NO_LIMIT_BYTES = 2**62
@@ -61,8 +65,11 @@ _TICKS_PER_MS = 1_000_000  # NOTE [ Time in integer ticks ]
 _NO_LIMIT_TICKS = 2**62
 # NOTE [ Bounding the search ]
 _PLAIN_LIMIT = 512  # partial plans per block beyond which the search turns to bounds
-_CELLS = 4096  # resolution of the bound on the time still to add
+_CELLS = 32768  # most cells of the bound on the time still to add
+_MIN_CELLS = 4096  # fewest cells
+_CELLS_PER_BLOCK = 64  # cells per block in between: rounding errs by up to one cell per block
 _ROUGH_WIDTH = 64  # partial plans per block in the search for a first, good plan
+_UNSET32 = 2**31 - 1  # "nothing fits" in the int32 bound
 _DROPPED = 2**63 - 1  # the rank of a partial plan that is out
 
 
@@ -90,6 +97,40 @@ def optimal_picks(
 
 
 @dataclass(frozen=True)
+class TimeFloor:
+    """Lower bounds on the ticks blocks q.. still add, from a prefix keeping K bytes, to fit the
+    budget (NOTE [ Bounding the search ]); ``time_floor`` makes one."""
+
+    rest: np.ndarray
+    cell_bytes: int
+    unit: int
+
+    def at(self, q: int | np.ndarray, kept: np.ndarray) -> np.ndarray:
+        """The floor before block ``q`` (an int, or an array broadcast with ``kept``)."""
+        cell = np.minimum(kept // self.cell_bytes, self.rest.shape[1] - 1)  # monotone in K
+        low = self.rest[q, cell].astype(np.int64)
+        return np.where(low == _UNSET32, _NO_LIMIT_TICKS, low * self.unit)
+
+
+def time_floor(
+    chain: ChainConstraints, budget_bytes: int, *, free_ticks: list[int], cells: int = _MIN_CELLS
+) -> TimeFloor:
+    """``TimeFloor`` of the per-block plans, relaxed by one more option per block that keeps
+    nothing, fits anywhere and costs ``free_ticks[i]``: a floor for plans of other moves too
+    whose blocks each cost at least that (NOTE [ Searching segments ])."""
+    budget = min(budget_bytes, NO_LIMIT_BYTES)
+    table = _Table.of(chain, budget, chain.suffix_floors())
+    zero = np.zeros(1, dtype=np.int64)
+    columns = [
+        (np.append(cols, -1), np.append(kept, zero), np.append(need, zero), np.append(ticks, max(0, t)))
+        for (cols, kept, need, ticks), t in zip(table.columns, free_ticks)
+    ]
+    bounded = dataclasses.replace(table, columns=columns).bounded(cells)
+    assert bounded.rest is not None
+    return TimeFloor(rest=bounded.rest, cell_bytes=bounded.cell_bytes, unit=bounded.rest_unit)
+
+
+@dataclass(frozen=True)
 class _Table:
     """One search's numbers: per block, the useful options' int64 columns, and bounds."""
 
@@ -103,7 +144,9 @@ class _Table:
     budget_bytes: int
     cell_bytes: int = 1
     rest: np.ndarray | None = None
-    """[i, K // cell_bytes]: a lower bound on the ticks blocks i.. add to fit the budget."""
+    """[i, K // cell_bytes]: a lower bound on the ticks blocks i.. add to fit the budget, in
+    units of ``rest_unit`` ticks (int32; ``_UNSET32`` where nothing fits)."""
+    rest_unit: int = 1
     sides: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]] | None = None
     """With side inputs: per block, the useful options' holds, forward and backward candidates,
     and [state] the bytes held side inputs add to its backward and to its forward."""
@@ -146,26 +189,39 @@ class _Table:
             tails=tails,
         )
 
-    def bounded(self) -> _Table:
+    def bounded(self, cells: int | None = None) -> _Table:
         """This table with ``rest`` filled in, backward from the head: from the low end of cell c
         an option's kept bytes lead exactly to the low end of cell c + kept // cell_bytes, and
         the option fits from cells c with c * cell_bytes + need <= budget."""
         n = len(self.columns)
-        cell = int(self.room.max()) // _CELLS + 1
-        rest = np.full((n + 1, _CELLS), _NO_LIMIT_TICKS, dtype=np.int64)
-        rest[n, : max(0, min(_CELLS, int(self.room[n].max()) // cell + 1))] = 0
-        # rest[i + 1] followed by "past the end": a window at offset s is rest[i + 1] from cell s.
-        padded = np.full(2 * _CELLS, _NO_LIMIT_TICKS, dtype=np.int64)
-        windows = np.lib.stride_tricks.sliding_window_view(padded, _CELLS)
-        cells = np.arange(_CELLS, dtype=np.int64)
+        cells_n = min(_CELLS, max(_MIN_CELLS, _CELLS_PER_BLOCK * n)) if cells is None else cells
+        cell = int(self.room.max()) // cells_n + 1
+        # Stored as int32 in units of ``unit`` ticks, rounded down (still a lower bound): a
+        # quarter of the memory of int64, which the many cells of long chains need.
+        unit = sum(int(c[3].max()) for c in self.columns) // _UNSET32 + 1
+        rest = np.empty((n + 1, cells_n), dtype=np.int32)
+        after = np.full(cells_n, _NO_LIMIT_TICKS, dtype=np.int64)
+        after[: max(0, min(cells_n, int(self.room[n].max()) // cell + 1))] = 0
+        rest[n] = np.where(after == 0, 0, _UNSET32)
+        # ``after`` followed by "past the end": a slice at offset s is ``after`` from cell s.
+        padded = np.full(2 * cells_n, _NO_LIMIT_TICKS, dtype=np.int64)
+        row = np.empty(cells_n, dtype=np.int64)
         for i in range(n - 1, -1, -1):
             _, kept, need, ticks = self.columns[i]
-            padded[:_CELLS] = rest[i + 1]
-            shifts = np.minimum(kept // cell, _CELLS)
-            fits = cells[None, :] * cell + need[:, None] <= self.budget_bytes
-            after = np.where(fits, windows[shifts] + ticks[:, None], _NO_LIMIT_TICKS).min(axis=0)
-            rest[i] = np.where(after >= _NO_LIMIT_TICKS // 2, _NO_LIMIT_TICKS, after)
-        return dataclasses.replace(self, cell_bytes=cell, rest=rest)
+            padded[:cells_n] = after
+            row.fill(_NO_LIMIT_TICKS)
+            for k, nd, t in zip(kept.tolist(), need.tolist(), ticks.tolist()):
+                # The option fits from cells c with c * cell + need <= budget: a prefix.
+                fits = min(cells_n, max(0, (self.budget_bytes - nd) // cell + 1))
+                if not fits:
+                    continue
+                shift = min(k // cell, cells_n)
+                np.minimum(row[:fits], padded[shift : shift + fits] + t, out=row[:fits])
+            unset = row >= _NO_LIMIT_TICKS // 2
+            row[unset] = _NO_LIMIT_TICKS
+            rest[i] = np.where(unset, _UNSET32, row // unit)
+            after, row = row, after
+        return dataclasses.replace(self, cell_bytes=cell, rest=rest, rest_unit=unit)
 
 
 def _search(
@@ -196,8 +252,9 @@ def _search(
         drop = (cP > table.budget_bytes) | (cK > table.room[i + 1, cH])
         hope = None
         if table.rest is not None:
-            cell = np.minimum(cK // table.cell_bytes, _CELLS - 1)  # beyond room: dropped anyway
-            hope = cT + table.rest[i + 1, cell]
+            cell = np.minimum(cK // table.cell_bytes, table.rest.shape[1] - 1)  # beyond room: dropped anyway
+            low = table.rest[i + 1, cell].astype(np.int64)
+            hope = cT + np.where(low == _UNSET32, _NO_LIMIT_TICKS, low * table.rest_unit)
             if bound_ticks is not None:
                 drop |= hope > bound_ticks
         alive = _front(cK, cT, cP, drop, cH)
@@ -246,7 +303,7 @@ def _front(
 ) -> np.ndarray:
     """Indices of the states that are not dropped and that no other with the same side-input
     state H dominates (NOTE [ Pareto DP over prefix kept bytes ]), ordered by H, then K."""
-    states = np.unique(H)
+    states = np.unique(H) if H.size and int(H.min()) != int(H.max()) else H[:1]
     if states.size > 1:
         parts = [np.flatnonzero(h == H) for h in states]
         return np.concatenate([p[_front(K[p], T[p], P[p], drop[p], H[p])] for p in parts])

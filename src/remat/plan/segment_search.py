@@ -32,6 +32,20 @@ What is exact and what is not:
   tight and loose budgets keep candidates); varied chains of 128 blocks and more reach it. The
   solver uses a segment plan only when it is strictly faster than the exact per-block optimum,
   so this makes segments help less, never a plan worse.
+A floor on the time (``remat.plan.search.time_floor``) makes ``solve`` fast without changing what
+is exact: in the relaxation where each block has one more option that keeps no bytes, fits any
+budget and costs its recompute's ticks (a block in a segment costs at least that: every replay
+recomputes it, and a segment keeps no negative bytes), the fastest per-block plan is no slower
+than any plan with segments. ``solve`` computes that floor (the bounded per-block DP of NOTE [
+Bounding the search ], on the relaxed options) and skips the segment search when even the floor
+from block 0 is no faster than the per-block optimum; otherwise the search drops every partial
+plan (and every segment move) whose ticks plus the floor from where it stands cannot beat it. With
+that floor in place the search's memory floors are only the head's (the exact per-position ones
+need every span's front, most of the search's cost on long chains); what they no longer cut the
+time floor does, or the plan is over the budget and dropped at its end. Both cuts only drop
+partial plans that cannot end strictly faster than the per-block optimum, so results the solver
+uses are those of the search without them, up to which states the ``MAX_STATES`` cap keeps on
+long chains (fewer compete for it).
 """
 
 from __future__ import annotations
@@ -41,6 +55,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from remat.plan.costmodel import ChainConstraints
+from remat.plan.search import TimeFloor
 from remat.plan.segments import SegmentModel, Tree
 
 __all__ = ["EXACT_BLOCKS", "MAX_STATES", "SegmentResult", "segment_search"]
@@ -176,11 +191,12 @@ def _front3(states: list[tuple[int, int, int, tuple[Tree, ...]]]) -> list[tuple[
 
 def segment_search(
     chain: ChainConstraints, model: SegmentModel, budget_bytes: int, *, objective: str = "time",
-    max_len: int | None = None, below_ticks: int | None = None,
+    max_len: int | None = None, below_ticks: int | None = None, floor: TimeFloor | None = None,
 ) -> SegmentResult | None:
     """The fastest plan (``objective="time"``) of per-block options and segments whose peak fits
     ``budget_bytes``, or the one with the lowest peak (``"peak"``); None when none fits.
-    ``below_ticks``: only plans faster than that are of interest (the per-block optimum's)."""
+    ``below_ticks``: only plans faster than that are of interest (the per-block optimum's);
+    ``floor``: a lower bound on the ticks still to add, to drop partial plans that cannot be."""
     n, width = len(chain.kept_bytes), len(chain.options)
     if n == 0 or "keep" not in chain.options or "recompute" not in chain.options:
         return None
@@ -202,9 +218,16 @@ def segment_search(
         need = np.array(chain.need_bytes, dtype=np.int64).reshape(n, width)
         tails = np.array([chain.tail_bytes], dtype=np.int64)
     states = len(tails)
-    floors = _floors(chain, model, fronts, longest, states)
+    pruned = floor is not None and below_ticks is not None
+    if pruned:
+        # The time floor prunes; these floors (which would need every span's front) are only
+        # the head's, a weaker bound that holds for every state (NOTE [ Searching segments ]).
+        floors = [np.full(states, int(tails.min()), dtype=np.int64) for _ in range(n + 1)]
+    else:
+        floors = _floors(chain, model, fronts, longest, states)
     floor_table = np.stack(floors)  # [position, state]
     limit = _NO_TICKS if below_ticks is None else below_ticks
+    recompute = np.concatenate([[0], np.cumsum([max(0, t) for t in model.tr])]).tolist()
     pending: list[list[tuple[np.ndarray, ...]]] = [[] for _ in range(n + 1)]
     zero = np.zeros(1, dtype=np.int64)
     pending[0].append((zero, zero, np.full(1, chain.fixed_bytes, dtype=np.int64), zero, zero - 1, zero, zero))
@@ -222,6 +245,8 @@ def segment_search(
         if q == n:
             break
         hope = (K + floors[q][H] <= budget_bytes) & (limit > T)  # some finish fits, and could win
+        if pruned and floor is not None:
+            hope &= limit > T + floor.at(q, K)
         alive = _front(K, T, P, H, objective, hope, None if exact else MAX_STATES)
         K, T, P, H, src, idx, mv = (a[alive] for a in (K, T, P, H, src, idx, mv))
         saved.append((src, idx, mv))
@@ -234,11 +259,17 @@ def segment_search(
             _push(pending[q + 1], budget_bytes, K + kept[q, o], T + ticks[q, o], np.maximum(P, K + term), cH,
                   q, rows, len(table))
             table.append((q + 1, o, None))
-        for h in np.unique(H).tolist():  # segments from q: every (end, structure) at once
-            sel = np.flatnonzero(h == H)
+        for h in (np.unique(H).tolist() if chain.holds else [0]):  # segments from q, all at once
+            sel = np.flatnonzero(h == H) if chain.holds else rows
             rows_m = []
+            low_t, low_k = (int(T[sel].min()), int(K[sel].min())) if pruned and sel.size else (0, 0)
             for e in range(q + 1, min(model.reach[q] + 1, q + longest)):
                 seg_holds, seg_kept = model.holds(q, e), model.kept(q, e)
+                if pruned and floor is not None and (  # replays cost at least their recomputes
+                    low_t + recompute[e + 1] - recompute[q] + int(floor.at(e + 1, np.array([low_k + seg_kept]))[0])
+                    >= limit
+                ):
+                    continue  # no state here ends faster through this span: its front is not needed
                 for need_e, t, tree in fronts.top(q, e, int(h) | seg_holds):
                     rows_m.append((need_e, seg_kept, t, e + 1, int(h) | seg_holds))
                     table.append((e + 1, keep, tree))
@@ -251,6 +282,8 @@ def segment_search(
             cP = np.maximum(Ps, Ks + m_need)
             room = floor_table[m_target, m_held]
             ok = (cP <= budget_bytes) & (cT < limit) & (cK + room <= budget_bytes)
+            if pruned and floor is not None:
+                ok &= cT + floor.at(m_target[None, :], cK) < limit
             r, c = np.nonzero(ok)
             if not r.size:
                 continue
@@ -316,8 +349,11 @@ def _front(K: np.ndarray, T: np.ndarray, P: np.ndarray, H: np.ndarray, objective
     """Indices of the hopeful partial plans no other with the same state H dominates (NOTE [
     Searching segments ]); at most ``cap`` per state, spread over the front."""
     out = [np.zeros(0, dtype=np.int64)]
-    for h in np.unique(H[hope]).tolist():
-        part = np.flatnonzero((h == H) & hope)
+    one = bool(H.size) and int(H.min()) == int(H.max())  # one side-input state: no split
+    for h in [int(H[0])] if one else np.unique(H[hope]).tolist():
+        part = np.flatnonzero(hope) if one else np.flatnonzero((h == H) & hope)
+        if not part.size:
+            continue
         k, t, p = K[part], T[part], P[part]
         first, second = (t, p) if objective == "time" else (p, t)
         by = np.lexsort((second, first))

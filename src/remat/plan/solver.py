@@ -18,7 +18,7 @@ import numpy as np
 from remat.errors import InfeasibleBudget, InvalidType, InvalidValue, did_you_mean
 from remat.plan.costmodel import ChainConstraints, chain_constraints, smallest_feasible
 from remat.plan.head import best_of_heads, frontier_of_heads
-from remat.plan.search import NO_LIMIT_BYTES, optimal_picks
+from remat.plan.search import NO_LIMIT_BYTES, optimal_picks, time_floor
 from remat.plan.segment_search import SegmentResult, segment_search
 from remat.plan.segments import SegmentModel, estimate_segments
 from remat.records import Plan, Profile
@@ -86,9 +86,10 @@ def solve(
             picks = optimal_picks(chain, budget_bytes)
             # NOTE [ Searching segments ]: per-block options and segments together; used when
             # strictly faster than the per-block optimum, or when only it fits.
-            seg = None if not segments else _segments(
-                profile, chain, budget_bytes, "time", None if picks is None else _ticks(chain, picks))
-            if seg is not None and seg.trees and (picks is None or seg.ticks < _ticks(chain, picks)):
+            below = None if picks is None else _ticks(chain, picks)
+            seg = None if below == 0 or not segments else _segments(
+                profile, chain, budget_bytes, "time", below)
+            if seg is not None and seg.trees and (below is None or seg.ticks < below):
                 picks, spans = seg.picks, _segment_names(profile, seg)
             if picks is None:
                 raise _infeasible(profile, budget_bytes, segments)
@@ -278,7 +279,13 @@ def _segments(
 ) -> SegmentResult | None:
     if not {"keep", "recompute"} <= set(chain.options):
         return None
-    return segment_search(chain, SegmentModel(profile, chain), budget, objective=objective, below_ticks=below)
+    model = SegmentModel(profile, chain)
+    # A block in a segment keeps no bytes of its own and costs at least its recompute's ticks:
+    # one more per-block option in a relaxation whose time bounds every segment plan's.
+    floor = None if below is None else time_floor(chain, budget, free_ticks=model.tr)
+    if floor is not None and floor.at(0, np.zeros(1, dtype=np.int64))[0] >= below:
+        return None  # no plan of any kind fits and is strictly faster than ``below``
+    return segment_search(chain, model, budget, objective=objective, below_ticks=below, floor=floor)
 
 
 def _ticks(chain: ChainConstraints, picks: Sequence[int]) -> int:
