@@ -204,18 +204,21 @@ class _Table:
         after[: max(0, min(cells_n, int(self.room[n].max()) // cell + 1))] = 0
         rest[n] = np.where(after == 0, 0, _UNSET32)
         # ``after`` followed by "past the end": a slice at offset s is ``after`` from cell s.
-        padded = np.full(2 * cells_n, _NO_LIMIT_TICKS, dtype=np.int64)
+        # Cells below 0 (a block that keeps negative bytes: one that frees a side input, NOTE
+        # [ Where a side input dies ]) read 0 ticks: a lower bound whatever the state there.
+        padded = np.full(3 * cells_n, _NO_LIMIT_TICKS, dtype=np.int64)
+        padded[:cells_n] = 0
         row = np.empty(cells_n, dtype=np.int64)
         for i in range(n - 1, -1, -1):
             _, kept, need, ticks = self.columns[i]
-            padded[:cells_n] = after
+            padded[cells_n : 2 * cells_n] = after
             row.fill(_NO_LIMIT_TICKS)
             for k, nd, t in zip(kept.tolist(), need.tolist(), ticks.tolist()):
                 # The option fits from cells c with c * cell + need <= budget: a prefix.
                 fits = min(cells_n, max(0, (self.budget_bytes - nd) // cell + 1))
                 if not fits:
                     continue
-                shift = min(k // cell, cells_n)
+                shift = cells_n + max(-cells_n, min(k // cell, cells_n))
                 np.minimum(row[:fits], padded[shift : shift + fits] + t, out=row[:fits])
             unset = row >= _NO_LIMIT_TICKS // 2
             row[unset] = _NO_LIMIT_TICKS
@@ -253,7 +256,8 @@ def _search(
         hope = None
         if table.rest is not None:
             cell = np.minimum(cK // table.cell_bytes, table.rest.shape[1] - 1)  # beyond room: dropped anyway
-            low = table.rest[i + 1, cell].astype(np.int64)
+            low = table.rest[i + 1, np.maximum(cell, 0)].astype(np.int64)
+            low = np.where(cell < 0, 0, low)  # below cell 0 (negative kept bytes): no bound
             hope = cT + np.where(low == _UNSET32, _NO_LIMIT_TICKS, low * table.rest_unit)
             if bound_ticks is not None:
                 drop |= hope > bound_ticks
