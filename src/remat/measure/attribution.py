@@ -242,17 +242,15 @@ def _peaks_over_model_level(
         post_held_extra_bytes=0,
     )
     level = pre.kept_bytes + sum(numbers[i]["kept"] for i in order) + post.grad_bytes
+    held, so_far = [], 0  # the groups held at each block's backward, as the cost model replays
+    for k in range(len(order)):
+        so_far |= groups.holds(k, "recompute")
+        held.append(so_far)
     for k in range(len(order) - 1, -1, -1):
         own = numbers[order[k]]
-        model = level + groups.delta_bytes(_held_at(groups, k), k)
+        model = level + groups.delta_bytes(held[k], k)
         own["bwd_peak"] += own["bwd_level"] - model
         level += keep[order[k]]["grad"] - own["kept"]
-
-
-def _held_at(groups: SideGroups, k: int) -> int:
-    """The groups a plan checkpointing every block holds at block k's backward: those with a
-    consumer at or before it."""
-    return sum(1 << g for g, users in enumerate(groups.consumers) if users and min(users) <= k)
 
 
 def _check_every_block_ran(named: list[tuple[str, nn.Module]], order: list[int]) -> None:

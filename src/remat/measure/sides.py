@@ -66,7 +66,7 @@ def first_tensor(obj: Any) -> torch.Tensor | None:
 def note_sides(hooks: SeenSides, i: int, x: torch.Tensor | None, inputs: Any) -> None:
     """Note the tensors entering block i besides ``x``, once per storage, on ``hooks``."""
     seen = set(hooks.base_keys)
-    alive = _live_firsts(hooks)  # NOTE [ Storage keys are reused ]
+    alive = _noted(hooks, "_live_firsts")  # NOTE [ Storage keys are reused ]
     if x is not None:
         _note_live(hooks, x)
         hooks.firsts.add(storage_key(x))
@@ -80,7 +80,7 @@ def note_sides(hooks: SeenSides, i: int, x: torch.Tensor | None, inputs: Any) ->
             seen.add(storage_key(t))
             hooks.sides[i].append((storage_key(t), t.untyped_storage().nbytes()))
             if storage_key(t) in alive:  # a block's first input or output, alive: a skip
-                _live_firsts(hooks, "_skips_in").add((i, storage_key(t)))
+                _noted(hooks, "_skips_in").add((i, storage_key(t)))
             if storage_key(t) not in hooks.deaths:
                 weakref.finalize(t.untyped_storage(), _died, hooks, storage_key(t))
 
@@ -111,7 +111,7 @@ def note_output(hooks: SeenSides, i: int, y: torch.Tensor | None) -> None:
         weakref.finalize(y.untyped_storage(), _output_died, hooks, i, storage_key(y))
 
 
-def _live_firsts(hooks: SeenSides, name: str = "_live_firsts") -> set[Any]:
+def _noted(hooks: SeenSides, name: str) -> set[Any]:
     """A set noted on the hooks object (not part of the SeenSides protocol)."""
     found = getattr(hooks, name, None)
     if found is None:
@@ -123,7 +123,7 @@ def _live_firsts(hooks: SeenSides, name: str = "_live_firsts") -> set[Any]:
 def _note_live(hooks: SeenSides, t: torch.Tensor) -> None:
     """Note ``t``'s storage as a block's first input or output while it lives."""
     key = storage_key(t)
-    live = _live_firsts(hooks)
+    live = _noted(hooks, "_live_firsts")
     if key not in live:
         live.add(key)
         weakref.finalize(t.untyped_storage(), live.discard, key)
@@ -167,7 +167,7 @@ def _in_order(hooks: SeenSides) -> list[tuple[int, int, list[int]]]:
     found: dict[int, tuple[int, list[int]]] = {}
     for i in hooks.order:
         for key, nbytes in hooks.sides.get(i, []):
-            if (i, key) in _live_firsts(hooks, "_skips_in"):  # judged when it arrived
+            if (i, key) in _noted(hooks, "_skips_in"):  # judged when it arrived
                 continue
             found.setdefault(key, (nbytes, []))[1].append(i)
     return [(key, nbytes, users) for key, (nbytes, users) in found.items()]
