@@ -123,18 +123,21 @@ class Config:
 # --- models ---------------------------------------------------------------------------------------
 
 # NOTE [ Sizes ]
-# "cpu": a step of roughly 0.1-0.2 s of CPU time on one core, activations a good part of the peak, eight
-# blocks (so that every 2nd/3rd block and sqrt(n) segments differ). "quick": the test's tiny GPT.
+# "cpu": a step of roughly 0.1-0.6 s of CPU time on one core, eight blocks (so that every 2nd/3rd block
+# and sqrt(n) segments differ), and activations, not the parameters' gradients and AdamW's state,
+# dominate the lowest peak: the language models train on 8 x 128 tokens (at 2 x 128 every schedule
+# ends at the same floor, the optimizer step, and no plan can go below every peer), and hf-gpt2 has
+# GPT-2's ratio of vocabulary to width (50257 / 768 ~ 8192 / 128). "quick": the test's tiny GPT.
 # "gpu": what benchmarks/gpu.sh runs on one large GPU: GPT-2 medium and large shapes and a
 # Llama-3.2-1B shape at sequence 2048, bf16 parameters.
 _GPT = {
     "quick": (GPTConfig(n_layer=4, n_embd=64, n_head=2, block_size=64, vocab_size=512), 2, 64),
-    "cpu": (GPTConfig(n_layer=8, n_embd=128, n_head=4, block_size=128, vocab_size=2048), 2, 128),
+    "cpu": (GPTConfig(n_layer=8, n_embd=128, n_head=4, block_size=128, vocab_size=2048), 8, 128),
     "gpu": (GPTConfig(n_layer=24, n_embd=1024, n_head=16, block_size=2048, vocab_size=50304), 4, 2048),
 }
 _LLAMA = {
     "quick": (LlamaConfig(n_layer=4, dim=64, n_head=2, n_kv_head=1, ffn_dim=172, vocab_size=512), 2, 64),
-    "cpu": (LlamaConfig(n_layer=8, dim=128, n_head=4, n_kv_head=2, ffn_dim=344, vocab_size=2048), 2, 128),
+    "cpu": (LlamaConfig(n_layer=8, dim=128, n_head=4, n_kv_head=2, ffn_dim=344, vocab_size=2048), 8, 128),
     "gpu": (LlamaConfig(n_layer=16, dim=2048, n_head=32, n_kv_head=8, ffn_dim=8192, vocab_size=128256,
                         max_seq=2048, rope_theta=500000.0, tie_weights=True), 4, 2048),
 }
@@ -157,9 +160,9 @@ _BIAS = {
     "gpu": (BiasLMConfig(n_layer=16, dim=1024, n_head=16, max_seq=2048, vocab_size=32000), 4, 2048),
 }
 # transformers configs: (layers, hidden, heads, kv heads, intermediate, vocab, batch, seq)
-_HF_GPT2 = {"quick": (4, 64, 2, 2, 256, 512, 2, 64), "cpu": (8, 128, 4, 4, 512, 2048, 2, 128),
+_HF_GPT2 = {"quick": (4, 64, 2, 2, 256, 512, 2, 64), "cpu": (8, 128, 4, 4, 512, 8192, 4, 128),
             "gpu": (36, 1280, 20, 20, 5120, 50257, 4, 2048)}
-_HF_LLAMA = {"quick": (4, 64, 2, 1, 172, 512, 2, 64), "cpu": (8, 128, 4, 2, 344, 2048, 2, 128),
+_HF_LLAMA = {"quick": (4, 64, 2, 1, 172, 512, 2, 64), "cpu": (8, 128, 4, 2, 344, 2048, 8, 128),
              "gpu": (16, 2048, 32, 8, 8192, 128256, 4, 2048)}
 
 

@@ -71,6 +71,7 @@ from remat.measure import step as _step
 from remat.measure.profiler import profile
 from remat.measure.tracer import measure_step
 from remat.plan.costmodel import estimate
+from remat.plan.head import HEAD_KEEP
 from remat.plan.solver import InfeasibleBudget, smallest_any, solve
 from remat.records import Plan, Profile
 from remat.report import FrontierPoint, markdown_table, plot_frontier
@@ -227,14 +228,15 @@ def _noise(times: list[float]) -> float:
 
 def summary(plan: Plan) -> str:
     """One letter per block: K keep, S selective, R recompute, O offload, B recompute+offload;
-    a segment in brackets, nested ones inside (its blocks K: kept during its replay)."""
+    a segment in brackets, nested ones inside (its blocks K: kept during its replay); then the
+    head option, when the plan has one other than ``keep`` (e.g. ``+chunked:128``)."""
     names = list(plan.choices)
     spans = [(names.index(a), names.index(b)) for a, b in plan.segments]
     out = []
     for i, o in enumerate(plan.choices.values()):
         out.append("[" * sum(a == i for a, _ in spans) + LETTERS.get(o, "?")
                    + "]" * sum(b == i for _, b in spans))
-    return "".join(out)
+    return "".join(out) + (f"+{plan.head}" if plan.head not in (None, HEAD_KEEP) else "")
 
 
 def run_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -294,7 +296,7 @@ def run_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
             for_budget[label] = (f"infeasible: below remat's smallest feasible "
                                  f"{format_bytes(e.smallest_bytes)} ({e.dominant})")
             return
-        key = (*plan.choices.values(), *(tuple(seg) for seg in plan.segments))
+        key = (*plan.choices.values(), *(tuple(seg) for seg in plan.segments), plan.head)
         if key not in plans:
             plans[key] = remat_plan(case, plan, f"remat {summary(plan)}")
             plans[key].extra["budgets_bytes"] = []
@@ -313,7 +315,8 @@ def run_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
     remats = list(plans.values())
     # A plan that keeps every block applies nothing: it *is* the plain step, measured as such.
     same_as_plain = {c.name for c in remats
-                     if c.plan and set(c.plan.choices.values()) == {"keep"} and not c.plan.segments}
+                     if c.plan and set(c.plan.choices.values()) == {"keep"} and not c.plan.segments
+                     and c.plan.head in (None, HEAD_KEEP)}
     for c in remats:
         if c.name in same_as_plain:
             peaks[c.name] = peaks[configs[0].name]

@@ -5,6 +5,7 @@ plain PyTorch's (and torch.utils.checkpoint's) bit for bit, and the measured pea
 from __future__ import annotations
 
 import copy
+import types
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ from torch.utils.checkpoint import checkpoint
 from remat.errors import CheckpointError
 from remat.manual.segments import apply_segments, remove_segments, segments_of
 from remat.measure.tracer import measure_step
+from remat.plan.segments import _replay_ms, forest
 
 
 class Block(nn.Module):
@@ -99,6 +101,25 @@ def test_outputs_and_gradients_equal_plain_bit_for_bit(spans: list[tuple[int, in
     assert all(torch.equal(a, b) for a, b in zip(again[1], plain[1]))
     remove_segments(list(model.blocks))
     assert all("forward" not in m.__dict__ for m in model.modules())
+
+
+@pytest.mark.parametrize("spans", SPANS, ids=str)
+def test_each_block_runs_as_often_as_the_cost_model_counts(spans: list[tuple[int, int]]) -> None:
+    """NOTE [ A tensor held once ]: every block is passed the same mask, and a nested replay still
+    runs each block exactly as often as the cost model charges (``_replay_ms``, read with one
+    millisecond on one block at a time). Held once per call, the mask would make the enclosing
+    replay run an inner segment that ends it, which the model counts as not run."""
+    torch.manual_seed(0)
+    model = Loop()
+    runs = [0] * len(model.blocks)
+    for i, block in enumerate(model.blocks):
+        block.ln.register_forward_pre_hook(lambda *_, i=i: runs.__setitem__(i, runs[i] + 1))
+    apply_segments(list(model.blocks), spans)
+    _step(model, torch.randn(4, 5, 8))
+    trees = forest(spans, len(model.blocks))
+    for j in range(len(model.blocks)):
+        one = types.SimpleNamespace(ms=[float(i == j) for i in range(len(model.blocks))])
+        assert runs[j] == 1 + sum(_replay_ms(one, t) for t in trees), (j, runs)  # type: ignore[arg-type]
 
 
 def test_tuples_frozen_params_and_torch_checkpoint_agree() -> None:

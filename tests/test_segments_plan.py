@@ -4,9 +4,11 @@ Revolve's closed form on uniform chains, and the plain per-block model unchanged
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import math
+import random
 
 import pytest
 from _tables import block, chains, cost, profile
@@ -14,6 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from remat.plan.costmodel import chain_constraints, estimate
+from remat.plan.head import estimate_with_head, head_extra_ms, head_names, with_head
 from remat.plan.segments import estimate_segments
 from remat.plan.solver import smallest_any, solve
 from remat.records import Plan, Profile
@@ -71,6 +74,30 @@ def _check_against_brute_force(p: Profile, share: float) -> None:
     assert plan.estimate.step_ms - p.plain_step_ms == pytest.approx(best, abs=1e-9)
     assert estimate_segments(p, plan.choices, plan.segments) == plan.estimate
     assert Plan.from_json(plan.to_json()) == plan
+
+
+@settings(max_examples=20, deadline=None)
+@given(chains(max_blocks=3, max_blocks_3=3, sides=False), st.floats(0, 1), st.integers(0, 2**31))
+def test_solve_with_head_options_is_the_fastest_of_every_plan_and_head(p: Profile, share: float, seed: int) -> None:
+    """Head options (NOTE [ The head's options ]) and segments together: the solver's plan is the
+    fastest of every plan under every head, and its estimate is that of its segments with its
+    head (a plan's estimate once left its segments out when the profile offered head options)."""
+    if not p.blocks:
+        return
+    rng = random.Random(seed)
+    peak = max(p.post.bwd_peak_bytes, 1)
+    p = dataclasses.replace(p, head_module="head", head_options={
+        "chunked:64": dataclasses.replace(p.post, fwd_peak_bytes=rng.randint(0, peak), bwd_peak_bytes=rng.randint(0, peak),
+                                          fwd_ms=p.post.fwd_ms + rng.choice([0.0, 0.25, 2.0]), bwd_ms=p.post.bwd_ms),
+    })
+    plans = [(pk, ms + head_extra_ms(p, h)) for h in head_names(p) for pk, ms in _every_plan(with_head(p, h))]
+    low, high = min(pk for pk, _ in plans), max(pk for pk, _ in plans)
+    budget = low + int(share * (high - low))
+    plan = solve(p, budget)
+    assert plan.estimate.peak_bytes <= budget
+    assert plan.estimate.step_ms - p.plain_step_ms == pytest.approx(min(ms for pk, ms in plans if pk <= budget), abs=1e-9)
+    assert plan.estimate == estimate_with_head(p, plan.choices, plan.head or "keep", plan.segments)
+    assert plan.estimate.peak_bytes == estimate_segments(with_head(p, plan.head or "keep"), plan.choices, plan.segments).peak_bytes
 
 
 # NOTE [ Revolve's closed form ]

@@ -72,19 +72,22 @@ def walk(obj: Any, fn: Callable[[torch.Tensor, tuple[Any, ...]], Any], path: tup
     return obj
 
 
-def resolve(obj: Any, parent: Frame | None, outs: list[Any]) -> Any:
-    """A recorded argument for the replay: outputs of the replayed calls, held tensors unpacked."""
+def resolve(obj: Any, parent: Frame | None, outs: list[Any], memo: dict[int, torch.Tensor]) -> Any:
+    """A recorded argument for the replay: outputs of the replayed calls, held tensors unpacked,
+    each held tensor once per replay (``memo``: NOTE [ A tensor held once ])."""
     if isinstance(obj, Out):
         return at(outs[obj.call], obj.path)
     if isinstance(obj, Held):
-        value = (obj.value if parent is None else parent.unpack(obj.value)).detach()
-        return value.requires_grad_(True) if obj.requires_grad else value
+        if id(obj) not in memo:
+            value = (obj.value if parent is None else parent.unpack(obj.value)).detach()
+            memo[id(obj)] = value.requires_grad_(True) if obj.requires_grad else value
+        return memo[id(obj)]
     if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
-        return tuple(resolve(v, parent, outs) for v in obj)
+        return tuple(resolve(v, parent, outs, memo) for v in obj)
     if isinstance(obj, list):
-        return [resolve(v, parent, outs) for v in obj]
+        return [resolve(v, parent, outs, memo) for v in obj]
     if isinstance(obj, dict) and type(obj) is dict:
-        return {k: resolve(v, parent, outs) for k, v in obj.items()}
+        return {k: resolve(v, parent, outs, memo) for k, v in obj.items()}
     return obj
 
 
@@ -117,6 +120,18 @@ def at(obj: Any, path: tuple[Any, ...]) -> Any:
     return obj
 
 
+# NOTE [ A tensor held once ]
+# Blocks are often passed the same tensor from outside (rotary tables, a mask, a position bias:
+# one object, every block). A frame holds each such tensor once, by identity, however many of its
+# calls read it, and its replay hands every call the same unpacked tensor. For a nested segment
+# this is what keeps the enclosing replay short: the inner frame holds what it reads from outside
+# as placeholders of the enclosing frame, one per tensor rather than one per call, so those are
+# all filled at the inner segment's first call and the enclosing replay stops there, without
+# running the inner blocks (as the cost model counts: NOTE [ A segment's costs from per-block
+# numbers ] in remat.plan.segments). Held per call, the enclosing replay would run the inner
+# segment up to its last call to fill the placeholders of that call's side inputs.
+
+
 class Frame:
     """One segment's recompute frame (NOTE [ A segment is one recompute frame over several calls ])."""
 
@@ -126,6 +141,7 @@ class Frame:
         self.slots: list[weakref.ref[Slot]] = []
         self.values: weakref.WeakKeyDictionary[Slot, torch.Tensor] = weakref.WeakKeyDictionary()
         self.calls: list[Call] = []
+        self.held: dict[int, tuple[weakref.ref[torch.Tensor], Held]] = {}
         self.outputs: dict[int, tuple[weakref.ref[torch.Tensor], int, tuple[Any, ...]]] = {}
         self.filling = -1  # during the replay: the index of the next placeholder to fill
         self.replayed = False
@@ -163,8 +179,13 @@ class Frame:
             ) from None
 
     def hold(self, tensor: torch.Tensor) -> Held:
+        known = self.held.get(id(tensor))
+        if known is not None and known[0]() is tensor:
+            return known[1]  # NOTE [ A tensor held once ]
         value = tensor if self.parent is None else self.parent.pack(tensor)
-        return Held(value, tensor.requires_grad)
+        held = Held(value, tensor.requires_grad)
+        self.held[id(tensor)] = (weakref.ref(tensor), held)
+        return held
 
     def record(self, call: Call, args: Any, kwargs: Any) -> None:
         """Record a call of block ``call.index``; its tensors as outputs of earlier calls or held."""
@@ -196,11 +217,12 @@ class Frame:
         previous = owner.swap_stack([self])
         self.filling = 0
         outs: list[Any] = []
+        memo: dict[int, torch.Tensor] = {}
         try:
             with torch.enable_grad(), RestoreRunningStats(tuple(owner.modules[self.span[0] : self.span[1] + 1])):
                 last_use = last_uses(self.calls)
                 for k, call in enumerate(self.calls):
-                    args, kwargs = self._inputs(call, outs)
+                    args, kwargs = self._inputs(call, outs, memo)
                     for j in last_use.pop(k, ()):
                         outs[j] = None  # no later call reads it: let it go as the forward did
                     outs.append(self._run(call, args, kwargs))
@@ -219,11 +241,12 @@ class Frame:
                 "way every time they run (no branches on global state or on timing)"
             )
         self.calls.clear()  # the inputs are no longer needed: the placeholders are filled
+        self.held.clear()
 
-    def _inputs(self, call: Call, outs: list[Any]) -> tuple[Any, Any]:
+    def _inputs(self, call: Call, outs: list[Any], memo: dict[int, torch.Tensor]) -> tuple[Any, Any]:
         # Module-level helpers, no nested closures: a recursive closure is a reference cycle that
         # would keep the replay's outputs alive until the garbage collector runs.
-        return resolve(call.args, self.parent, outs), resolve(call.kwargs, self.parent, outs)
+        return resolve(call.args, self.parent, outs, memo), resolve(call.kwargs, self.parent, outs, memo)
 
     def _run(self, call: Call, args: Any, kwargs: Any) -> Any:
         cpu, devices, states = call.rng

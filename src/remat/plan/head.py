@@ -11,10 +11,10 @@ written); ``frontier_of_heads`` merges the per-head frontiers into one. Pure: no
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 from remat.errors import InfeasibleBudget, InvalidValue, did_you_mean
-from remat.plan.costmodel import estimate
+from remat.plan.segments import estimate_segments
 from remat.records import Estimate, Plan, Profile
 
 __all__ = [
@@ -79,10 +79,12 @@ def with_head(profile: Profile, head: str) -> Profile:
     )
 
 
-def estimate_with_head(profile: Profile, choices: Mapping[str, str], head: str = HEAD_KEEP) -> Estimate:
-    """``estimate(profile, choices)`` with the head option ``head``; the overhead is against the
-    plain step (every block kept, the head as written)."""
-    est = estimate(with_head(profile, head), choices)
+def estimate_with_head(
+    profile: Profile, choices: Mapping[str, str], head: str = HEAD_KEEP, segments: Sequence[Sequence[str]] = ()
+) -> Estimate:
+    """``estimate_segments(profile, choices, segments)`` with the head option ``head``; the
+    overhead is against the plain step (every block kept, the head as written)."""
+    est = estimate_segments(with_head(profile, head), choices, segments)
     plain = profile.plain_step_ms
     return dataclasses.replace(est, overhead=est.step_ms / plain - 1.0 if plain else 0.0)
 
@@ -94,7 +96,7 @@ def _finish(profile: Profile, plan: Plan, head: str) -> Plan:
         notes.append(f"head: {head} (the loss head's logits one chunk of tokens at a time)")
     return dataclasses.replace(
         plan,
-        estimate=estimate_with_head(profile, plan.choices, head),
+        estimate=estimate_with_head(profile, plan.choices, head, plan.segments),
         head=head,
         head_module=profile.head_module,
         head_causal_lm=profile.head_causal_lm,

@@ -69,7 +69,8 @@ _CELLS = 32768  # most cells of the bound on the time still to add
 _MIN_CELLS = 4096  # fewest cells
 _CELLS_PER_BLOCK = 64  # cells per block in between: rounding errs by up to one cell per block
 _ROUGH_WIDTH = 64  # partial plans per block in the search for a first, good plan
-_UNSET32 = 2**31 - 1  # "nothing fits" in the int32 bound
+_UNSET32 = 2**30  # "nothing fits" in the int32 bound (and above it)
+_UNIT_SPAN = 2**29  # the most units of ticks a whole chain adds
 _DROPPED = 2**63 - 1  # the rank of a partial plan that is out
 
 
@@ -109,25 +110,55 @@ class TimeFloor:
         """The floor before block ``q`` (an int, or an array broadcast with ``kept``)."""
         cell = np.minimum(kept // self.cell_bytes, self.rest.shape[1] - 1)  # monotone in K
         low = self.rest[q, cell].astype(np.int64)
-        return np.where(low == _UNSET32, _NO_LIMIT_TICKS, low * self.unit)
+        return np.where(low >= _UNSET32, _NO_LIMIT_TICKS, low * self.unit)
 
 
 def time_floor(
-    chain: ChainConstraints, budget_bytes: int, *, free_ticks: list[int], cells: int = _MIN_CELLS
-) -> TimeFloor:
-    """``TimeFloor`` of the per-block plans, relaxed by one more option per block that keeps
-    nothing, fits anywhere and costs ``free_ticks[i]``: a floor for plans of other moves too
-    whose blocks each cost at least that (NOTE [ Searching segments ])."""
+    chain: ChainConstraints, budget_bytes: int, *, free: FreeOption, cells: int | None = None
+) -> tuple[TimeFloor, _Table]:
+    """``TimeFloor`` of the per-block plans relaxed by one more option per block, ``free``, and
+    side inputs as if never held: a floor for plans of other moves too whose blocks each cost at
+    least that option (NOTE [ Searching segments ]); with the relaxed, bounded table itself."""
     budget = min(budget_bytes, NO_LIMIT_BYTES)
     table = _Table.of(chain, budget, chain.suffix_floors())
-    zero = np.zeros(1, dtype=np.int64)
     columns = [
-        (np.append(cols, -1), np.append(kept, zero), np.append(need, zero), np.append(ticks, max(0, t)))
-        for (cols, kept, need, ticks), t in zip(table.columns, free_ticks)
+        (np.append(cols, -1), np.append(kept, fk), np.append(need, fn), np.append(ticks, max(0, ft)))
+        for (cols, kept, need, ticks), fk, fn, ft in zip(table.columns, free.kept, free.need, free.ticks)
     ]
-    bounded = dataclasses.replace(table, columns=columns).bounded(cells)
-    assert bounded.rest is not None
-    return TimeFloor(rest=bounded.rest, cell_bytes=bounded.cell_bytes, unit=bounded.rest_unit)
+    low = [chain.tail_bytes]  # the relaxed chain's suffix floors (``suffix_floor_bytes``)
+    for _, kept, need, _ in reversed(columns):
+        low.append(int(np.maximum(need, kept + low[-1]).min()))
+    room = budget - np.array(low[::-1], dtype=np.int64)[:, None]
+    relaxed = dataclasses.replace(table, columns=columns, sides=None, tails=None, room=room).bounded(cells)
+    assert relaxed.rest is not None
+    return TimeFloor(rest=relaxed.rest, cell_bytes=relaxed.cell_bytes, unit=relaxed.rest_unit), relaxed
+
+
+@dataclass(frozen=True)
+class FreeOption:
+    """Per block: the kept bytes, need and ticks of the relaxation's extra option."""
+
+    kept: list[int]
+    need: list[int]
+    ticks: list[int]
+
+
+def relaxed_beats(relaxed: _Table, below_ticks: int, *, give_up: int = 4 * _PLAIN_LIMIT) -> bool:
+    """Whether some plan of the relaxed table (``time_floor``'s) takes fewer than
+    ``below_ticks``: its exact search with that bound. True too when it would keep more than
+    ``give_up`` partial plans at a block (not known, so not ruled out)."""
+    assert relaxed.rest is not None
+    if int(relaxed.rest[0, 0]) * relaxed.rest_unit >= below_ticks:
+        return False
+    try:
+        _search(relaxed, bound_ticks=below_ticks - 1, width=None, give_up=give_up, none_left=True)
+    except _NoneLeft:
+        return False
+    return True  # a relaxed plan is faster, or the search gave up
+
+
+class _NoneLeft(Exception):
+    """No partial plan is left at some block (``_search`` with ``none_left``)."""
 
 
 @dataclass(frozen=True)
@@ -196,42 +227,47 @@ class _Table:
         n = len(self.columns)
         cells_n = min(_CELLS, max(_MIN_CELLS, _CELLS_PER_BLOCK * n)) if cells is None else cells
         cell = int(self.room.max()) // cells_n + 1
-        # Stored as int32 in units of ``unit`` ticks, rounded down (still a lower bound): a
-        # quarter of the memory of int64, which the many cells of long chains need.
-        unit = sum(int(c[3].max()) for c in self.columns) // _UNSET32 + 1
+        # In int32 units of ``unit`` ticks, each option's ticks rounded down (a sum of floors is
+        # no more than the floor of the sum: still a lower bound): a quarter of int64's memory
+        # traffic, which is what the many cells of long chains cost. Totals stay below _UNIT_SPAN,
+        # and _UNSET32 (nothing fits) plus any option's ticks below int32's top.
+        unit = max(1, sum(max(0, int(c[3].max())) for c in self.columns) // _UNIT_SPAN + 1)
         rest = np.empty((n + 1, cells_n), dtype=np.int32)
-        after = np.full(cells_n, _NO_LIMIT_TICKS, dtype=np.int64)
-        after[: max(0, min(cells_n, int(self.room[n].max()) // cell + 1))] = 0
-        rest[n] = np.where(after == 0, 0, _UNSET32)
-        # ``after`` followed by "past the end": a slice at offset s is ``after`` from cell s.
-        # Cells below 0 (a block that keeps negative bytes: one that frees a side input, NOTE
-        # [ Where a side input dies ]) read 0 ticks: a lower bound whatever the state there.
-        padded = np.full(3 * cells_n, _NO_LIMIT_TICKS, dtype=np.int64)
-        padded[:cells_n] = 0
-        row = np.empty(cells_n, dtype=np.int64)
+        # Each row lies in the middle third of a buffer of three: a slice at offset s of the
+        # buffer is the row from cell s on, with cells below 0 (a block that keeps negative bytes:
+        # one that frees a side input, NOTE [ Where a side input dies ]) reading 0 ticks (a lower
+        # bound whatever the state there) and cells past the end reading "nothing fits".
+        after = np.full(3 * cells_n, _UNSET32, dtype=np.int32)
+        after[:cells_n] = 0
+        row = after.copy()
+        after[cells_n : cells_n + max(0, min(cells_n, int(self.room[n].max()) // cell + 1))] = 0
+        rest[n] = after[cells_n : 2 * cells_n]
+        spare = np.empty(cells_n, dtype=np.int32)
         for i in range(n - 1, -1, -1):
             _, kept, need, ticks = self.columns[i]
-            padded[cells_n : 2 * cells_n] = after
-            row.fill(_NO_LIMIT_TICKS)
-            for k, nd, t in zip(kept.tolist(), need.tolist(), ticks.tolist()):
+            out = row[cells_n : 2 * cells_n]
+            out.fill(_UNSET32)
+            for k, nd, t in zip(kept.tolist(), need.tolist(), (ticks // unit).tolist()):
                 # The option fits from cells c with c * cell + need <= budget: a prefix.
                 fits = min(cells_n, max(0, (self.budget_bytes - nd) // cell + 1))
                 if not fits:
                     continue
                 shift = cells_n + max(-cells_n, min(k // cell, cells_n))
-                np.minimum(row[:fits], padded[shift : shift + fits] + t, out=row[:fits])
-            unset = row >= _NO_LIMIT_TICKS // 2
-            row[unset] = _NO_LIMIT_TICKS
-            rest[i] = np.where(unset, _UNSET32, row // unit)
+                np.add(after[shift : shift + fits], t, out=spare[:fits])
+                np.minimum(out[:fits], spare[:fits], out=out[:fits])
+            np.minimum(out, _UNSET32, out=out)  # "nothing fits" plus ticks is still nothing
+            rest[i] = out
             after, row = row, after
         return dataclasses.replace(self, cell_bytes=cell, rest=rest, rest_unit=unit)
 
 
 def _search(
-    table: _Table, *, bound_ticks: int | None, width: int | None, give_up: int | None
+    table: _Table, *, bound_ticks: int | None, width: int | None, give_up: int | None,
+    none_left: bool = False,
 ) -> tuple[list[int], int] | None:
     """The DP of NOTE [ Pareto DP over prefix kept bytes ]: the option indices and ticks of the
-    best plan, or None when more than ``give_up`` partial plans survive one block.
+    best plan, or None when more than ``give_up`` partial plans survive one block. ``none_left``:
+    raise ``_NoneLeft`` when the bound leaves none (else that is a bug: the bound is a plan's).
 
     ``bound_ticks`` drops partial plans that ``table.rest`` says cannot end within it; ``width``
     keeps only that many per block, the most promising by ``rest``: fast, not always the best."""
@@ -258,10 +294,12 @@ def _search(
             cell = np.minimum(cK // table.cell_bytes, table.rest.shape[1] - 1)  # beyond room: dropped anyway
             low = table.rest[i + 1, np.maximum(cell, 0)].astype(np.int64)
             low = np.where(cell < 0, 0, low)  # below cell 0 (negative kept bytes): no bound
-            hope = cT + np.where(low == _UNSET32, _NO_LIMIT_TICKS, low * table.rest_unit)
+            hope = cT + np.where(low >= _UNSET32, _NO_LIMIT_TICKS, low * table.rest_unit)
             if bound_ticks is not None:
                 drop |= hope > bound_ticks
         alive = _front(cK, cT, cP, drop, cH)
+        if none_left and not alive.size:
+            raise _NoneLeft
         assert alive.size, "room and rest only drop partial plans that cannot fit or win"
         if width is not None and alive.size > width:
             assert hope is not None, "a beam needs the bounds to rank by"

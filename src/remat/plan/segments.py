@@ -36,6 +36,7 @@ from dataclasses import dataclass
 
 from remat.errors import InvalidValue
 from remat.plan.costmodel import ChainConstraints, chain_constraints, estimate
+from remat.plan.search import FreeOption
 from remat.plan.sides import side_groups
 from remat.records import Estimate, Profile
 
@@ -118,6 +119,15 @@ class SegmentModel:
 
     def delta(self, held: int, j: int) -> int:
         return self.sides.delta_bytes(held, j) if self.sides is not None else 0
+
+    def free_option(self) -> FreeOption:
+        """The extra option of the relaxation that bounds the time of every plan with segments
+        (NOTE [ Searching segments ]): per block j, no more kept bytes and no higher a backward
+        candidate than j meets inside any segment, and one recompute's ticks."""
+        slack = sum(min(0, k) for k in self.kk) + min([0, *(kr - i for kr, i in zip(self.kr, self.inp))])
+        need = [self.lead + self.grads_at[j] + self.gather + slack
+                + min(self.kk[j] + self.bk[j], self.inp[j] + self.br[j]) for j in range(self.n)]
+        return FreeOption(kept=[min(0, k) for k in self.kr], need=need, ticks=list(self.tr))
 
     def holds(self, s: int, e: int) -> int:
         mask = 0

@@ -18,7 +18,7 @@ import numpy as np
 from remat.errors import InfeasibleBudget, InvalidType, InvalidValue, did_you_mean
 from remat.plan.costmodel import ChainConstraints, chain_constraints, smallest_feasible
 from remat.plan.head import best_of_heads, frontier_of_heads
-from remat.plan.search import NO_LIMIT_BYTES, optimal_picks, time_floor
+from remat.plan.search import NO_LIMIT_BYTES, optimal_picks, relaxed_beats, time_floor
 from remat.plan.segment_search import SegmentResult, segment_search
 from remat.plan.segments import SegmentModel, estimate_segments
 from remat.records import Plan, Profile
@@ -280,11 +280,13 @@ def _segments(
     if not {"keep", "recompute"} <= set(chain.options):
         return None
     model = SegmentModel(profile, chain)
-    # A block in a segment keeps no bytes of its own and costs at least its recompute's ticks:
-    # one more per-block option in a relaxation whose time bounds every segment plan's.
-    floor = None if below is None else time_floor(chain, budget, free_ticks=model.tr)
-    if floor is not None and floor.at(0, np.zeros(1, dtype=np.int64))[0] >= below:
-        return None  # no plan of any kind fits and is strictly faster than ``below``
+    floor = None
+    if below is not None:
+        # NOTE [ Searching segments ]: a block in a segment is bounded by one more per-block
+        # option, in a relaxation whose fastest plan is no slower than any plan with segments.
+        floor, relaxed = time_floor(chain, budget, free=model.free_option())
+        if not relaxed_beats(relaxed, below):
+            return None  # no plan of any kind fits and is strictly faster than ``below``
     return segment_search(chain, model, budget, objective=objective, below_ticks=below, floor=floor)
 
 
