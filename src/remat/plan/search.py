@@ -11,7 +11,10 @@ import numpy as np
 
 from remat.plan.costmodel import ChainConstraints
 
-__all__ = ["NO_LIMIT_BYTES", "TimeFloor", "optimal_picks", "time_floor"]
+__all__ = [
+    "NO_LIMIT_BYTES", "FreeOption", "Table", "TimeFloor", "optimal_picks", "relaxed_beats", "relaxed_optimum",
+    "relaxed_table", "time_floor",
+]
 
 # NOTE [ Pareto DP over prefix kept bytes ]
 # By NOTE [ Every peak candidate is a prefix sum ] (costmodel.py), what the blocks before block i
@@ -86,15 +89,22 @@ def optimal_picks(
         return None
     if not chain.kept_bytes:
         return []
-    table = _Table.of(chain, budget, floors)
-    found = _search(table, bound_ticks=None, width=None, give_up=plain_limit)
-    if found is None:  # a varied chain: bound the search (NOTE [ Bounding the search ])
-        table = table.bounded()
-        rough = _search(table, bound_ticks=None, width=_ROUGH_WIDTH, give_up=None)
-        assert rough is not None, "the floor check above guarantees a feasible plan"
-        found = _search(table, bound_ticks=rough[1], width=None, give_up=None)
-        assert found is not None, "the rough plan itself is within the bound"
+    found = _optimal(Table.of(chain, budget, floors), plain_limit)
     return found[0]
+
+
+def _optimal(table: Table, plain_limit: int = _PLAIN_LIMIT) -> tuple[list[int], int, Table | None]:
+    """The picks and ticks of ``table``'s fastest plan (which the caller checked exists), and the
+    table bounded if the search needed it (NOTE [ Bounding the search ])."""
+    found = _search(table, bound_ticks=None, width=None, give_up=plain_limit)
+    if found is not None:
+        return found[0], found[1], None
+    bounded = table.bounded()  # a varied chain
+    rough = _search(bounded, bound_ticks=None, width=_ROUGH_WIDTH, give_up=None)
+    assert rough is not None, "the floor check guarantees a feasible plan"
+    found = _search(bounded, bound_ticks=rough[1], width=None, give_up=None)
+    assert found is not None, "the rough plan itself is within the bound"
+    return found[0], found[1], bounded
 
 
 @dataclass(frozen=True)
@@ -113,14 +123,12 @@ class TimeFloor:
         return np.where(low >= _UNSET32, _NO_LIMIT_TICKS, low * self.unit)
 
 
-def time_floor(
-    chain: ChainConstraints, budget_bytes: int, *, free: FreeOption, cells: int | None = None
-) -> tuple[TimeFloor, _Table]:
-    """``TimeFloor`` of the per-block plans relaxed by one more option per block, ``free``, and
-    side inputs as if never held: a floor for plans of other moves too whose blocks each cost at
-    least that option (NOTE [ Searching segments ]); with the relaxed, bounded table itself."""
+def relaxed_table(chain: ChainConstraints, budget_bytes: int, free: FreeOption) -> Table:
+    """The per-block table relaxed by one more option per block, ``free`` (column -1), with side
+    inputs as if never held: every plan of other moves whose blocks each cost at least that option
+    is no faster than the relaxed table's fastest plan (NOTE [ Searching segments ])."""
     budget = min(budget_bytes, NO_LIMIT_BYTES)
-    table = _Table.of(chain, budget, chain.suffix_floors())
+    table = Table.of(chain, budget, chain.suffix_floors())
     columns = [
         (np.append(cols, -1), np.append(kept, fk), np.append(need, fn), np.append(ticks, max(0, ft)))
         for (cols, kept, need, ticks), fk, fn, ft in zip(table.columns, free.kept, free.need, free.ticks)
@@ -129,9 +137,22 @@ def time_floor(
     for _, kept, need, _ in reversed(columns):
         low.append(int(np.maximum(need, kept + low[-1]).min()))
     room = budget - np.array(low[::-1], dtype=np.int64)[:, None]
-    relaxed = dataclasses.replace(table, columns=columns, sides=None, tails=None, room=room).bounded(cells)
-    assert relaxed.rest is not None
-    return TimeFloor(rest=relaxed.rest, cell_bytes=relaxed.cell_bytes, unit=relaxed.rest_unit), relaxed
+    return dataclasses.replace(table, columns=columns, sides=None, tails=None, room=room)
+
+
+def relaxed_optimum(relaxed: Table) -> tuple[list[int], int, Table | None] | None:
+    """``relaxed``'s fastest plan (picks, -1 for the extra option), its ticks and the table bounded
+    if the search needed it; None when nothing fits even there."""
+    if relaxed.fixed_bytes > relaxed.budget_bytes or int(relaxed.room[0, 0]) < 0:
+        return None
+    return _optimal(relaxed) if relaxed.columns else ([], 0, None)
+
+
+def time_floor(relaxed: Table) -> tuple[TimeFloor, Table]:
+    """The ``TimeFloor`` of a relaxed table (``relaxed_table``; bounded here unless it is)."""
+    bounded = relaxed if relaxed.rest is not None else relaxed.bounded()
+    assert bounded.rest is not None
+    return TimeFloor(rest=bounded.rest, cell_bytes=bounded.cell_bytes, unit=bounded.rest_unit), bounded
 
 
 @dataclass(frozen=True)
@@ -143,7 +164,7 @@ class FreeOption:
     ticks: list[int]
 
 
-def relaxed_beats(relaxed: _Table, below_ticks: int, *, give_up: int = 4 * _PLAIN_LIMIT) -> bool:
+def relaxed_beats(relaxed: Table, below_ticks: int, *, give_up: int = 4 * _PLAIN_LIMIT) -> bool:
     """Whether some plan of the relaxed table (``time_floor``'s) takes fewer than
     ``below_ticks``: its exact search with that bound. True too when it would keep more than
     ``give_up`` partial plans at a block (not known, so not ruled out)."""
@@ -162,7 +183,7 @@ class _NoneLeft(Exception):
 
 
 @dataclass(frozen=True)
-class _Table:
+class Table:
     """One search's numbers: per block, the useful options' int64 columns, and bounds."""
 
     columns: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]
@@ -185,7 +206,7 @@ class _Table:
     """With side inputs: [state] the head's candidate."""
 
     @classmethod
-    def of(cls, chain: ChainConstraints, budget: int, floors: list[list[int]]) -> _Table:
+    def of(cls, chain: ChainConstraints, budget: int, floors: list[list[int]]) -> Table:
         n, width = len(chain.kept_bytes), len(chain.options)
         kept = np.array(chain.kept_bytes, dtype=np.int64).reshape(n, width)
         need = np.array(chain.need_bytes, dtype=np.int64).reshape(n, width)
@@ -220,7 +241,7 @@ class _Table:
             tails=tails,
         )
 
-    def bounded(self, cells: int | None = None) -> _Table:
+    def bounded(self, cells: int | None = None) -> Table:
         """This table with ``rest`` filled in, backward from the head: from the low end of cell c
         an option's kept bytes lead exactly to the low end of cell c + kept // cell_bytes, and
         the option fits from cells c with c * cell_bytes + need <= budget."""
@@ -262,7 +283,7 @@ class _Table:
 
 
 def _search(
-    table: _Table, *, bound_ticks: int | None, width: int | None, give_up: int | None,
+    table: Table, *, bound_ticks: int | None, width: int | None, give_up: int | None,
     none_left: bool = False,
 ) -> tuple[list[int], int] | None:
     """The DP of NOTE [ Pareto DP over prefix kept bytes ]: the option indices and ticks of the
@@ -297,7 +318,8 @@ def _search(
             hope = cT + np.where(low >= _UNSET32, _NO_LIMIT_TICKS, low * table.rest_unit)
             if bound_ticks is not None:
                 drop |= hope > bound_ticks
-        alive = _front(cK, cT, cP, drop, cH)
+        live = np.flatnonzero(~drop)  # the front of the rest is the same; fewer to sort
+        alive = live[_front(cK[live], cT[live], cP[live], drop[live], cH[live])] if live.size else live
         if none_left and not alive.size:
             raise _NoneLeft
         assert alive.size, "room and rest only drop partial plans that cannot fit or win"

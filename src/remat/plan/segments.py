@@ -95,6 +95,9 @@ class SegmentModel:
         self.ms = [c.extra_ms for c in r]
         self.tr = [round(c.extra_ms * _TICKS_PER_MS) for c in r]
         self.rng = [max(0, kr - i) for kr, i in zip(self.kr, self.inp)]
+        self._rng_sum = [0]
+        for r in self.rng:
+            self._rng_sum.append(self._rng_sum[-1] + r)
         skip = [profile.skip_bytes.get(b.name, 0) for b in blocks]
         self.reach = [0] * n  # [s]: the last block a segment from s may end at (no skip inside)
         for s in range(n - 1, -1, -1):
@@ -137,7 +140,7 @@ class SegmentModel:
 
     def kept(self, s: int, e: int) -> int:
         """Bytes the segment keeps from its forward until its first block's backward ends."""
-        return self.kr[s] + sum(self.rng[s + 1 : e + 1])
+        return self.kr[s] + self._rng_sum[e + 1] - self._rng_sum[s + 1]
 
     def forward_need(self, s: int, e: int) -> tuple[int, int]:
         """The segment's highest forward candidate minus what the blocks before it keep, and at

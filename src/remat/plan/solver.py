@@ -18,7 +18,15 @@ import numpy as np
 from remat.errors import InfeasibleBudget, InvalidType, InvalidValue, did_you_mean
 from remat.plan.costmodel import ChainConstraints, chain_constraints, smallest_feasible
 from remat.plan.head import best_of_heads, frontier_of_heads
-from remat.plan.search import NO_LIMIT_BYTES, optimal_picks, relaxed_beats, time_floor
+from remat.plan.search import (
+    NO_LIMIT_BYTES,
+    Table,
+    optimal_picks,
+    relaxed_beats,
+    relaxed_optimum,
+    relaxed_table,
+    time_floor,
+)
 from remat.plan.segment_search import SegmentResult, segment_search
 from remat.plan.segments import SegmentModel, estimate_segments
 from remat.records import Plan, Profile
@@ -83,16 +91,7 @@ def solve(
             )
         spans: list[list[str]] = []
         if method == "optimal":
-            picks = optimal_picks(chain, budget_bytes)
-            # NOTE [ Searching segments ]: per-block options and segments together; used when
-            # strictly faster than the per-block optimum, or when only it fits.
-            below = None if picks is None else _ticks(chain, picks)
-            seg = None if below == 0 or not segments else _segments(
-                profile, chain, budget_bytes, "time", below)
-            if seg is not None and seg.trees and (below is None or seg.ticks < below):
-                picks, spans = seg.picks, _segment_names(profile, seg)
-            if picks is None:
-                raise _infeasible(profile, budget_bytes, segments)
+            picks, spans = _optimal(profile, chain, budget_bytes, segments)
         else:
             picks = _greedy_picks(profile, chain, budget_bytes)
         names = [chain.options[o] for o in picks]
@@ -274,18 +273,50 @@ def _option_index(chain: ChainConstraints, option: str) -> int:
     return chain.options.index(option)
 
 
+def _optimal(
+    profile: Profile, chain: ChainConstraints, budget: int, segments: bool
+) -> tuple[list[int], list[list[str]]]:
+    """The fastest plan's picks and segments (NOTE [ Searching segments ]): per-block options
+    and segments together; segments are used when strictly faster than the per-block optimum, or
+    when only they fit."""
+    model = SegmentModel(profile, chain) if segments and {"keep", "recompute"} <= set(chain.options) else None
+    relaxed = None
+    if model is not None and not chain.holds:
+        # A block in a segment is bounded by one more per-block option: the relaxation's fastest
+        # plan is no slower than any plan, and when it is a per-block plan, it is the optimum.
+        relaxed = relaxed_table(chain, budget, model.free_option())
+        best = relaxed_optimum(relaxed)
+        if best is None:
+            raise _infeasible(profile, budget, segments)  # nothing fits even the relaxation
+        fastest, floor_ticks, bounded = best
+        if -1 not in fastest:
+            return fastest, []
+        relaxed = bounded or relaxed
+    picks = optimal_picks(chain, budget)
+    below = None if picks is None else _ticks(chain, picks)
+    if model is not None and below != 0 and (relaxed is None or below is None or floor_ticks < below):
+        seg = _segments(profile, chain, budget, "time", below, model=model, relaxed=relaxed)
+        if seg is not None and seg.trees and (below is None or seg.ticks < below):
+            return seg.picks, _segment_names(profile, seg)
+    if picks is None:
+        raise _infeasible(profile, budget, segments)
+    return picks, []
+
+
 def _segments(
-    profile: Profile, chain: ChainConstraints, budget: int, objective: str, below: int | None = None
+    profile: Profile, chain: ChainConstraints, budget: int, objective: str, below: int | None = None,
+    *, model: SegmentModel | None = None, relaxed: Table | None = None,
 ) -> SegmentResult | None:
     if not {"keep", "recompute"} <= set(chain.options):
         return None
-    model = SegmentModel(profile, chain)
+    model = model or SegmentModel(profile, chain)
     floor = None
     if below is not None:
         # NOTE [ Searching segments ]: a block in a segment is bounded by one more per-block
         # option, in a relaxation whose fastest plan is no slower than any plan with segments.
-        floor, relaxed = time_floor(chain, budget, free=model.free_option())
-        if not relaxed_beats(relaxed, below):
+        known = relaxed is not None  # the caller found its fastest plan faster than ``below``
+        floor, relaxed = time_floor(relaxed or relaxed_table(chain, budget, model.free_option()))
+        if not known and not relaxed_beats(relaxed, below):
             return None  # no plan of any kind fits and is strictly faster than ``below``
     return segment_search(chain, model, budget, objective=objective, below_ticks=below, floor=floor)
 
