@@ -1,7 +1,9 @@
 """How long ``solve(method="optimal")`` takes on long chains: 32, 128 and 512 blocks with all five
-options, made of identical blocks (repeated decoder layers), of blocks with identical bytes and
-slightly different times (what measuring repeated layers gives), or of blocks whose every number
-differs (the hard case for the search). Prints a markdown table.
+options (a GPU's), or with the three a CPU offers (no offload: where segments win at tight
+budgets, so the segment search runs in full), made of identical blocks (repeated decoder layers),
+of blocks with identical bytes and slightly different times (what measuring repeated layers
+gives), or of blocks whose every number differs (the hard case for the search). Prints a
+markdown table.
 
     .venv/bin/python benchmarks/solve_time.py [--repeats 5]
 
@@ -35,8 +37,8 @@ SHARES = (0.1, 0.5, 0.9)
 KINDS = ("identical", "noisy", "varied")
 
 
-def chain(n: int, kind: str, *, seed: int = 0) -> Profile:
-    """``identical`` blocks; ``noisy``: identical bytes, times off by up to 3% as measured times
+def chain(n: int, kind: str, *, seed: int = 0, width: int = 5) -> Profile:
+    """``width`` options per block (5: all; 3: keep, selective, recompute). ``identical`` blocks; ``noisy``: identical bytes, times off by up to 3% as measured times
     are; ``varied``: every number of every block drawn from 0.7x..1.4x."""
     rng = random.Random(seed)
     spread = {"identical": 0.0, "noisy": 0.0, "varied": 0.35}[kind]
@@ -57,7 +59,7 @@ def chain(n: int, kind: str, *, seed: int = 0) -> Profile:
                 bwd_peak_bytes=int(jitter(bwd) * MIB),
                 extra_ms=jitter_ms(ms),
             )
-            for name, (kept, fwd, bwd, ms) in LAYER.items()
+            for name, (kept, fwd, bwd, ms) in list(LAYER.items())[:width]
         }
         blocks.append(
             BlockProfile(
@@ -82,7 +84,7 @@ def chain(n: int, kind: str, *, seed: int = 0) -> Profile:
     return Profile(
         model="Synthetic",
         fingerprint="0" * 16,
-        device="cuda",
+        device="cuda" if width == 5 else "cpu",
         mode="estimated",
         dtype="bfloat16",
         batch_shape=[8, 2048],
@@ -116,22 +118,25 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--blocks", type=int, nargs="+", default=[32, 128, 512])
     parser.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS))
+    parser.add_argument("--options", type=int, nargs="+", choices=(3, 5), default=[5, 3],
+                        help="5: every option (a GPU's); 3: keep, selective, recompute (a CPU's)")
     args = parser.parse_args()
     header = " | ".join(f"{int(s * 100)}% budget" for s in SHARES)
     print(f"| blocks x options | chain | {header} |")
     print("| --- | --- |" + " --- |" * len(SHARES))
-    for n in args.blocks:
-        for kind in args.kinds:
-            profile = chain(n, kind)
-            low, _ = smallest_feasible(profile)
-            high = estimate(profile, {b.name: "keep" for b in profile.blocks}).peak_bytes
-            cells = []
-            for share in SHARES:
-                budget = int(low + share * (high - low))
-                solve(profile, budget)  # warm-up
-                wall, cpu = median_ms(profile, budget, args.repeats)
-                cells.append(f"{wall:.1f} ms (cpu {cpu:.1f})")
-            print(f"| {n} x 5 | {kind} | " + " | ".join(cells) + " |", flush=True)
+    for width in args.options:
+        for n in args.blocks:
+            for kind in args.kinds:
+                profile = chain(n, kind, width=width)
+                low, _ = smallest_feasible(profile)
+                high = estimate(profile, {b.name: "keep" for b in profile.blocks}).peak_bytes
+                cells = []
+                for share in SHARES:
+                    budget = int(low + share * (high - low))
+                    solve(profile, budget)  # warm-up
+                    wall, cpu = median_ms(profile, budget, args.repeats)
+                    cells.append(f"{wall:.1f} ms (cpu {cpu:.1f})")
+                print(f"| {n} x {width} | {kind} | " + " | ".join(cells) + " |", flush=True)
 
 
 if __name__ == "__main__":

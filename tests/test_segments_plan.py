@@ -15,9 +15,11 @@ from _tables import block, chains, cost, profile
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from remat.errors import InfeasibleBudget
 from remat.plan.costmodel import chain_constraints, estimate
 from remat.plan.head import estimate_with_head, head_extra_ms, head_names, with_head
-from remat.plan.segments import estimate_segments
+from remat.plan.search import relaxed_optimum, relaxed_table
+from remat.plan.segments import SegmentModel, estimate_segments
 from remat.plan.solver import smallest_any, solve
 from remat.records import Plan, Profile
 
@@ -179,3 +181,58 @@ def test_the_plan_table_shows_segments() -> None:
     plan = solve(p, 2 + 1000)
     text = render_text(plan_table(plan, p), width=140)
     assert f"{len(plan.segments)} segments" in text and "keep (segment" in text
+
+
+def _long_chain(n: int, seed: int, offload: bool) -> Profile:
+    """A chain too long for brute force: every number of every block drawn around a decoder
+    layer's, with (a GPU's) or without (a CPU's) the offload options."""
+    rng = random.Random(seed)
+
+    def r(x: float) -> int:
+        return int(x * rng.uniform(0.7, 1.4))
+
+    blocks = []
+    for i in range(n):
+        options = {"keep": cost(r(400), fwd=r(200), bwd=r(300)),
+                   "selective": cost(r(150), fwd=r(200), bwd=r(350), ms=rng.choice([1.0, 1.25, 1.5])),
+                   "recompute": cost(32, fwd=r(200), bwd=r(650), ms=rng.choice([5.0, 6.0, 6.5]))}
+        if offload:
+            options |= {"offload": cost(0, fwd=r(220), bwd=r(700), ms=2.5),
+                        "recompute_offload": cost(0, fwd=r(200), bwd=r(690), ms=7.0)}
+        blocks.append(dataclasses.replace(block(f"layers.{i}", grad=r(50), **options), input_bytes=32))
+    return profile(blocks, base=150 * n, plain_peak=10**9)
+
+
+@pytest.mark.parametrize("offload", [True, False], ids=["gpu-options", "cpu-options"])
+@pytest.mark.parametrize("n", [24, 64])
+def test_long_chains_relaxation_bounds_every_plan_and_its_per_block_optimum_is_exact(n: int, offload: bool) -> None:
+    """NOTE [ Searching segments ] on chains too long for brute force: the relaxed chain's fastest
+    plan is no slower than the plan ``solve`` returns; a plan without segments is as fast as the
+    per-block optimum (``segments=False``: the shortcut through the relaxation returns that very
+    optimum), one with segments strictly faster; every plan fits."""
+    p = _long_chain(n, seed=n, offload=offload)
+    chain = chain_constraints(p)
+    low = smallest_any(p)[0]
+    high = estimate(p, {b.name: "keep" for b in p.blocks}).peak_bytes
+    with_segments = 0
+    for share in (0.02, 0.1, 0.3, 0.6, 0.9):
+        budget = low + int(share * (high - low))
+        plan = solve(p, budget)
+        assert plan.estimate.peak_bytes <= budget
+        assert estimate_segments(p, plan.choices, plan.segments) == plan.estimate
+        relaxed = relaxed_optimum(relaxed_table(chain, budget, SegmentModel(p, chain).free_option()))
+        assert relaxed is not None
+        extra = plan.estimate.step_ms - p.plain_step_ms
+        assert relaxed[1] <= round(extra * 1e6) + len(p.blocks)  # ticks; rounding of ms per block
+        try:
+            per_block = solve(p, budget, segments=False).estimate.step_ms - p.plain_step_ms
+        except InfeasibleBudget:
+            assert plan.segments  # only segments fit
+            with_segments += 1
+            continue
+        if plan.segments:
+            with_segments += 1
+            assert extra < per_block
+        else:
+            assert extra == pytest.approx(per_block, abs=1e-9)
+    assert offload or with_segments  # a CPU's options: segments win at the tight budgets

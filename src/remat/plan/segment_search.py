@@ -32,17 +32,27 @@ What is exact and what is not:
   tight and loose budgets keep candidates); varied chains of 128 blocks and more reach it. The
   solver uses a segment plan only when it is strictly faster than the exact per-block optimum,
   so this makes segments help less, never a plan worse.
-A floor on the time (``remat.plan.search.time_floor``) makes ``solve`` fast without changing what
-is exact: in the relaxation where each block has one more option that keeps no bytes, fits any
-budget and costs its recompute's ticks (a block in a segment costs at least that: every replay
-recomputes it, and a segment keeps no negative bytes), the fastest per-block plan is no slower
-than any plan with segments. ``solve`` computes that floor (the bounded per-block DP of NOTE [
-Bounding the search ], on the relaxed options) and skips the segment search when even the floor
-from block 0 is no faster than the per-block optimum; otherwise the search drops every partial
-plan (and every segment move) whose ticks plus the floor from where it stands cannot beat it. With
-that floor in place the search's memory floors are only the head's (the exact per-position ones
-need every span's front, most of the search's cost on long chains); what they no longer cut the
-time floor does, or the plan is over the budget and dropped at its end. Both cuts only drop
+A relaxation makes ``solve`` fast without changing what is exact. Give each block one more
+option, ``SegmentModel.free_option``: it keeps no more bytes than the block keeps inside any
+segment (min(0, Kr_j): a segment keeps at least min(0, Kr_s) and never negative stash bytes), its
+candidate is no higher than the lowest one the block meets inside any segment (its backward:
+lead + gradients + min(Kk_j + Bk_j, in_j + Br_j), less whatever negative kept bytes and stashes
+could lower the levels under it), and it costs one recompute's ticks (every replay recomputes
+the block, at least once). Side inputs count as never held (they only add). Any plan with
+segments then maps to a relaxed per-block plan (its segments' blocks on the extra option) that
+is no slower and no higher anywhere, so the relaxed chain's fastest plan (the exact per-block
+search of ``remat.plan.search``, on the relaxed table) is no slower than any plan. Without side
+inputs its plan, when it uses no extra option, is a real per-block plan: the optimum, and
+``solve`` is done with that one search (a GPU's options: offload keeps nothing for less than a
+recompute, and segments rarely win). Otherwise ``solve`` searches per-block options alone, and
+runs the segment search only if the relaxed optimum is faster than that (with side inputs, only
+if the relaxed search with the per-block optimum as its bound keeps a partial plan to the end,
+or keeps too many to finish quickly).
+The segment search drops every partial plan (and every segment move) whose ticks plus the
+relaxed table's bound from where it stands (``TimeFloor``) cannot beat the per-block optimum.
+With that floor in place the search's memory floors are only the head's (the exact per-position
+ones need every span's front, most of the search's cost on long chains); what they no longer cut
+the time floor does, or the plan is over the budget and dropped at its end. Both cuts only drop
 partial plans that cannot end strictly faster than the per-block optimum, so results the solver
 uses are those of the search without them, up to which states the ``MAX_STATES`` cap keeps on
 long chains (fewer compete for it).
