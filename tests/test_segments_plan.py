@@ -20,7 +20,7 @@ from remat.plan.costmodel import chain_constraints, estimate
 from remat.plan.head import estimate_with_head, head_extra_ms, head_names, with_head
 from remat.plan.search import relaxed_optimum, relaxed_table
 from remat.plan.segments import SegmentModel, estimate_segments
-from remat.plan.solver import smallest_any, solve
+from remat.plan.solver import frontier, smallest_any, solve
 from remat.records import Plan, Profile
 
 
@@ -76,6 +76,22 @@ def _check_against_brute_force(p: Profile, share: float) -> None:
     assert plan.estimate.step_ms - p.plain_step_ms == pytest.approx(best, abs=1e-9)
     assert estimate_segments(p, plan.choices, plan.segments) == plan.estimate
     assert Plan.from_json(plan.to_json()) == plan
+
+
+@settings(max_examples=20, deadline=None)
+@given(chains(max_blocks=3, max_blocks_3=3, sides=True))
+def test_frontier_is_the_brute_force_pareto_front_of_every_plan_with_segments(p: Profile) -> None:
+    if not p.blocks:
+        return
+    front: list[tuple[int, float]] = []
+    for pk, ms in sorted(_every_plan(p)):
+        if not front or ms < front[-1][1] - 1e-9:
+            front.append((pk, ms))
+    plans = frontier(p, points=None)
+    got = [(plan.estimate.peak_bytes, plan.estimate.step_ms - p.plain_step_ms) for plan in plans][::-1]
+    assert [g[0] for g in got] == [f[0] for f in front]
+    assert [g[1] for g in got] == pytest.approx([f[1] for f in front], abs=1e-9)
+    assert all(estimate_segments(p, plan.choices, plan.segments) == plan.estimate for plan in plans)
 
 
 @settings(max_examples=20, deadline=None)

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from remat.plan import search as solver
 from remat.plan.costmodel import chain_constraints, smallest_feasible
-from remat.plan.solver import METHODS, InfeasibleBudget, frontier, solve
+from remat.plan.solver import METHODS, InfeasibleBudget, frontier, smallest_any, solve
 from remat.records import Plan, Profile, RecordError
 
 # --- hand tables -------------------------------------------------------------------------------
@@ -136,7 +136,11 @@ def test_four_blocks_floor() -> None:
 def test_frontier_runs_from_the_plain_peak_to_the_floor() -> None:
     plans = frontier(four_blocks())
     assert plans[0].choices == {f"layers.{i}": "keep" for i in range(4)}
-    assert (plans[0].estimate.peak_bytes, plans[-1].estimate.peak_bytes) == (87, 63)
+    # With segments it reaches below every per-block plan (63): the lowest peak of any plan.
+    assert (plans[0].estimate.peak_bytes, plans[-1].estimate.peak_bytes) == (87, 62)
+    assert plans[-1].segments and smallest_any(four_blocks())[0] == 62
+    per_block = frontier(four_blocks(), segments=False)
+    assert per_block[-1].estimate.peak_bytes == 63 and not any(p.segments for p in per_block)
     peaks = [p.estimate.peak_bytes for p in plans]
     times = [p.estimate.step_ms for p in plans]
     assert peaks == sorted(peaks, reverse=True) and len(set(peaks)) == len(peaks)
@@ -458,11 +462,11 @@ def test_optimal_is_never_slower_than_a_baseline_that_fits(p: Profile, data: st.
 @_PROPERTY
 @given(p=_CHAINS)
 def test_frontier_is_the_brute_force_pareto_front(p: Profile) -> None:
-    plans = frontier(p, points=None)
+    plans = frontier(p, points=None, segments=False)  # with segments: tests/test_segments_plan.py
     points = [(plan.estimate.peak_bytes, _extra_ms(p, plan)) for plan in plans]
     assert set(points) == brute_force(p).pareto()
     assert points == sorted(points, key=lambda x: (-x[0], x[1]))
-    for plan in frontier(p, points=5):
+    for plan in frontier(p, points=5, segments=False):
         assert (plan.estimate.peak_bytes, _extra_ms(p, plan)) in set(points)
 
 

@@ -128,28 +128,29 @@ def in_eval_mode(error: InfeasibleBudget) -> InfeasibleBudget:
     )
 
 
-def frontier(profile: Profile, *, points: int | None = 16) -> list[Plan]:
+def frontier(profile: Profile, *, points: int | None = 16, segments: bool = True) -> list[Plan]:
     """Optimal plans from the fastest (lowest peak among the fastest) down to the smallest feasible
-    peak, by decreasing peak and increasing step time; each is on the memory/time Pareto frontier.
+    peak (``smallest_any``: with segments), by decreasing peak and increasing step time; each is on
+    the memory/time Pareto frontier.
 
     ``points`` budgets are spread evenly over that range and plans that repeat are dropped;
     ``points=None`` walks every point of the frontier (slower on long, varied chains).
+    ``segments=False``: per-block options only, as ``solve(..., segments=False)``.
     """
     if points is not None and (isinstance(points, bool) or points < 2):
         raise InvalidValue(f"points must be an int >= 2 or None (every point), got {points!r}")
     if profile.head_options:  # NOTE [ The head's options ] in remat.records
-        return frontier_of_heads(profile, lambda one: frontier(one, points=points))
+        return frontier_of_heads(profile, lambda one: frontier(one, points=points, segments=segments))
     chain = chain_constraints(profile)
     top = optimal_picks(chain, NO_LIMIT_BYTES)
     assert top is not None
     high = chain.peak_bytes(top)
-    low, _ = smallest_feasible(profile)
+    low = smallest_any(profile)[0] if segments else smallest_feasible(profile)[0]
     plans: dict[tuple[int, float], Plan] = {}
 
     def add(budget: int) -> int:
-        picks = optimal_picks(chain, budget)
-        assert picks is not None, "budgets here are at least the smallest feasible"
-        plan = _plan(profile, [chain.options[o] for o in picks], budget, "optimal", [])
+        picks, spans = _optimal(profile, chain, budget, segments)
+        plan = _plan(profile, [chain.options[o] for o in picks], budget, "optimal", [], spans)
         # Budgets between two points of the frontier give the same point: keep the first.
         plans.setdefault((plan.estimate.peak_bytes, plan.estimate.step_ms), plan)
         return plan.estimate.peak_bytes
@@ -161,7 +162,12 @@ def frontier(profile: Profile, *, points: int | None = 16) -> list[Plan]:
     else:
         for budget in np.linspace(high, low, points).round().tolist():
             add(max(int(budget), low))
-    return sorted(plans.values(), key=lambda p: (-p.estimate.peak_bytes, p.estimate.step_ms))
+    out: list[Plan] = []  # a point some lower one is as fast as is not on the frontier (the
+    # segment search is not exhaustive on long chains: NOTE [ Searching segments ])
+    for plan in sorted(plans.values(), key=lambda p: (p.estimate.peak_bytes, p.estimate.step_ms)):
+        if not out or plan.estimate.step_ms < out[-1].estimate.step_ms:
+            out.append(plan)
+    return out[::-1]
 
 
 # --- greedy ------------------------------------------------------------------------------------
