@@ -96,8 +96,8 @@ class SegmentModel:
         self.tr = [round(c.extra_ms * _TICKS_PER_MS) for c in r]
         self.rng = [max(0, kr - i) for kr, i in zip(self.kr, self.inp)]
         self._rng_sum = [0]
-        for r in self.rng:
-            self._rng_sum.append(self._rng_sum[-1] + r)
+        for stash in self.rng:
+            self._rng_sum.append(self._rng_sum[-1] + stash)
         skip = [profile.skip_bytes.get(b.name, 0) for b in blocks]
         self.reach = [0] * n  # [s]: the last block a segment from s may end at (no skip inside)
         for s in range(n - 1, -1, -1):
