@@ -249,3 +249,15 @@ def test_verify_and_auto_pass_a_plan_with_a_chunked_head() -> None:
     assert remat.applied_plan(model) is plan and "forward" in model.__dict__
     remat.remove(model)
     assert "forward" not in model.__dict__
+
+
+def test_a_head_option_measured_faster_than_the_plain_head_is_not_predicted_faster() -> None:
+    """A chunked head makes its logits twice; a profile that timed it faster (noise, on a small
+    head) must not make the plain step's own budget choose it."""
+    prof = _headed()
+    quick = dataclasses.replace(prof.head_options["chunked:64"], fwd_ms=0.5, bwd_ms=0.5)  # 1 ms < 2 ms
+    prof = dataclasses.replace(prof, head_options={**prof.head_options, "chunked:64": quick})
+    plan = solve(prof, 1000)
+    assert plan.head == "keep" and set(plan.choices.values()) == {"keep"}
+    assert plan.estimate.overhead == 0.0
+    assert solve(prof, 300).head == "chunked:64"  # where it is needed it still serves, at no extra time
