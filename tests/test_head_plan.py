@@ -66,6 +66,7 @@ def test_the_solver_chooses_head_and_blocks_under_one_budget() -> None:
     # the floor is the lowest over head options, segments included (NOTE [ Searching segments ])
     lowest = min(smallest_any(with_head(prof, h))[0] for h in head_names(prof))
     assert info.value.smallest_bytes == lowest == smallest_any(with_head(prof, "chunked:32"))[0]
+    assert smallest_any(prof)[0] == lowest and "chunked:32" in smallest_any(prof)[1]  # over the heads
     assert solve(prof, method="all").head == "keep"  # baselines leave the head as written
 
 

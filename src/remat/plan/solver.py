@@ -17,7 +17,7 @@ import numpy as np
 
 from remat.errors import InfeasibleBudget, InvalidType, InvalidValue, did_you_mean
 from remat.plan.costmodel import ChainConstraints, chain_constraints, smallest_feasible
-from remat.plan.head import best_of_heads, frontier_of_heads
+from remat.plan.head import HEAD_KEEP, best_of_heads, frontier_of_heads, head_names, with_head
 from remat.plan.search import (
     NO_LIMIT_BYTES,
     Table,
@@ -339,7 +339,12 @@ def _segment_names(profile: Profile, seg: SegmentResult) -> list[list[str]]:
 
 def smallest_any(profile: Profile) -> tuple[int, str]:
     """``smallest_feasible`` over plans with segments too: the lowest peak any plan reaches, and
-    what dominates it (or where it falls, when segments reach below every per-block plan)."""
+    what dominates it (or where it falls, when segments reach below every per-block plan); with
+    head options, the lowest over them (NOTE [ The head's options ] in remat.records)."""
+    if profile.head_options:
+        low, why, head = min(((*smallest_any(with_head(profile, h)), h) for h in head_names(profile)),
+                             key=lambda t: t[0])
+        return low, why if head == HEAD_KEEP else f"{why} (head: {head})"
     low, why = smallest_feasible(profile)
     chain = chain_constraints(profile)
     seg = _segments(profile, chain, NO_LIMIT_BYTES, "peak")
