@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from remat.errors import InfeasibleBudget, InvalidType, InvalidValue, did_you_mean
+from remat.plan.baselines import baseline, option_index
 from remat.plan.costmodel import ChainConstraints, chain_constraints, smallest_feasible
 from remat.plan.head import HEAD_KEEP, best_of_heads, frontier_of_heads, head_names, with_head
 from remat.plan.search import (
@@ -96,7 +97,7 @@ def solve(
             picks = _greedy_picks(profile, chain, budget_bytes)
         names = [chain.options[o] for o in picks]
     else:
-        names, spans = _baseline(method, chain, len(profile.blocks), k), []
+        names, spans = baseline(method, chain, len(profile.blocks), k), []
     plan = _plan(profile, names, budget_bytes, method, notes, spans)
     if budget_bytes is not None and plan.estimate.peak_bytes > budget_bytes:
         over = (
@@ -182,7 +183,7 @@ def _greedy_picks(profile: Profile, chain: ChainConstraints, budget_bytes: int) 
     n = len(chain.kept_bytes)
     kept = np.array(chain.kept_bytes, dtype=np.int64).reshape(n, len(chain.options))
     need = np.array(chain.need_bytes, dtype=np.int64).reshape(n, len(chain.options))
-    picks = np.full(n, _option_index(chain, "keep"), dtype=np.int64)
+    picks = np.full(n, option_index(chain, "keep"), dtype=np.int64)
     rows = np.arange(n)
 
     def peak() -> int:
@@ -231,52 +232,6 @@ def _greedy_picks(profile: Profile, chain: ChainConstraints, budget_bytes: int) 
             dominant=dominant,
         )
     return [int(o) for o in picks]
-
-
-# --- baselines ---------------------------------------------------------------------------------
-
-# NOTE [ Baselines ]
-# They are what people do by hand, kept to measure the optimal plan against.
-# - none: every block kept, the plain step.
-# - all: every block recomputed, what ``gradient_checkpointing_enable()`` does.
-# - every_k: recompute blocks k, 2k, ... counting from 1 (indices k-1, 2k-1, ...), the reading of
-#   torchtitan's ``selective_ac_option=<k>`` (checkpoint_wrapper on every k-th layer).
-# - sqrt: Chen et al. 2016 ("Training Deep Nets with Sublinear Memory Cost") store the inputs of
-#   ~sqrt(n) segments and hold one segment's sqrt(n) blocks of activations while recomputing it.
-#   Per-block options cannot drop a recomputed block's input, so the faithful per-block reading
-#   spends the same sqrt(n) blocks of activations on keeping isqrt(n) evenly spaced blocks whole
-#   (centres of isqrt(n) equal stretches) and recomputes every other block.
-
-
-def _baseline(method: str, chain: ChainConstraints, n: int, k: int | None) -> list[str]:
-    if method == "none":
-        _option_index(chain, "keep")
-        return ["keep"] * n
-    _option_index(chain, "recompute")
-    if method == "all":
-        return ["recompute"] * n
-    if method == "every_k":
-        k = 2 if k is None else k
-        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-            raise InvalidValue(f"k must be an int >= 1 (recompute every k-th block), got {k!r}")
-        return ["recompute" if (i + 1) % k == 0 else "keep" for i in range(n)]
-    assert method == "sqrt", method
-    _option_index(chain, "keep")
-    stretches = math.isqrt(n)
-    whole = {int((j + 0.5) * n / stretches) for j in range(stretches)}
-    return ["keep" if i in whole else "recompute" for i in range(n)]
-
-
-# --- helpers -----------------------------------------------------------------------------------
-
-
-def _option_index(chain: ChainConstraints, option: str) -> int:
-    if option not in chain.options:
-        raise InvalidValue(
-            f"this plan needs option {option!r}, which not every block of the profile offers; "
-            f"the blocks offer {list(chain.options)} in common; re-profile with {option!r} enabled"
-        )
-    return chain.options.index(option)
 
 
 def _optimal(
