@@ -237,7 +237,7 @@ def segment_search(
         floors = _floors(chain, model, fronts, longest, states)
     floor_table = np.stack(floors)  # [position, state]
     limit = _NO_TICKS if below_ticks is None else below_ticks
-    recompute = np.concatenate([[0], np.cumsum([max(0, t) for t in model.tr])]).tolist()
+    recompute = np.concatenate([[0], np.cumsum([max(0, t) for t in model.tr])]).astype(np.int64)
     pending: list[list[tuple[np.ndarray, ...]]] = [[] for _ in range(n + 1)]
     zero = np.zeros(1, dtype=np.int64)
     pending[0].append((zero, zero, np.full(1, chain.fixed_bytes, dtype=np.int64), zero, zero - 1, zero, zero))
@@ -272,14 +272,21 @@ def segment_search(
         for h in (np.unique(H).tolist() if chain.holds else [0]):  # segments from q, all at once
             sel = np.flatnonzero(h == H) if chain.holds else rows
             rows_m = []
-            low_t, low_k = (int(T[sel].min()), int(K[sel].min())) if pruned and sel.size else (0, 0)
-            for e in range(q + 1, min(model.reach[q] + 1, q + longest)):
-                seg_holds, seg_kept = model.holds(q, e), model.kept(q, e)
-                if pruned and floor is not None and (  # replays cost at least their recomputes
-                    low_t + recompute[e + 1] - recompute[q] + int(floor.at(e + 1, np.array([low_k + seg_kept]))[0])
-                    >= limit
-                ):
-                    continue  # no state here ends faster through this span: its front is not needed
+            ends = range(q + 1, min(model.reach[q] + 1, q + longest))
+            spans = [model.kept(q, e) for e in ends]
+            if pruned and floor is not None and sel.size and spans:
+                # Replays cost at least their recomputes: a span through which no state here can
+                # end faster needs no front.
+                beyond = np.arange(q + 2, q + 2 + len(spans), dtype=np.int64)  # e + 1 per span
+                ahead = (int(T[sel].min()) + recompute[beyond] - recompute[q]
+                         + floor.at(beyond, int(K[sel].min()) + np.array(spans, dtype=np.int64)))
+                live = (ahead < limit).tolist()
+            else:
+                live = [True] * len(spans)
+            for e, seg_kept, alive_e in zip(ends, spans, live):
+                if not alive_e:
+                    continue
+                seg_holds = model.holds(q, e)
                 for need_e, t, tree in fronts.top(q, e, int(h) | seg_holds):
                     rows_m.append((need_e, seg_kept, t, e + 1, int(h) | seg_holds))
                     table.append((e + 1, keep, tree))
@@ -366,11 +373,16 @@ def _front(K: np.ndarray, T: np.ndarray, P: np.ndarray, H: np.ndarray, objective
             continue
         k, t, p = K[part], T[part], P[part]
         first, second = (t, p) if objective == "time" else (p, t)
-        by = np.lexsort((second, first))
-        step = np.ones(by.size, dtype=np.int64)
-        step[1:] = (first[by][1:] != first[by][:-1]) | (second[by][1:] != second[by][:-1])
-        rank = np.empty(part.size, dtype=np.int64)
-        rank[by] = np.cumsum(step)  # equal pairs, equal ranks
+        f_low, s_low = int(first.min()), int(second.min())
+        s_span = int(second.max()) - s_low + 1
+        if (int(first.max()) - f_low + 1) * s_span < 2**62:
+            rank = (first - f_low) * s_span + (second - s_low)  # ordered as the pair: one sort less
+        else:
+            by = np.lexsort((second, first))
+            step = np.ones(by.size, dtype=np.int64)
+            step[1:] = (first[by][1:] != first[by][:-1]) | (second[by][1:] != second[by][:-1])
+            rank = np.empty(part.size, dtype=np.int64)
+            rank[by] = np.cumsum(step)  # equal pairs, equal ranks
         order = np.lexsort((rank, k))
         r = rank[order]
         keep = np.empty(order.size, dtype=bool)
