@@ -12,8 +12,8 @@ import numpy as np
 from remat.plan.costmodel import ChainConstraints
 
 __all__ = [
-    "NO_LIMIT_BYTES", "FreeOption", "Table", "TimeFloor", "optimal_picks", "relaxed_beats", "relaxed_optimum",
-    "relaxed_table", "time_floor",
+    "NO_LIMIT_BYTES", "FreeOption", "Table", "optimal_picks", "pair_rank", "relaxed_beats", "relaxed_optimum",
+    "relaxed_table",
 ]
 
 # NOTE [ Pareto DP over prefix kept bytes ]
@@ -107,22 +107,6 @@ def _optimal(table: Table, plain_limit: int = _PLAIN_LIMIT) -> tuple[list[int], 
     return found[0], found[1], bounded
 
 
-@dataclass(frozen=True)
-class TimeFloor:
-    """Lower bounds on the ticks blocks q.. still add, from a prefix keeping K bytes, to fit the
-    budget (NOTE [ Bounding the search ]); ``time_floor`` makes one."""
-
-    rest: np.ndarray
-    cell_bytes: int
-    unit: int
-
-    def at(self, q: int | np.ndarray, kept: np.ndarray) -> np.ndarray:
-        """The floor before block ``q`` (an int, or an array broadcast with ``kept``)."""
-        cell = np.minimum(kept // self.cell_bytes, self.rest.shape[1] - 1)  # monotone in K
-        low = self.rest[q, cell].astype(np.int64)
-        return np.where(low >= _UNSET32, _NO_LIMIT_TICKS, low * self.unit)
-
-
 def relaxed_table(chain: ChainConstraints, budget_bytes: int, free: FreeOption) -> Table:
     """The per-block table relaxed by one more option per block, ``free`` (column -1), with side
     inputs as if never held: every plan of other moves whose blocks each cost at least that option
@@ -148,13 +132,6 @@ def relaxed_optimum(relaxed: Table) -> tuple[list[int], int, Table | None] | Non
     return _optimal(relaxed) if relaxed.columns else ([], 0, None)
 
 
-def time_floor(relaxed: Table) -> tuple[TimeFloor, Table]:
-    """The ``TimeFloor`` of a relaxed table (``relaxed_table``; bounded here unless it is)."""
-    bounded = relaxed if relaxed.rest is not None else relaxed.bounded()
-    assert bounded.rest is not None
-    return TimeFloor(rest=bounded.rest, cell_bytes=bounded.cell_bytes, unit=bounded.rest_unit), bounded
-
-
 @dataclass(frozen=True)
 class FreeOption:
     """Per block: the kept bytes, need and ticks of the relaxation's extra option."""
@@ -165,7 +142,7 @@ class FreeOption:
 
 
 def relaxed_beats(relaxed: Table, below_ticks: int, *, give_up: int = 4 * _PLAIN_LIMIT) -> bool:
-    """Whether some plan of the relaxed table (``time_floor``'s) takes fewer than
+    """Whether some plan of the relaxed table (``relaxed_table``'s, bounded) takes fewer than
     ``below_ticks``: its exact search with that bound. True too when it would keep more than
     ``give_up`` partial plans at a block (not known, so not ruled out)."""
     assert relaxed.rest is not None
@@ -241,6 +218,16 @@ class Table:
             tails=tails,
         )
 
+    def bound(self, i: int | np.ndarray, kept: np.ndarray) -> np.ndarray:
+        """``rest`` read as ticks: a lower bound on what blocks i.. add from a prefix keeping
+        ``kept`` bytes (``i`` an int, or an array broadcast with ``kept``). Cells below 0 (a prefix
+        that freed a side input, NOTE [ Where a side input dies ]) read 0; past the end, the last
+        cell (monotone in K; such a prefix is over the room anyway)."""
+        assert self.rest is not None
+        cell = np.minimum(kept // self.cell_bytes, self.rest.shape[1] - 1)
+        low = self.rest[i, np.maximum(cell, 0)].astype(np.int64)
+        return np.where(cell < 0, 0, np.where(low >= _UNSET32, _NO_LIMIT_TICKS, low * self.rest_unit))
+
     def bounded(self, cells: int | None = None) -> Table:
         """This table with ``rest`` filled in, backward from the head: from the low end of cell c
         an option's kept bytes lead exactly to the low end of cell c + kept // cell_bytes, and
@@ -312,10 +299,7 @@ def _search(
         drop = (cP > table.budget_bytes) | (cK > table.room[i + 1, cH])
         hope = None
         if table.rest is not None:
-            cell = np.minimum(cK // table.cell_bytes, table.rest.shape[1] - 1)  # beyond room: dropped anyway
-            low = table.rest[i + 1, np.maximum(cell, 0)].astype(np.int64)
-            low = np.where(cell < 0, 0, low)  # below cell 0 (negative kept bytes): no bound
-            hope = cT + np.where(low >= _UNSET32, _NO_LIMIT_TICKS, low * table.rest_unit)
+            hope = cT + table.bound(i + 1, cK)
             if bound_ticks is not None:
                 drop |= hope > bound_ticks
         live = np.flatnonzero(~drop)  # the front of the rest is the same; fewer to sort
@@ -371,19 +355,7 @@ def _front(
     if states.size > 1:
         parts = [np.flatnonzero(h == H) for h in states]
         return np.concatenate([p[_front(K[p], T[p], P[p], drop[p], H[p])] for p in parts])
-    t_low, p_low = int(T.min()), int(P.min())
-    p_span = int(P.max()) - p_low + 1
-    if (int(T.max()) - t_low + 1) * p_span < _DROPPED:
-        # (T, P) packed into one int64 that orders like the pair: one sort less.
-        rank = (T - t_low) * p_span + (P - p_low)
-    else:
-        by_tp = np.lexsort((P, T))
-        Ts, Ps = T[by_tp], P[by_tp]
-        step = np.empty(by_tp.size, dtype=bool)
-        step[0] = True
-        step[1:] = (Ts[1:] != Ts[:-1]) | (Ps[1:] != Ps[:-1])
-        rank = np.empty(by_tp.size, dtype=np.int64)
-        rank[by_tp] = np.cumsum(step)
+    rank = pair_rank(T, P)
     rank[drop] = _DROPPED
     by_k = np.lexsort((rank, K))
     r = rank[by_k]
@@ -391,3 +363,21 @@ def _front(
     keep[0] = r[0] < _DROPPED
     keep[1:] = r[1:] < np.minimum.accumulate(r)[:-1]
     return by_k[keep]
+
+
+def pair_rank(first: np.ndarray, second: np.ndarray) -> np.ndarray:
+    """Per element, an int64 below ``_DROPPED`` that orders like the pair (first, second), equal
+    pairs equal: the pair packed into one number when its ranges allow (one sort less), else its
+    dense rank."""
+    f_low, s_low = int(first.min()), int(second.min())
+    s_span = int(second.max()) - s_low + 1
+    if (int(first.max()) - f_low + 1) * s_span < _DROPPED:
+        return (first - f_low) * s_span + (second - s_low)
+    by = np.lexsort((second, first))
+    fs, ss = first[by], second[by]
+    step = np.empty(by.size, dtype=bool)
+    step[0] = True
+    step[1:] = (fs[1:] != fs[:-1]) | (ss[1:] != ss[:-1])
+    rank = np.empty(by.size, dtype=np.int64)
+    rank[by] = np.cumsum(step)
+    return rank

@@ -49,7 +49,7 @@ runs the segment search only if the relaxed optimum is faster than that (with si
 if the relaxed search with the per-block optimum as its bound keeps a partial plan to the end,
 or keeps too many to finish quickly).
 The segment search drops every partial plan (and every segment move) whose ticks plus the
-relaxed table's bound from where it stands (``TimeFloor``) cannot beat the per-block optimum.
+relaxed table's bound from where it stands (``Table.bound``) cannot beat the per-block optimum.
 With that floor in place the search's memory floors are only the head's (the exact per-position
 ones need every span's front, most of the search's cost on long chains); what they no longer cut
 the time floor does, or the plan is over the budget and dropped at its end. Both cuts only drop
@@ -65,7 +65,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from remat.plan.costmodel import ChainConstraints
-from remat.plan.search import TimeFloor
+from remat.plan.search import Table, pair_rank
 from remat.plan.segments import SegmentModel, Tree
 
 __all__ = ["EXACT_BLOCKS", "MAX_STATES", "SegmentResult", "segment_search"]
@@ -201,12 +201,13 @@ def _front3(states: list[tuple[int, int, int, tuple[Tree, ...]]]) -> list[tuple[
 
 def segment_search(
     chain: ChainConstraints, model: SegmentModel, budget_bytes: int, *, objective: str = "time",
-    max_len: int | None = None, below_ticks: int | None = None, floor: TimeFloor | None = None,
+    max_len: int | None = None, below_ticks: int | None = None, floor: Table | None = None,
 ) -> SegmentResult | None:
     """The fastest plan (``objective="time"``) of per-block options and segments whose peak fits
     ``budget_bytes``, or the one with the lowest peak (``"peak"``); None when none fits.
     ``below_ticks``: only plans faster than that are of interest (the per-block optimum's);
-    ``floor``: a lower bound on the ticks still to add, to drop partial plans that cannot be."""
+    ``floor``: a bounded relaxed table (``Table.bound``: a lower bound on the ticks still to add),
+    to drop partial plans that cannot be."""
     n, width = len(chain.kept_bytes), len(chain.options)
     if n == 0 or "keep" not in chain.options or "recompute" not in chain.options:
         return None
@@ -228,8 +229,9 @@ def segment_search(
         need = np.array(chain.need_bytes, dtype=np.int64).reshape(n, width)
         tails = np.array([chain.tail_bytes], dtype=np.int64)
     states = len(tails)
-    pruned = floor is not None and below_ticks is not None
-    if pruned:
+    if below_ticks is None:
+        floor = None  # the time floor prunes against a bound only
+    if floor is not None:
         # The time floor prunes; these floors (which would need every span's front) are only
         # the head's, a weaker bound that holds for every state (NOTE [ Searching segments ]).
         floors = [np.full(states, int(tails.min()), dtype=np.int64) for _ in range(n + 1)]
@@ -255,8 +257,8 @@ def segment_search(
         if q == n:
             break
         hope = (K + floors[q][H] <= budget_bytes) & (limit > T)  # some finish fits, and could win
-        if pruned and floor is not None:
-            hope &= limit > T + floor.at(q, K)
+        if floor is not None:
+            hope &= limit > T + floor.bound(q, K)
         alive = _front(K, T, P, H, objective, hope, None if exact else MAX_STATES)
         K, T, P, H, src, idx, mv = (a[alive] for a in (K, T, P, H, src, idx, mv))
         saved.append((src, idx, mv))
@@ -274,12 +276,12 @@ def segment_search(
             rows_m = []
             ends = range(q + 1, min(model.reach[q] + 1, q + longest))
             spans = [model.kept(q, e) for e in ends]
-            if pruned and floor is not None and sel.size and spans:
+            if floor is not None and sel.size and spans:
                 # Replays cost at least their recomputes: a span through which no state here can
                 # end faster needs no front.
                 beyond = np.arange(q + 2, q + 2 + len(spans), dtype=np.int64)  # e + 1 per span
                 ahead = (int(T[sel].min()) + recompute[beyond] - recompute[q]
-                         + floor.at(beyond, int(K[sel].min()) + np.array(spans, dtype=np.int64)))
+                         + floor.bound(beyond, int(K[sel].min()) + np.array(spans, dtype=np.int64)))
                 live = (ahead < limit).tolist()
             else:
                 live = [True] * len(spans)
@@ -299,8 +301,8 @@ def segment_search(
             cP = np.maximum(Ps, Ks + m_need)
             room = floor_table[m_target, m_held]
             ok = (cP <= budget_bytes) & (cT < limit) & (cK + room <= budget_bytes)
-            if pruned and floor is not None:
-                ok &= cT + floor.at(m_target[None, :], cK) < limit
+            if floor is not None:
+                ok &= cT + floor.bound(m_target[None, :], cK) < limit
             r, c = np.nonzero(ok)
             if not r.size:
                 continue
@@ -373,16 +375,7 @@ def _front(K: np.ndarray, T: np.ndarray, P: np.ndarray, H: np.ndarray, objective
             continue
         k, t, p = K[part], T[part], P[part]
         first, second = (t, p) if objective == "time" else (p, t)
-        f_low, s_low = int(first.min()), int(second.min())
-        s_span = int(second.max()) - s_low + 1
-        if (int(first.max()) - f_low + 1) * s_span < 2**62:
-            rank = (first - f_low) * s_span + (second - s_low)  # ordered as the pair: one sort less
-        else:
-            by = np.lexsort((second, first))
-            step = np.ones(by.size, dtype=np.int64)
-            step[1:] = (first[by][1:] != first[by][:-1]) | (second[by][1:] != second[by][:-1])
-            rank = np.empty(part.size, dtype=np.int64)
-            rank[by] = np.cumsum(step)  # equal pairs, equal ranks
+        rank = pair_rank(first, second)
         order = np.lexsort((rank, k))
         r = rank[order]
         keep = np.empty(order.size, dtype=bool)

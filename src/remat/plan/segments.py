@@ -31,6 +31,7 @@ blocks for the prefix-sum search (``remat.plan.segment_search``).
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -95,9 +96,7 @@ class SegmentModel:
         self.ms = [c.extra_ms for c in r]
         self.tr = [round(c.extra_ms * _TICKS_PER_MS) for c in r]
         self.rng = [max(0, kr - i) for kr, i in zip(self.kr, self.inp)]
-        self._rng_sum = [0]
-        for stash in self.rng:
-            self._rng_sum.append(self._rng_sum[-1] + stash)
+        self._rng_sum = [0, *itertools.accumulate(self.rng)]
         skip = [profile.skip_bytes.get(b.name, 0) for b in blocks]
         self.reach = [0] * n  # [s]: the last block a segment from s may end at (no skip inside)
         for s in range(n - 1, -1, -1):

@@ -21,12 +21,10 @@ from remat.plan.costmodel import ChainConstraints, chain_constraints, smallest_f
 from remat.plan.head import HEAD_KEEP, best_of_heads, frontier_of_heads, head_names, with_head
 from remat.plan.search import (
     NO_LIMIT_BYTES,
-    Table,
     optimal_picks,
     relaxed_beats,
     relaxed_optimum,
     relaxed_table,
-    time_floor,
 )
 from remat.plan.segment_search import SegmentResult, segment_search
 from remat.plan.segments import SegmentModel, estimate_segments
@@ -241,10 +239,11 @@ def _optimal(
     and segments together; segments are used when strictly faster than the per-block optimum, or
     when only they fit."""
     model = SegmentModel(profile, chain) if segments and {"keep", "recompute"} <= set(chain.options) else None
-    relaxed = None
+    relaxed = floor_ticks = None
     if model is not None and not chain.holds:
         # A block in a segment is bounded by one more per-block option: the relaxation's fastest
-        # plan is no slower than any plan, and when it is a per-block plan, it is the optimum.
+        # plan is no slower than any plan, and (without side inputs) when it is a per-block plan,
+        # it is the optimum.
         relaxed = relaxed_table(chain, budget, model.free_option())
         best = relaxed_optimum(relaxed)
         if best is None:
@@ -255,31 +254,20 @@ def _optimal(
         relaxed = bounded or relaxed
     picks = optimal_picks(chain, budget)
     below = None if picks is None else _ticks(chain, picks)
-    if model is not None and below != 0 and (relaxed is None or below is None or floor_ticks < below):
-        seg = _segments(profile, chain, budget, "time", below, model=model, relaxed=relaxed)
-        if seg is not None and seg.trees and (below is None or seg.ticks < below):
-            return seg.picks, _segment_names(profile, seg)
+    if model is not None and below != 0:
+        relaxed = relaxed or relaxed_table(chain, budget, model.free_option())
+        floor = None
+        if below is not None:
+            floor = relaxed if relaxed.rest is not None else relaxed.bounded()
+            if not (floor_ticks < below if floor_ticks is not None else relaxed_beats(floor, below)):
+                floor = None  # no plan of any kind fits and is strictly faster than ``below``
+        if floor is not None or below is None:
+            seg = segment_search(chain, model, budget, objective="time", below_ticks=below, floor=floor)
+            if seg is not None and seg.trees and (below is None or seg.ticks < below):
+                return seg.picks, _segment_names(profile, seg)
     if picks is None:
         raise _infeasible(profile, budget, segments)
     return picks, []
-
-
-def _segments(
-    profile: Profile, chain: ChainConstraints, budget: int, objective: str, below: int | None = None,
-    *, model: SegmentModel | None = None, relaxed: Table | None = None,
-) -> SegmentResult | None:
-    if not {"keep", "recompute"} <= set(chain.options):
-        return None
-    model = model or SegmentModel(profile, chain)
-    floor = None
-    if below is not None:
-        # NOTE [ Searching segments ]: a block in a segment is bounded by one more per-block
-        # option, in a relaxation whose fastest plan is no slower than any plan with segments.
-        known = relaxed is not None  # the caller found its fastest plan faster than ``below``
-        floor, relaxed = time_floor(relaxed or relaxed_table(chain, budget, model.free_option()))
-        if not known and not relaxed_beats(relaxed, below):
-            return None  # no plan of any kind fits and is strictly faster than ``below``
-    return segment_search(chain, model, budget, objective=objective, below_ticks=below, floor=floor)
 
 
 def _ticks(chain: ChainConstraints, picks: Sequence[int]) -> int:
@@ -302,7 +290,9 @@ def smallest_any(profile: Profile) -> tuple[int, str]:
         return low, why if head == HEAD_KEEP else f"{why} (head: {head})"
     low, why = smallest_feasible(profile)
     chain = chain_constraints(profile)
-    seg = _segments(profile, chain, NO_LIMIT_BYTES, "peak")
+    seg = None
+    if {"keep", "recompute"} <= set(chain.options):
+        seg = segment_search(chain, SegmentModel(profile, chain), NO_LIMIT_BYTES, objective="peak")
     if seg is None or not seg.trees or seg.peak_bytes >= low:
         return low, why
     choices = {b.name: chain.options[o] for b, o in zip(profile.blocks, seg.picks)}
