@@ -94,7 +94,7 @@ def chunked_cross_entropy(
         for record in _noting:
             if all(h is not head for h, _ in record):
                 record.append((head, targets.numel()))
-        chunk_size = head.__dict__.get(_CHUNK_ATTR) or chunk_size
+        chunk_size = head_chunk_of(head) or chunk_size
     if shift:
         targets = F.pad(targets[..., 1:], (0, 1), value=ignore_index)
     flat_hidden = hidden.reshape(-1, hidden.shape[-1])

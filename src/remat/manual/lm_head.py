@@ -69,9 +69,7 @@ def causal_lm_head(model: nn.Module) -> str | None:
     """The qualified name of a transformers causal LM's ``lm_head`` when the chunked head applies to
     it (NOTE [ The chunked head of a transformers causal LM ]), else None."""
     names = [c.__name__ for c in type(model).__mro__]
-    if "PreTrainedModel" not in names or not any(
-        n.endswith(("ForCausalLM", "LMHeadModel")) for n in names[:1]
-    ):
+    if "PreTrainedModel" not in names or not names[0].endswith(("ForCausalLM", "LMHeadModel")):
         return None
     config = getattr(model, "config", None)
     if any(getattr(config, key, None) not in (None, 1, 1.0) for key in _LOGIT_TRANSFORMS):

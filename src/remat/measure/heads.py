@@ -25,7 +25,6 @@ from remat.manual.head import noting_heads
 from remat.manual.lm_head import (
     HEAD_KEEP,
     causal_lm_head,
-    clear_head,
     head_option_name,
     head_option_of,
     set_head,
@@ -146,5 +145,4 @@ def _head(model: nn.Module, name: str, option: str, causal_lm: bool) -> Iterator
     try:
         yield
     finally:
-        clear_head(model, name)
-        set_head(model, name, before, causal_lm=routed)
+        set_head(model, name, before, causal_lm=routed)  # it clears the head first

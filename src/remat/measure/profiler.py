@@ -16,8 +16,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -26,11 +25,10 @@ from torch import nn
 from remat.devices import ROOFLINE_EFFICIENCY, DeviceSpec, get_device
 from remat.errors import InvalidType, InvalidValue, ProfileError
 from remat.manual.blocks import find_blocks
-from remat.manual.options import option_of, set_option
 from remat.measure import step as _step
 from remat.measure.attribution import assemble, phase_times
 from remat.measure.heads import add_heads, measure_heads
-from remat.measure.runner import StepRunner
+from remat.measure.runner import StepRunner, every_block
 from remat.measure.sides import first_tensor as _first_tensor
 from remat.measure.sides import (
     hooks_of,
@@ -215,18 +213,6 @@ def _running(named: list[tuple[str, nn.Module]], explicit: bool, run: Callable[[
     return kept
 
 
-@contextmanager
-def _every_block(named: list[tuple[str, nn.Module]], option: str) -> Iterator[None]:
-    previous = [option_of(m) for _, m in named]
-    try:
-        for _, m in named:
-            set_option(m, option)
-        yield
-    finally:
-        for (_, m), mode in zip(named, previous):
-            set_option(m, mode)
-
-
 def _base_keys(model: nn.Module, optimizer: Any, batch: Any) -> set[int]:
     tensors = [*model.parameters(), *model.buffers(), *_step.tensors_in(batch)]
     if optimizer is not None:
@@ -265,7 +251,7 @@ def _measured(
         opt_bytes = _step.optimizer_bytes(optimizer)
         keys = _base_keys(model, optimizer, batch)
         for option in _RUN_OPTIONS:
-            with _every_block(named, option):
+            with every_block(named, option):
                 model.zero_grad(set_to_none=True)
                 with MemoryTracer(device) as tracer:
                     hooks = _marked_step(model, named, batch, loss_fn, optimizer, tracer.mark, keys)
@@ -274,7 +260,7 @@ def _measured(
         # Timed in turns, so that a change in the machine's load hits both options alike.
         marked = functools.partial(_marked_step, model, named, batch, loss_fn, optimizer, base_keys=keys)
         runner = StepRunner(marked, model, device=device, repeats=repeats)
-        timed = runner.times([functools.partial(_every_block, named, o) for o in ("keep", "selective")])
+        timed = runner.times([functools.partial(every_block, named, o) for o in ("keep", "selective")])
         times.update(zip(("keep", "selective"), timed))
         # NOTE [ The head's options ] in remat.records; NOTE [ The tiled MLP ] in remat.manual.tiled
         heads, tiles = measure_heads(model, named, runner), measure_tiles(named, runner)
@@ -303,7 +289,7 @@ def _sides(model: nn.Module, named: list[tuple[str, nn.Module]], batch: Any, los
     """The side inputs of the step ``traced`` saw, after a plain step that notes what each block
     saves: which side inputs a kept block holds (NOTE [ Side inputs ])."""
     saved: dict[Any, set[int]] = {}
-    with _every_block(named, "keep"):
+    with every_block(named, "keep"):
         saving = _marked_step(model, named, batch, loss_fn, optimizer, lambda _: None, keys, saved)
     model.zero_grad(set_to_none=True)
     return side_inputs(hooks_of(traced), hooks_of(saving), saved, [n for n, _ in named])
@@ -355,7 +341,7 @@ def _estimated(
         named = _running(named, blocks is not None, lambda: _step.train_step(model, fake_batch, loss_fn, opt))
         keys = _base_keys(model, opt, fake_batch)
         for option in _RUN_OPTIONS:
-            with _every_block(named, option):
+            with every_block(named, option):
                 model.zero_grad(set_to_none=True)
                 meter = FakeMeter(spec)
                 with meter:
@@ -370,7 +356,7 @@ def _estimated(
         buffers = _step.storage_bytes(list(model.buffers()))
         marked = functools.partial(_marked_step, model, named, fake_batch, loss_fn, opt, base_keys=keys)
         runner = StepRunner(marked, model, spec=spec)
-        heads, tiles = measure_heads(model, named, runner), measure_tiles(named, runner)
+        heads, tiles = measure_heads(model, named, runner), measure_tiles(named, runner, times["keep"])
         return add_tiles(add_heads(assemble(
             model=model,
             named=named,

@@ -26,8 +26,12 @@ from remat.records import OptionCost, Profile
 __all__ = ["add_tiles", "measure_tiles"]
 
 
-def measure_tiles(named: Sequence[tuple[str, nn.Module]], runner: StepRunner) -> dict[str, OptionCost]:
-    """Block name -> its ``tiled`` cost, for the blocks that offer it (the module's docstring)."""
+def measure_tiles(
+    named: Sequence[tuple[str, nn.Module]], runner: StepRunner, keep_times: dict[str, float] | None = None
+) -> dict[str, OptionCost]:
+    """Block name -> its ``tiled`` cost, for the blocks that offer it (the module's docstring).
+    ``keep_times``: in estimated mode, the kept step's roofline times (phase -> ms), which the
+    profile already has."""
     offered = [find_mlp(m) is not None for _, m in named]
     if not any(offered):
         return {}
@@ -35,9 +39,9 @@ def measure_tiles(named: Sequence[tuple[str, nn.Module]], runner: StepRunner) ->
     with every_block(named, options):
         trace, hooks, tiled = runner.traced()
     numbers = attribute(trace, hooks, len(named))[2]
-    if runner.estimated:  # the roofline's times: the traced step's, and one kept step's
-        with every_block(named, "keep"):
-            keep = runner.traced()[2]
+    if runner.estimated:  # the roofline's times: the traced step's, and the kept step's
+        assert keep_times is not None, "estimated mode passes the kept step's times"
+        keep = keep_times
     else:
         keep, tiled = runner.times([lambda: every_block(named, "keep"), lambda: every_block(named, options)])
     extra = {}
