@@ -179,9 +179,10 @@ def test_profile_json_round_trip_and_old_schema(tmp_path: object) -> None:
     again = Profile.from_json(prof.to_json())
     assert again == prof
     data = json.loads(prof.to_json())
-    for old in (0, 1, 2):  # 1: before side inputs (NOTE [ Side inputs ]); 2: before head options
+    # 1: before side inputs (NOTE [ Side inputs ]); 2: before head options; 3: before stop peaks
+    for old in (0, 1, 2, 3):
         data["schema_version"] = old
-        with pytest.raises(RecordError, match=f"schema version {old}, but this remat reads version 3"):
+        with pytest.raises(RecordError, match=f"schema version {old}, but this remat reads version 4"):
             Profile.from_json(json.dumps(data))
     with pytest.raises(RecordError, match="expected a remat profile record"):
         Profile.from_json(json.dumps({"kind": "plan"}))

@@ -55,7 +55,8 @@ __all__ = [
     "load_record",
 ]
 
-PROFILE_SCHEMA = 3  # 2: side inputs (NOTE [ Side inputs ]); 3: head options (NOTE [ The head's options ])
+PROFILE_SCHEMA = 4  # 2: side inputs (NOTE [ Side inputs ]); 3: head options (NOTE [ The head's options ]);
+# 4: where a replay stops (BlockProfile.stop_peak_bytes)
 PLAN_SCHEMA = 2  # 2: the head's option, segments (NOTE [ A segment is one recompute frame over several calls ])
 
 # NOTE [ The head's options ]
@@ -124,6 +125,11 @@ class BlockProfile:
     """Backward time with the block kept, milliseconds (median over repeats)."""
     options: dict[str, OptionCost]
     """The cost of each option that applies on this device, keyed by name from ``OPTIONS``."""
+    stop_peak_bytes: int | None = None
+    """Peak bytes above the live level at the start of the block's forward, with the block kept,
+    up to the moment it saves its last tensor for the backward: how high a replay that stops there
+    goes (a segment's replay stops inside its last block: NOTE [ A segment's costs from per-block
+    numbers ] in ``remat.plan.segments``). None when not measured: the kept forward's peak then."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -97,6 +97,8 @@ def attribute(
     """Replay the cost model along the trace (NOTE [ From a trace to a Profile ]): the ``pre``
     and ``post`` segments, each block's numbers (by index), the optimizer step's peak."""
     live = {m.label: m.live_bytes for m in trace.marks}
+    first = {m.label: k for k, m in reversed(list(enumerate(trace.marks)))}
+    last_save = {m.label: k for k, m in enumerate(trace.marks) if m.label.startswith("sv")}
     order = hooks.order
     parts: dict[Any, dict[str, int]] = {"pre": {}, "post": {}, **{i: {} for i in range(n)}}
     level = optimizer_peak = 0
@@ -112,6 +114,9 @@ def attribute(
             received, handed = _boundary(key, hooks)
             numbers["kept"] = live[end] - live[start] + received - handed
             numbers["fwd_peak"] = peak - level
+            if (stop := last_save.get(f"sv{key}")) is not None:  # BlockProfile.stop_peak_bytes
+                marks = trace.marks[first[start] : stop + 1]
+                numbers["stop_peak"] = max([marks[0].live_bytes] + [m.peak_bytes for m in marks[1:]]) - level
             level += numbers["kept"]
         else:
             numbers["bwd_peak"] = peak - level
@@ -208,6 +213,7 @@ def assemble(
             fwd_ms=fwd[i],
             bwd_ms=bwd[i],
             options=_options(i, per_option, fwd[i], sel_extra[i], host_link_bytes_per_s),
+            stop_peak_bytes=keep_blocks[i].get("stop_peak"),
         )
         for i, (name, module) in enumerate(named)
     ]

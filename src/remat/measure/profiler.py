@@ -178,12 +178,14 @@ def _marked_step(
     mark: Callable[[str], None],
     base_keys: set[int] | None = None,
     saved: dict[Any, set[int]] | None = None,
+    saves: bool = False,
 ) -> _Hooks:
-    """One training step with marks at the phases and block boundaries (and ``noting_saved``)."""
+    """One training step with marks at the phases and block boundaries (and ``noting_saved``;
+    ``saves``: a mark at each tensor a block saves)."""
     hooks = _Hooks(named, mark)
     hooks.base_keys = base_keys or set()
     try:
-        with noting_saved(hooks, saved), noting_deaths(hooks, model):
+        with noting_saved(hooks, saved, mark if saves else None), noting_deaths(hooks, model):
             _step.train_step(model, batch, loss_fn, optimizer, mark=mark)
     finally:
         hooks.remove()
@@ -254,7 +256,8 @@ def _measured(
             with every_block(named, option):
                 model.zero_grad(set_to_none=True)
                 with MemoryTracer(device) as tracer:
-                    hooks = _marked_step(model, named, batch, loss_fn, optimizer, tracer.mark, keys)
+                    hooks = _marked_step(model, named, batch, loss_fn, optimizer, tracer.mark, keys,
+                                         saves=option == "keep")
                 traces[option] = (tracer.trace, hooks)
         sides = _sides(model, named, batch, loss_fn, optimizer, keys, traces["keep"][1])
         # Timed in turns, so that a change in the machine's load hits both options alike.
@@ -345,7 +348,8 @@ def _estimated(
                 model.zero_grad(set_to_none=True)
                 meter = FakeMeter(spec)
                 with meter:
-                    hooks = _marked_step(model, named, fake_batch, loss_fn, opt, meter.mark, keys)
+                    hooks = _marked_step(model, named, fake_batch, loss_fn, opt, meter.mark, keys,
+                                         saves=option == "keep")
                 traces[option] = (meter.trace, hooks)
                 stamps = {m.label: m.t_ms for m in meter.marks}
                 times[option] = phase_times(stamps, hooks.order)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, Protocol
 
@@ -141,16 +141,23 @@ def _output_died(hooks: SeenSides, i: int, key: int) -> None:
 
 
 @contextmanager
-def noting_saved(hooks: SeenSides, saved: dict[Any, set[int]] | None) -> Iterator[None]:
+def noting_saved(
+    hooks: SeenSides, saved: dict[Any, set[int]] | None, mark: Callable[[str], None] | None = None
+) -> Iterator[None]:
     """With ``saved``, note there the storages each part (block index, "pre", "post") saves for
-    the backward while the step runs; nothing without."""
-    if saved is None:
+    the backward while the step runs; with ``mark``, mark ``sv{i}`` each time block i saves one
+    (the last such mark is where a replay of the block stops: ``BlockProfile.stop_peak_bytes``);
+    nothing without either. The tensors are saved as they are: the step's memory is unchanged."""
+    if saved is None and mark is None:
         yield
         return
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         who = hooks.running[-1] if hooks.running else ("post" if hooks.order else "pre")
-        saved.setdefault(who, set()).add(storage_key(t))
+        if saved is not None:
+            saved.setdefault(who, set()).add(storage_key(t))
+        if mark is not None and hooks.running:
+            mark(f"sv{who}")
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):

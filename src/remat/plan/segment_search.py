@@ -9,7 +9,7 @@ its need) and its replay ticks. So the search is the Pareto DP of ``remat.plan.s
 Pareto DP over prefix kept bytes ]: a partial plan is dropped when another with the same side-
 input state keeps no more bytes and is no slower, or as fast with a peak no higher), over
 positions 0..n, where the moves out of position q are block q's options (to q + 1) and the
-segments that start at q (to e + 1). The same DP with the peak alone as the objective gives the
+segments that start at q (to e + 1; a segment of block q alone too). The same DP with the peak alone as the objective gives the
 lowest peak of any plan.
 A segment's own structure (which inner segments its replay uses, nested how deep) only changes
 its need and its ticks, which depend on the blocks inside it and the side-input state alone, not
@@ -66,13 +66,13 @@ import numpy as np
 
 from remat.plan.costmodel import ChainConstraints
 from remat.plan.search import Table, pair_rank
+from remat.plan.segment_fronts import Fronts
 from remat.plan.segments import SegmentModel, Tree
 
 __all__ = ["EXACT_BLOCKS", "MAX_STATES", "SegmentResult", "segment_search"]
 
 EXACT_BLOCKS = 10
 MAX_STATES = 256
-_NONE = -(2**62)
 _NO_TICKS = 2**62
 
 
@@ -84,119 +84,6 @@ class SegmentResult:
     """The top-level segments with their nested ones."""
     ticks: int
     peak_bytes: int
-
-
-class _Fronts:
-    """Per (span, side-input state): the Pareto front of (need, ticks, tree) of a top-level
-    segment over its structures (NOTE [ Searching segments ])."""
-
-    def __init__(self, model: SegmentModel, exact: bool, max_len: int) -> None:
-        self.m, self.exact, self.max_len = model, exact, max_len
-        self._family: dict[tuple[int, int, int], dict[int, list[tuple[int, int, Tree]]]] = {}
-        self._g: dict[int, list[int]] = {}
-        self._replays: dict[tuple[int, int, int], list[tuple[int, int, Tree]]] = {}
-        self._tops: dict[tuple[int, int, int], list[tuple[int, int, Tree]]] = {}
-
-    def top(self, s: int, e: int, held: int) -> list[tuple[int, int, Tree]]:
-        key = (s, e, held)
-        if key not in self._tops:
-            m = self.m
-            fwd, _ = m.forward_need(s, e)
-            base = m.lead + m.kept(s, e)
-            if self.exact:
-                points = [(max(fwd, base + p), t, tree) for p, t, tree in self.replays(s, e, held)]
-            else:
-                points = [(max(fwd, base + p), t, tree) for p, t, tree in self.families(s, held)[e]]
-            self._tops[key] = _front2(points)
-        return self._tops[key]
-
-    def families(self, s: int, held: int) -> dict[int, list[tuple[int, int, Tree]]]:
-        """For every end e: the flat and the two-level segment [s..e] (NOTE [ Searching segments
-        ]), their (replay peak, ticks) as ``SegmentModel.replay`` gives them, in one pass over e."""
-        key = (s, -1, held)
-        if key in self._replays:
-            return self._family[key]
-        m, g = self.m, self._grads(held)
-        out: dict[int, list[tuple[int, int, Tree]]] = {}
-        flat_level = two_level = -m.inp[s]
-        flat_f = flat_b = two_f = two_b = _NONE
-        ticks = 0
-        singles: tuple[Tree, ...] = ()
-        for e in range(s, min(m.reach[s] + 1, s + self.max_len)):
-            if e > s:
-                ge = g[e]
-                last = ge + m.inp[e] + m.br[e]
-                flat = max(ge + flat_f, flat_b, last + flat_level)
-                two = max(ge + two_f, two_b, last + two_level)
-                out[e] = [
-                    (flat, ticks + m.tr[e], Tree((s, e))),
-                    (two, 2 * ticks + m.tr[e], Tree((s, e), singles)),
-                ]
-            singles = (*singles, Tree((e, e)))
-            flat_f = max(flat_f, flat_level + m.fk[e])
-            flat_b = max(flat_b, g[e] + flat_level + m.kk[e] + m.bk[e])
-            flat_level += m.kk[e]
-            two_f = max(two_f, two_level + m.fr[e])
-            two_b = max(two_b, two_level + m.inp[e] + g[e] + m.br[e])
-            two_level += m.inp[e]
-            ticks += m.tr[e]
-        self._replays[key] = []
-        self._family[key] = out
-        return out
-
-    def _grads(self, held: int) -> list[int]:
-        if held not in self._g:
-            m = self.m
-            self._g[held] = [m.grads_at[j] + m.delta(held, j) + m.gather for j in range(m.n)]
-        return self._g[held]
-
-    def replays(self, s: int, e: int, held: int) -> list[tuple[int, int, Tree]]:
-        """The front of (peak above the outer level, ticks, tree) of the backward of [s..e]."""
-        key = (s, e, held)
-        if key in self._replays:
-            return self._replays[key]
-        m = self.m
-        ge = m.grads_at[e] + m.delta(held, e) + m.gather
-        states: dict[int, list[tuple[int, int, int, tuple[Tree, ...]]]] = {s: [(-m.inp[s], 0, _NONE, ())]}
-        for p in range(s, e + 1):
-            for level, t, peak, kids in _front3(states.pop(p, [])):
-                if p < e:
-                    g = m.grads_at[p] + m.delta(held, p) + m.gather
-                    v = max(peak, ge + level + m.fk[p], g + level + m.kk[p] + m.bk[p])
-                    states.setdefault(p + 1, []).append((level + m.kk[p], t + m.tr[p], v, kids))
-                else:
-                    v = max(peak, ge + level + m.inp[e] + m.br[e])
-                    states.setdefault(e + 1, []).append((level, t + m.tr[e], v, kids))
-                for b in range(p, min(e, m.reach[p]) + 1):
-                    if (p, b) == (s, e):
-                        continue
-                    run = b < e
-                    f0 = ge + level + m.fz(p, b) if run else _NONE
-                    extra = sum(m.tr[p : b + 1]) if run else 0
-                    for cp, ct, tree in self.replays(p, b, held):
-                        v = max(peak, f0, level + m.inp[p] + cp)
-                        states.setdefault(b + 1, []).append((level + m.inp[p], t + extra + ct, v, (*kids, tree)))
-        final = [(peak, t, Tree((s, e), kids)) for _, t, peak, kids in states.get(e + 1, [])]
-        self._replays[key] = result = _front2(final)
-        return result
-
-
-def _front2(points: list[tuple[int, int, Tree]]) -> list[tuple[int, int, Tree]]:
-    """The points no other beats on (value, ticks), fastest first."""
-    out: list[tuple[int, int, Tree]] = []
-    for p in sorted(points, key=lambda x: (x[1], x[0])):
-        if not out or p[0] < out[-1][0]:
-            out.append(p)
-    return out
-
-
-def _front3(states: list[tuple[int, int, int, tuple[Tree, ...]]]) -> list[tuple[int, int, int, tuple[Tree, ...]]]:
-    """The states no other beats on (level, ticks, peak) all at once."""
-    out: list[tuple[int, int, int, tuple[Tree, ...]]] = []
-    for st in sorted(states, key=lambda x: (x[1], x[2], x[0])):
-        if not any(o[0] <= st[0] and o[1] <= st[1] and o[2] <= st[2] for o in out):
-            out.append(st)
-    return out
 
 
 def segment_search(
@@ -215,7 +102,7 @@ def segment_search(
     if max_len is None:  # long chains: shorter top-level segments, for the solve time
         max_len = 16 if n <= 128 else 8
     longest = n if exact else min(n, max_len)
-    fronts = _Fronts(model, exact, longest)
+    fronts = Fronts(model, exact, longest)
     keep = chain.options.index("keep")
     kept = np.array(chain.kept_bytes, dtype=np.int64).reshape(n, width)
     ticks = np.rint(np.array(chain.extra_ms, dtype=np.float64).reshape(n, width) * 1e6).astype(np.int64)
@@ -224,6 +111,7 @@ def segment_search(
         fwd = np.array(chain.fwd_need_bytes, dtype=np.int64).reshape(n, width)
         bwd = np.array(chain.bwd_need_bytes, dtype=np.int64).reshape(n, width)
         delta = np.array(chain.delta_bytes, dtype=np.int64).reshape(n, -1)
+        fwd_delta = np.array(chain.fwd_delta_bytes, dtype=np.int64).reshape(n, -1)
         tails = np.array(chain.tail_held_bytes, dtype=np.int64)
     else:
         need = np.array(chain.need_bytes, dtype=np.int64).reshape(n, width)
@@ -267,19 +155,19 @@ def segment_search(
         rows = np.arange(K.size, dtype=np.int64)
         for o in range(width):
             cH = H | holds[q, o] if chain.holds else H
-            term = np.maximum(fwd[q, o], bwd[q, o] + delta[q][cH]) if chain.holds else need[q, o]
+            term = np.maximum(fwd[q, o] + fwd_delta[q][cH], bwd[q, o] + delta[q][cH]) if chain.holds else need[q, o]
             _push(pending[q + 1], budget_bytes, K + kept[q, o], T + ticks[q, o], np.maximum(P, K + term), cH,
                   q, rows, len(table))
             table.append((q + 1, o, None))
         for h in (np.unique(H).tolist() if chain.holds else [0]):  # segments from q, all at once
             sel = np.flatnonzero(h == H) if chain.holds else rows
             rows_m = []
-            ends = range(q + 1, min(model.reach[q] + 1, q + longest))
+            ends = range(q, min(model.reach[q] + 1, q + longest))
             spans = [model.kept(q, e) for e in ends]
             if floor is not None and sel.size and spans:
                 # Replays cost at least their recomputes: a span through which no state here can
                 # end faster needs no front.
-                beyond = np.arange(q + 2, q + 2 + len(spans), dtype=np.int64)  # e + 1 per span
+                beyond = np.arange(q + 1, q + 1 + len(spans), dtype=np.int64)  # e + 1 per span
                 ahead = (int(T[sel].min()) + recompute[beyond] - recompute[q]
                          + floor.bound(beyond, int(K[sel].min()) + np.array(spans, dtype=np.int64)))
                 live = (ahead < limit).tolist()
@@ -289,7 +177,7 @@ def segment_search(
                 if not alive_e:
                     continue
                 seg_holds = model.holds(q, e)
-                for need_e, t, tree in fronts.top(q, e, int(h) | seg_holds):
+                for need_e, t, tree in fronts.top(q, e, int(h)):
                     rows_m.append((need_e, seg_kept, t, e + 1, int(h) | seg_holds))
                     table.append((e + 1, keep, tree))
             if not rows_m:
@@ -340,7 +228,7 @@ def _push(into: list[tuple[np.ndarray, ...]], budget: int, K: np.ndarray, T: np.
                      np.full(int(ok.sum()), move, dtype=np.int64)))
 
 
-def _floors(chain: ChainConstraints, model: SegmentModel, fronts: _Fronts, longest: int, states: int) -> list[np.ndarray]:
+def _floors(chain: ChainConstraints, model: SegmentModel, fronts: Fronts, longest: int, states: int) -> list[np.ndarray]:
     """[q][state]: the lowest peak blocks q.. and the head reach with nothing kept before q, with
     segments (as ``ChainConstraints.suffix_floors`` without them): a partial plan keeping K before
     q can still fit budget B only if K + floors[q][H] <= B."""
@@ -354,9 +242,9 @@ def _floors(chain: ChainConstraints, model: SegmentModel, fronts: _Fronts, longe
                 now = h | (chain.holds[q][o] if chain.holds else 0)
                 value = max(chain.need_at(q, o, now), k + int(floors[q + 1][now]))
                 best = value if best is None else min(best, value)
-            for e in range(q + 1, min(model.reach[q] + 1, q + longest)):
+            for e in range(q, min(model.reach[q] + 1, q + longest)):
                 now = h | model.holds(q, e)
-                low = min(p for p, _, _ in fronts.top(q, e, now))
+                low = min(p for p, _, _ in fronts.top(q, e, h))
                 best = min(best, max(low, model.kept(q, e) + int(floors[e + 1][now])))  # type: ignore[type-var]
             assert best is not None
             floors[q][h] = best

@@ -4,29 +4,39 @@ recomputed as one unit, nested or not, from the Profile's per-block numbers. Pur
 # NOTE [ A segment's costs from per-block numbers ]
 Write in_j for block j's input bytes, and K/F/B for an option's kept, forward-peak and
 backward-peak bytes (keep: Kk, Fk, Bk; recompute: Kr, Fr, Br, and Tr its extra time, one
-re-forward). A checkpoint's kept bytes beyond its input, rng_j = Kr_j - in_j, are what it
-stashes (the RNG state on the CPU); a segment stashes as much per call. Everything is read off the
-profile, nothing is measured for segments (``remat.manual.segments`` is the mechanism):
+re-forward); Fs_j is the kept forward's peak up to the block's last saved tensor
+(``BlockProfile.stop_peak_bytes``). A checkpoint's kept bytes beyond its input, rng_j = Kr_j - in_j,
+are what it stashes (the RNG state on the CPU); a segment stashes as much per call. Everything is
+read off the profile, nothing is measured for segments (``remat.manual.segments`` is the
+mechanism, and this is what its frames do):
 - the forward of a segment [s..e] is that of recomputed blocks whose inputs, but the first, are
   not kept: block s keeps Kr_s, each later block rng_j, and each runs at its Fr_j;
 - its backward starts with the replay: the items of the segment in order, each either a block
   kept during the replay (it keeps Kk_j, runs at Fk_j) or an inner segment, which keeps only its
-  input in_a and runs its blocks without keeping anything (at most Fr over them: an F_0 pass);
-  the first item shares the segment's own input, and an inner segment that ends the segment is
-  not run at all (the replay stops once its input is kept). Then the items' backwards in reverse:
-  a kept block j at its Bk_j with what the items before it keep, the last block e as a recomputed
-  block's backward (in_e + Br_e: its re-forward and backward), an inner segment by the same rules,
-  one level down, from what the items before it keep;
+  input in_a and runs its blocks without keeping anything (an F_0 pass, at most Fr over them; the
+  inner frames it makes stash an RNG state per call until the replay ends); the first item shares
+  the segment's own input; each replayed call holds one more RNG state while it runs (the replay
+  forks the RNG); the last block stops at its last saved tensor (at Fs_e: the rest would only
+  make its output), and an inner segment that ends the segment is not run at all (the replay
+  stops once its input is kept);
+- when the replay ends the frame lets go of what it held: the RNG states of its own calls (an
+  inner segment's stay with the inner frame until its own replay ends) and the side inputs its
+  calls received, which stay live only where something else holds them (a block before the
+  segment, an inner segment not yet replayed, a kept block that saved them);
+- then the items' backwards in reverse, without those: a kept block j (the last one too) at its
+  Bk_j with what the items before it keep, an inner segment by the same rules, one level down;
 - the live level under all of it is the cost model's (NOTE [ Every peak candidate is a prefix
-  sum ]): parameters, what the blocks before the segment keep, the gradients so far; side inputs
-  of any block of the segment are held by it as a checkpoint holds them (its call records hold
-  them), from its forward to its first block's backward (NOTE [ A side input's extra life ]);
+  sum ]): parameters, what the blocks before the segment keep, the gradients so far; the side
+  inputs its blocks receive are held from its forward until its replay ends (NOTE [ A side
+  input's extra life ]), and through later forwards where the plain step would have freed them;
 - time: each block of a replay runs once per replay it is part of (Tr_j each): a kept block once,
   an inner segment's blocks once in the outer replay's F_0 pass (unless it ends the segment) and
   then as many times as their own replays run them.
-A segment of one block is exactly a recomputed block. Every candidate is a constant of the
-segment plus the bytes kept before it, so a top-level segment is one more option spanning several
-blocks for the prefix-sum search (``remat.plan.segment_search``).
+So a segment of one block costs what a recomputed block costs in time, but can peak lower than
+torch's checkpoint (which holds its stash and its inputs through the block's whole backward), and
+the search offers it too. Every candidate is a constant of the segment plus the
+bytes kept before it, so a top-level segment is one more option spanning several blocks for the
+prefix-sum search (``remat.plan.segment_search``).
 """
 
 from __future__ import annotations
@@ -92,6 +102,7 @@ class SegmentModel:
         k, r = [b.options["keep"] for b in blocks], [b.options["recompute"] for b in blocks]
         self.inp = [b.input_bytes for b in blocks]
         self.kk, self.fk, self.bk = [c.kept_bytes for c in k], [c.fwd_peak_bytes for c in k], [c.bwd_peak_bytes for c in k]
+        self.fs = [c.fwd_peak_bytes if b.stop_peak_bytes is None else b.stop_peak_bytes for b, c in zip(blocks, k)]
         self.kr, self.fr, self.br = [c.kept_bytes for c in r], [c.fwd_peak_bytes for c in r], [c.bwd_peak_bytes for c in r]
         self.ms = [c.extra_ms for c in r]
         self.tr = [round(c.extra_ms * _TICKS_PER_MS) for c in r]
@@ -112,10 +123,13 @@ class SegmentModel:
         sides = side_groups(profile)
         self.sides = sides if profile.side_inputs else None
         self.uses = [0] * n  # the side-input groups each block receives, as a mask
+        self.saves = [0] * n  # those its kept forward saves
         if self.sides is not None:
-            for g, users in enumerate(self.sides.consumers):
+            for g, (users, savers) in enumerate(zip(self.sides.consumers, self.sides.savers)):
                 for j in users:
                     self.uses[j] |= 1 << g
+                for j in savers:
+                    self.saves[j] |= 1 << g
 
     # --- one segment ---------------------------------------------------------------------------
 
@@ -137,45 +151,55 @@ class SegmentModel:
             mask |= self.uses[j]
         return mask
 
+    def stash(self, a: int, b: int) -> int:
+        """The RNG states the calls of blocks a..b stash (one per call, as a checkpoint's)."""
+        return self._rng_sum[b + 1] - self._rng_sum[a]
+
     def kept(self, s: int, e: int) -> int:
         """Bytes the segment keeps from its forward until its first block's backward ends."""
         return self.kr[s] + self._rng_sum[e + 1] - self._rng_sum[s + 1]
 
-    def forward_need(self, s: int, e: int) -> tuple[int, int]:
+    def forward_need(self, s: int, e: int, before: int = 0) -> tuple[int, int]:
         """The segment's highest forward candidate minus what the blocks before it keep, and at
-        which block."""
-        best, at, level = _NONE, s, 0
+        which block; ``before``: the side-input state before it (NOTE [ Where a side input dies ])."""
+        best, at, level, held = _NONE, s, 0, before
         for j in range(s, e + 1):
             value = self.lead + level + self.fr[j] + self.gather
+            if self.sides is not None:
+                value += self.sides.fwd_delta_bytes(held, j)
             if value > best:
                 best, at = value, j
             level += self.kr[s] if j == s else self.rng[j]
+            held |= self.uses[j]
         return best, at
 
-    def need(self, tree: Tree, held: int) -> tuple[int, int, str]:
+    def need(self, tree: Tree, before: int) -> tuple[int, int, str]:
         """(peak candidate minus the bytes kept before the segment, extra ticks, where) of a
-        top-level segment with its inner ones; ``held``: the side-input state after it."""
+        top-level segment with its inner ones; ``before``: the side-input state before it."""
         s, e = tree.span
-        fwd, at = self.forward_need(s, e)
-        peak, ticks, where = self.replay(tree, held)
+        fwd, at = self.forward_need(s, e, before)
+        peak, ticks, where = self.replay(tree, before)
         bwd = self.lead + self.kept(s, e) + peak
         if fwd >= bwd:
             return fwd, ticks, f"forward of {self.profile.blocks[at].name}"
         return bwd, ticks, where
 
-    def replay(self, tree: Tree, held: int) -> tuple[int, int, str]:
-        return _replay(self, tree, held)
+    def replay(self, tree: Tree, before: int) -> tuple[int, int, str]:
+        return _replay(self, tree, before)
 
     def fz(self, a: int, b: int) -> int:
-        """The highest forward candidate of an F_0 pass over blocks a..b, above the level before it."""
-        return max([self.fr[a]] + [self.inp[a] + self.fr[j] for j in range(a + 1, b + 1)])
+        """The highest forward candidate of an F_0 pass over blocks a..b, above the level before
+        it: the pass keeps the input and, per call, an RNG state; a replayed call holds one more
+        while it runs (the replay's fork of the RNG)."""
+        return max([self.fr[a] + self.rng[a]]
+                   + [self.inp[a] + self.stash(a, j) + self.fr[j] for j in range(a + 1, b + 1)])
 
 
-def _replay(m: SegmentModel, tree: Tree, held: int) -> tuple[int, int, str]:
+def _replay(m: SegmentModel, tree: Tree, before: int) -> tuple[int, int, str]:
     """(peak above the segment's outer level, ticks, where) of ``tree``'s backward: its replay
     and its items' backwards (NOTE [ A segment's costs from per-block numbers ]). The outer level
-    is the live level without the gradients: everything kept outside, the segment's input
-    included."""
+    is the live level without the gradients: everything kept outside, the segment's input and its
+    calls' RNG states included; ``before``: the side-input groups held from outside the frame."""
     s, e = tree.span
     names = m.profile.blocks
     items: list[int | Tree] = []
@@ -187,37 +211,42 @@ def _replay(m: SegmentModel, tree: Tree, held: int) -> tuple[int, int, str]:
         else:
             items.append(j)
             j += 1
-    ge = m.grads_at[e] + m.delta(held, e) + m.gather
+    ge = m.grads_at[e] + m.delta(before | m.holds(s, e), e) + m.gather
     best, where, ticks = _NONE, "", 0
     level = -m.inp[s]  # what the items before keep; the segment's input is in the outer level
-    before: list[int] = []
+    temp = 0  # the RNG states of the inner frames an F_0 pass makes, gone when the replay ends
+    own = 0  # the RNG states of this frame's own calls, let go when its replay ends
+    before_items: list[tuple[int, int]] = []  # (level, side-input state) before each item's backward
+    state = before
     for item in items:  # the replay, forward
-        before.append(level)
+        before_items.append((level, state))
         if isinstance(item, Tree):
             a, b = item.span
             if b < e:
-                value = ge + level + m.fz(a, b)
+                value = ge + level + temp + m.fz(a, b)
                 if value > best:
                     best, where = value, f"replay of {names[a].name}..{names[b].name}"
                 ticks += sum(m.tr[a : b + 1])
+                temp += m.stash(a, b)
             level += m.inp[a]
-        elif item < e:
-            value = ge + level + m.fk[item]
-            if value > best:
-                best, where = value, f"replay of {names[item].name}"
-            ticks += m.tr[item]
-            level += m.kk[item]
-        else:
-            ticks += m.tr[item]
-    for item, level in zip(reversed(items), reversed(before)):  # the backward, items in reverse
+            state |= m.holds(a, b)
+            continue
+        value = ge + level + temp + m.rng[item] + (m.fk[item] if item < e else m.fs[item])
+        if value > best:
+            best, where = value, f"replay of {names[item].name}"
+        ticks += m.tr[item]
+        level += m.kk[item]
+        own += m.stash(item, item)
+        state |= m.saves[item]
+    for item, (level, held) in zip(reversed(items), reversed(before_items)):  # the backward, in reverse
         if isinstance(item, Tree):
             peak, t, inner = _replay(m, item, held)
-            value, ticks = level + m.inp[item.span[0]] + peak, ticks + t
+            value, ticks = level + m.inp[item.span[0]] + peak - own, ticks + t
             if value > best:
                 best, where = value, inner
             continue
-        g = m.grads_at[item] + m.delta(held, item) + m.gather
-        value = g + level + (m.inp[e] + m.br[e] if item == e else m.kk[item] + m.bk[item])
+        g = m.grads_at[item] + m.delta(held | m.saves[item], item) + m.gather
+        value = g + level + m.kk[item] + m.bk[item] - own
         if value > best:
             best, where = value, f"backward of {names[item].name} (segment {names[s].name}..{names[e].name})"
     return best, ticks, where
@@ -266,8 +295,8 @@ def estimate_segments(
             i += 1
             continue
         s, e = tree.span
-        held |= m.holds(s, e)
         need, _, at = m.need(tree, held)
+        held |= m.holds(s, e)
         if prefix + need > peak:
             peak, where = prefix + need, at
         prefix += m.kept(s, e)
