@@ -103,7 +103,7 @@ def segment_search(
         max_len = 16 if n <= 128 else 8
     longest = n if exact else min(n, max_len)
     fronts = Fronts(model, exact, longest)
-    keep = chain.options.index("keep")
+    keep, rec = chain.options.index("keep"), chain.options.index("recompute")
     kept = np.array(chain.kept_bytes, dtype=np.int64).reshape(n, width)
     ticks = np.rint(np.array(chain.extra_ms, dtype=np.float64).reshape(n, width) * 1e6).astype(np.int64)
     if chain.holds:
@@ -177,7 +177,12 @@ def segment_search(
                 if not alive_e:
                     continue
                 seg_holds = model.holds(q, e)
+                # A segment of one block keeps, holds and costs what recompute does: it is a move
+                # only where its peak is lower.
+                alone = chain.need_at(q, rec, int(h) | seg_holds) if e == q else None
                 for need_e, t, tree in fronts.top(q, e, int(h)):
+                    if alone is not None and need_e >= alone:
+                        continue
                     rows_m.append((need_e, seg_kept, t, e + 1, int(h) | seg_holds))
                     table.append((e + 1, keep, tree))
             if not rows_m:
