@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from remat.plan import search as solver
 from remat.plan.costmodel import chain_constraints, smallest_feasible
+from remat.plan.segments import estimate_segments
 from remat.plan.solver import METHODS, InfeasibleBudget, frontier, smallest_any, solve
 from remat.records import Plan, Profile, RecordError
 
@@ -67,6 +68,8 @@ def four_blocks() -> Profile:
 
 
 def _extra_ms(p: Profile, plan: Plan) -> float:
+    if plan.segments:  # a segment's replays cost more than its blocks' choices say
+        return estimate_segments(p, plan.choices, plan.segments).step_ms - p.plain_step_ms
     return sum(b.options[plan.choices[b.name]].extra_ms for b in p.blocks)
 
 

@@ -61,7 +61,7 @@ class Fronts:
             out[e] = [(flat, ticks + m.tr[e], Tree((s, e)))]
             if e > s:
                 last_b = self._g(two_held | m.saves[e])[e] + two_level + m.kk[e] + m.bk[e]
-                two = max(ge + max(two_f, two_level + temp + last_f), max(two_b, last_b) - m.rng[e])
+                two = max(ge + max(two_f, two_level + temp + last_f), max(two_b, last_b + temp) - m.stash(s, e))
                 out[e].append((two, 2 * ticks + m.tr[e], Tree((s, e), singles)))
             singles = (*singles, Tree((e, e)))
             flat_f = max(flat_f, flat_level + m.rng[e] + m.fk[e])
@@ -69,7 +69,7 @@ class Fronts:
             flat_level += m.kk[e]
             flat_held |= m.saves[e]
             two_f = max(two_f, two_level + temp + m.fr[e] + m.rng[e])
-            two_b = max(two_b, two_level + m.inp[e] + self._single(e, two_held))
+            two_b = max(two_b, two_level + m.inp[e] + self._single(e, two_held) + temp + m.rng[e])
             two_level += m.inp[e]
             two_held |= m.uses[e]
             temp += m.rng[e]
@@ -108,7 +108,7 @@ class Fronts:
                 g = self._g(held | m.saves[p])[p] + level + m.kk[p] + m.bk[p]
                 f = ge + level + temp + m.rng[p] + (m.fk[p] if p < e else m.fs[p])
                 states.setdefault(p + 1, []).append(_State(
-                    level + m.kk[p], t + m.tr[p], max(st.rp, f), max(st.bp, g), st.own + m.rng[p], temp,
+                    level + m.kk[p], t + m.tr[p], max(st.rp, f), max(st.bp, g + st.cs), st.cs, temp,
                     held | m.saves[p], st.kids))
                 for b in range(p, min(e, m.reach[p]) + 1):
                     if (p, b) == (s, e):
@@ -117,11 +117,13 @@ class Fronts:
                     f0 = ge + level + temp + m.fz(p, b) if run else _NONE
                     extra = sum(m.tr[p : b + 1]) if run else 0
                     more = m.stash(p, b) if run else 0
+                    cs = st.cs + m.stash(p, b)
                     for cp, ct, tree in self.replays(p, b, held):
                         states.setdefault(b + 1, []).append(_State(
-                            level + m.inp[p], t + extra + ct, max(st.rp, f0), max(st.bp, level + m.inp[p] + cp),
-                            st.own, temp + more, held | m.holds(p, b), (*st.kids, tree)))
-        final = [(max(st.rp, st.bp - st.own), st.ticks, Tree((s, e), st.kids)) for st in states.get(e + 1, [])]
+                            level + m.inp[p], t + extra + ct, max(st.rp, f0), max(st.bp, level + m.inp[p] + cp + cs),
+                            cs, temp + more, held | m.holds(p, b), (*st.kids, tree)))
+        gone = m.stash(s, e)  # by each item's backward, every RNG state but those of the items before it
+        final = [(max(st.rp, st.bp - gone), st.ticks, Tree((s, e), st.kids)) for st in states.get(e + 1, [])]
         self._replays[key] = result = _front2(final)
         return result
 
@@ -133,8 +135,10 @@ class _State:
     level: int
     ticks: int
     rp: int  # the replay's peak so far
-    bp: int  # the items' backward peak so far, with the frame's own RNG states still counted
-    own: int  # the frame's own RNG states so far (let go once the replay ends)
+    bp: int  # the items' backward peak so far, each candidate plus the RNG states of the inner
+    # segments up to it: the frame's own and those of the inner segments after an item are gone
+    # by the item's backward, so the peak is bp less all the segment's RNG states
+    cs: int  # the RNG states of the inner segments so far
     temp: int  # the RNG states of the inner frames the replay made so far (gone when it ends)
     held: int  # the side-input groups held at the next item's backward
     kids: tuple[Tree, ...]
@@ -151,12 +155,12 @@ def _front2(points: list[tuple[int, int, Tree]]) -> list[tuple[int, int, Tree]]:
 
 def _front_states(states: list[_State]) -> list[_State]:
     """The partial replays no other beats: no more level, ticks, replay peak or inner RNG
-    states, no fewer own RNG states, no higher a backward peak net of them, and no side-input
-    group held that the other does not hold (each only raises what comes after)."""
+    states, no higher a backward peak, and no side-input group held that the other does not hold
+    (each only raises what comes after)."""
     out: list[_State] = []
-    for st in sorted(states, key=lambda x: (x.ticks, max(x.rp, x.bp - x.own), x.level)):
+    for st in sorted(states, key=lambda x: (x.ticks, max(x.rp, x.bp), x.level)):
         if not any(o.level <= st.level and o.ticks <= st.ticks and o.rp <= st.rp and o.temp <= st.temp
-                   and o.own >= st.own and o.bp - o.own <= st.bp - st.own and o.held & ~st.held == 0
+                   and o.cs <= st.cs and o.bp <= st.bp and o.held & ~st.held == 0
                    for o in out):
             out.append(st)
     return out

@@ -128,6 +128,7 @@ def segment_search(
     floor_table = np.stack(floors)  # [position, state]
     limit = _NO_TICKS if below_ticks is None else below_ticks
     recompute = np.concatenate([[0], np.cumsum([max(0, t) for t in model.tr])]).astype(np.int64)
+    kept_ticks = np.concatenate([[0], np.cumsum(ticks[:, keep])]).astype(np.int64)  # a segment's blocks run kept
     pending: list[list[tuple[np.ndarray, ...]]] = [[] for _ in range(n + 1)]
     zero = np.zeros(1, dtype=np.int64)
     pending[0].append((zero, zero, np.full(1, chain.fixed_bytes, dtype=np.int64), zero, zero - 1, zero, zero))
@@ -183,7 +184,7 @@ def segment_search(
                 for need_e, t, tree in fronts.top(q, e, int(h)):
                     if alone is not None and need_e >= alone:
                         continue
-                    rows_m.append((need_e, seg_kept, t, e + 1, int(h) | seg_holds))
+                    rows_m.append((need_e, seg_kept, t + int(kept_ticks[e + 1] - kept_ticks[q]), e + 1, int(h) | seg_holds))
                     table.append((e + 1, keep, tree))
             if not rows_m:
                 continue

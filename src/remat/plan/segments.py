@@ -20,7 +20,8 @@ mechanism, and this is what its frames do):
   make its output), and an inner segment that ends the segment is not run at all (the replay
   stops once its input is kept);
 - when the replay ends the frame lets go of what it held: the RNG states of its own calls (an
-  inner segment's stay with the inner frame until its own replay ends) and the side inputs its
+  inner segment's stay with the inner frame until its own replay ends, and go for the items
+  before it once its backward is over) and the side inputs its
   calls received, which stay live only where something else holds them (a block before the
   segment, an inner segment not yet replayed, a kept block that saved them);
 - then the items' backwards in reverse, without those: a kept block j (the last one too) at its
@@ -29,7 +30,8 @@ mechanism, and this is what its frames do):
   sum ]): parameters, what the blocks before the segment keep, the gradients so far; the side
   inputs its blocks receive are held from its forward until its replay ends (NOTE [ A side
   input's extra life ]), and through later forwards where the plain step would have freed them;
-- time: each block of a replay runs once per replay it is part of (Tr_j each): a kept block once,
+- time: what its blocks cost kept (nothing, in a measured profile), and each block of a replay
+  runs once per replay it is part of (Tr_j each): a kept block once,
   an inner segment's blocks once in the outer replay's F_0 pass (unless it ends the segment) and
   then as many times as their own replays run them.
 So a segment of one block costs what a recomputed block costs in time, but can peak lower than
@@ -216,6 +218,7 @@ def _replay(m: SegmentModel, tree: Tree, before: int) -> tuple[int, int, str]:
     level = -m.inp[s]  # what the items before keep; the segment's input is in the outer level
     temp = 0  # the RNG states of the inner frames an F_0 pass makes, gone when the replay ends
     own = 0  # the RNG states of this frame's own calls, let go when its replay ends
+    done = 0  # those of the inner segments whose backward is over, in the loop below
     before_items: list[tuple[int, int]] = []  # (level, side-input state) before each item's backward
     state = before
     for item in items:  # the replay, forward
@@ -241,12 +244,13 @@ def _replay(m: SegmentModel, tree: Tree, before: int) -> tuple[int, int, str]:
     for item, (level, held) in zip(reversed(items), reversed(before_items)):  # the backward, in reverse
         if isinstance(item, Tree):
             peak, t, inner = _replay(m, item, held)
-            value, ticks = level + m.inp[item.span[0]] + peak - own, ticks + t
+            value, ticks = level + m.inp[item.span[0]] + peak - own - done, ticks + t
             if value > best:
                 best, where = value, inner
+            done += m.stash(*item.span)
             continue
         g = m.grads_at[item] + m.delta(held | m.saves[item], item) + m.gather
-        value = g + level + m.kk[item] + m.bk[item] - own
+        value = g + level + m.kk[item] + m.bk[item] - own - done
         if value > best:
             best, where = value, f"backward of {names[item].name} (segment {names[s].name}..{names[e].name})"
     return best, ticks, where
@@ -300,7 +304,7 @@ def estimate_segments(
         if prefix + need > peak:
             peak, where = prefix + need, at
         prefix += m.kept(s, e)
-        extra_ms += _replay_ms(m, tree)
+        extra_ms += _replay_ms(m, tree) + sum(chain.extra_ms[j][col["keep"]] for j in range(s, e + 1))
         i = e + 1
     tail = prefix + chain.tail_at(held)
     if tail > peak:
