@@ -50,29 +50,31 @@ class Fronts:
         out: dict[int, list[tuple[int, int, Tree]]] = {}
         flat_level = two_level = -m.inp[s]
         flat_f = flat_b = two_f = two_b = _NONE
-        ticks = temp = 0
+        ticks = temp = flat_x = 0
         flat_held = two_held = before  # the state at each item's backward, before its own
         singles: tuple[Tree, ...] = ()
         for e in range(s, min(m.reach[s] + 1, s + self.max_len)):
             flat_g = self._g(flat_held | m.saves[e])[e]
-            ge = self._g(before | m.holds(s, e))[e]
-            last_f = m.rng[e] + m.fs[e]
-            flat = max(ge + max(flat_f, flat_level + last_f), max(flat_b, flat_g + flat_level + m.kk[e] + m.bk[e]) - m.stash(s, e))
+            ge = self._g(before | m.holds(s, e))[e] - m.extra[e]
+            last_f = m.fork[e] + m.fs[e]
+            flat = max(ge + max(flat_f, flat_level + last_f),
+                       max(flat_b, flat_g + flat_level + m.kk[e] + m.bk[e] + flat_x) - m.stash(s, e))
             out[e] = [(flat, ticks + m.tr[e], Tree((s, e)))]
             if e > s:
                 last_b = self._g(two_held | m.saves[e])[e] + two_level + m.kk[e] + m.bk[e]
-                two = max(ge + max(two_f, two_level + temp + last_f), max(two_b, last_b + temp) - m.stash(s, e))
+                two = max(ge + max(two_f, two_level + temp + last_f), max(two_b, last_b + m.stash(s, e - 1)) - m.stash(s, e))
                 out[e].append((two, 2 * ticks + m.tr[e], Tree((s, e), singles)))
             singles = (*singles, Tree((e, e)))
-            flat_f = max(flat_f, flat_level + m.rng[e] + m.fk[e])
-            flat_b = max(flat_b, flat_g + flat_level + m.kk[e] + m.bk[e])
+            flat_f = max(flat_f, flat_level + m.fork[e] + m.fk[e])
+            flat_b = max(flat_b, flat_g + flat_level + m.kk[e] + m.bk[e] + flat_x)
+            flat_x += m.extra[e]
             flat_level += m.kk[e]
             flat_held |= m.saves[e]
-            two_f = max(two_f, two_level + temp + m.fr[e] + m.rng[e])
-            two_b = max(two_b, two_level + m.inp[e] + self._single(e, two_held) + temp + m.rng[e])
+            two_f = max(two_f, two_level + temp + m.fr[e] + m.fork[e])
+            two_b = max(two_b, two_level + m.inp[e] + self._single(e, two_held) + m.stash(s, e))
             two_level += m.inp[e]
             two_held |= m.uses[e]
-            temp += m.rng[e]
+            temp += m.fork[e]
             ticks += m.tr[e]
         self._replays[key] = []
         self._family[key] = out
@@ -81,7 +83,7 @@ class Fronts:
     def _single(self, j: int, before: int) -> int:
         """The replay peak of the segment of block j alone (as ``replays`` gives it)."""
         m = self.m
-        rp = self._g(before | m.uses[j])[j] - m.inp[j] + m.rng[j] + m.fs[j]
+        rp = self._g(before | m.uses[j])[j] - m.extra[j] - m.inp[j] + m.fork[j] + m.fs[j]
         bp = self._g(before | m.saves[j])[j] - m.inp[j] + m.kk[j] + m.bk[j]
         return max(rp, bp - m.rng[j])
 
@@ -100,15 +102,15 @@ class Fronts:
         if key in self._replays:
             return self._replays[key]
         m = self.m
-        ge = self._g(before | m.holds(s, e))[e]
+        ge = self._g(before | m.holds(s, e))[e] - m.extra[e]
         states: dict[int, list[_State]] = {s: [_State(-m.inp[s], 0, _NONE, _NONE, 0, 0, before, ())]}
         for p in range(s, e + 1):
             for st in _front_states(states.pop(p, [])):
                 level, t, temp, held = st.level, st.ticks, st.temp, st.held
                 g = self._g(held | m.saves[p])[p] + level + m.kk[p] + m.bk[p]
-                f = ge + level + temp + m.rng[p] + (m.fk[p] if p < e else m.fs[p])
+                f = ge + level + temp + m.fork[p] + (m.fk[p] if p < e else m.fs[p])
                 states.setdefault(p + 1, []).append(_State(
-                    level + m.kk[p], t + m.tr[p], max(st.rp, f), max(st.bp, g + st.cs), st.cs, temp,
+                    level + m.kk[p], t + m.tr[p], max(st.rp, f), max(st.bp, g + st.cs), st.cs + m.extra[p], temp,
                     held | m.saves[p], st.kids))
                 for b in range(p, min(e, m.reach[p]) + 1):
                     if (p, b) == (s, e):
@@ -116,13 +118,13 @@ class Fronts:
                     run = b < e
                     f0 = ge + level + temp + m.fz(p, b) if run else _NONE
                     extra = sum(m.tr[p : b + 1]) if run else 0
-                    more = m.stash(p, b) if run else 0
+                    more = m.forks(p, b) if run else 0
                     cs = st.cs + m.stash(p, b)
                     for cp, ct, tree in self.replays(p, b, held):
                         states.setdefault(b + 1, []).append(_State(
                             level + m.inp[p], t + extra + ct, max(st.rp, f0), max(st.bp, level + m.inp[p] + cp + cs),
                             cs, temp + more, held | m.holds(p, b), (*st.kids, tree)))
-        gone = m.stash(s, e)  # by each item's backward, every RNG state but those of the items before it
+        gone = m.stash(s, e)  # by each item's backward, all the segment stashed but ``cs`` there
         final = [(max(st.rp, st.bp - gone), st.ticks, Tree((s, e), st.kids)) for st in states.get(e + 1, [])]
         self._replays[key] = result = _front2(final)
         return result
@@ -138,7 +140,7 @@ class _State:
     bp: int  # the items' backward peak so far, each candidate plus the RNG states of the inner
     # segments up to it: the frame's own and those of the inner segments after an item are gone
     # by the item's backward, so the peak is bp less all the segment's RNG states
-    cs: int  # the RNG states of the inner segments so far
+    cs: int  # what the inner segments so far stash, and the code after the kept blocks before
     temp: int  # the RNG states of the inner frames the replay made so far (gone when it ends)
     held: int  # the side-input groups held at the next item's backward
     kids: tuple[Tree, ...]

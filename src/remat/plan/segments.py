@@ -110,6 +110,12 @@ class SegmentModel:
         self.tr = [round(c.extra_ms * _TICKS_PER_MS) for c in r]
         self.rng = [max(0, kr - i) for kr, i in zip(self.kr, self.inp)]
         self._rng_sum = [0, *itertools.accumulate(self.rng)]
+        # The RNG state alone: the least any checkpoint stashes; what a block's checkpoint keeps
+        # beyond it is the code after the block's (a stack's last norm), whose backward comes first.
+        fork = min([r for r in self.rng if r > 0], default=0)
+        self.fork = [min(fork, r) for r in self.rng]
+        self.extra = [r - f for r, f in zip(self.rng, self.fork)]
+        self._fork_sum = [0, *itertools.accumulate(self.fork)]
         skip = [profile.skip_bytes.get(b.name, 0) for b in blocks]
         self.reach = [0] * n  # [s]: the last block a segment from s may end at (no skip inside)
         for s in range(n - 1, -1, -1):
@@ -154,8 +160,13 @@ class SegmentModel:
         return mask
 
     def stash(self, a: int, b: int) -> int:
-        """The RNG states the calls of blocks a..b stash (one per call, as a checkpoint's)."""
+        """What the calls of blocks a..b stash in the forward: an RNG state each (as a checkpoint's),
+        and what the code after each block keeps."""
         return self._rng_sum[b + 1] - self._rng_sum[a]
+
+    def forks(self, a: int, b: int) -> int:
+        """The RNG states alone of the calls of blocks a..b."""
+        return self._fork_sum[b + 1] - self._fork_sum[a]
 
     def kept(self, s: int, e: int) -> int:
         """Bytes the segment keeps from its forward until its first block's backward ends."""
@@ -193,8 +204,8 @@ class SegmentModel:
         """The highest forward candidate of an F_0 pass over blocks a..b, above the level before
         it: the pass keeps the input and, per call, an RNG state; a replayed call holds one more
         while it runs (the replay's fork of the RNG)."""
-        return max([self.fr[a] + self.rng[a]]
-                   + [self.inp[a] + self.stash(a, j) + self.fr[j] for j in range(a + 1, b + 1)])
+        return max([self.fr[a] + self.fork[a]]
+                   + [self.inp[a] + self.forks(a, j) + self.fr[j] for j in range(a + 1, b + 1)])
 
 
 def _replay(m: SegmentModel, tree: Tree, before: int) -> tuple[int, int, str]:
@@ -213,12 +224,14 @@ def _replay(m: SegmentModel, tree: Tree, before: int) -> tuple[int, int, str]:
         else:
             items.append(j)
             j += 1
-    ge = m.grads_at[e] + m.delta(before | m.holds(s, e), e) + m.gather
+    # Under the replay: the gradients, and the side inputs held; what the code after the last
+    # block keeps was let go by its own backward, before this one.
+    ge = m.grads_at[e] + m.delta(before | m.holds(s, e), e) + m.gather - m.extra[e]
     best, where, ticks = _NONE, "", 0
     level = -m.inp[s]  # what the items before keep; the segment's input is in the outer level
     temp = 0  # the RNG states of the inner frames an F_0 pass makes, gone when the replay ends
     own = 0  # the RNG states of this frame's own calls, let go when its replay ends
-    done = 0  # those of the inner segments whose backward is over, in the loop below
+    done = 0  # below: what the inner segments and the code after the blocks whose backward is over kept
     before_items: list[tuple[int, int]] = []  # (level, side-input state) before each item's backward
     state = before
     for item in items:  # the replay, forward
@@ -230,16 +243,16 @@ def _replay(m: SegmentModel, tree: Tree, before: int) -> tuple[int, int, str]:
                 if value > best:
                     best, where = value, f"replay of {names[a].name}..{names[b].name}"
                 ticks += sum(m.tr[a : b + 1])
-                temp += m.stash(a, b)
+                temp += m.forks(a, b)
             level += m.inp[a]
             state |= m.holds(a, b)
             continue
-        value = ge + level + temp + m.rng[item] + (m.fk[item] if item < e else m.fs[item])
+        value = ge + level + temp + m.fork[item] + (m.fk[item] if item < e else m.fs[item])
         if value > best:
             best, where = value, f"replay of {names[item].name}"
         ticks += m.tr[item]
         level += m.kk[item]
-        own += m.stash(item, item)
+        own += m.fork[item]
         state |= m.saves[item]
     for item, (level, held) in zip(reversed(items), reversed(before_items)):  # the backward, in reverse
         if isinstance(item, Tree):
@@ -249,6 +262,7 @@ def _replay(m: SegmentModel, tree: Tree, before: int) -> tuple[int, int, str]:
                 best, where = value, inner
             done += m.stash(*item.span)
             continue
+        done += m.extra[item]
         g = m.grads_at[item] + m.delta(held | m.saves[item], item) + m.gather
         value = g + level + m.kk[item] + m.bk[item] - own - done
         if value > best:
