@@ -55,19 +55,19 @@ class Fronts:
         singles: tuple[Tree, ...] = ()
         for e in range(s, min(m.reach[s] + 1, s + self.max_len)):
             flat_g = self._g(flat_held | m.saves[e])[e]
-            ge = self._g(before | m.holds(s, e))[e] - m.extra[e]
+            ge = self._g(before | m.holds(s, e))[e]
             last_f = m.fork[e] + m.fs[e]
             flat = max(ge + max(flat_f, flat_level + last_f),
-                       max(flat_b, flat_g + flat_level + m.kk[e] + m.bk[e] + flat_x) - m.stash(s, e))
+                       max(flat_b, flat_g + flat_level + m.kk[e] + m.bk[e] + flat_x + m.extra[e]) - m.stash(s, e))
             out[e] = [(flat, ticks + m.tr[e], Tree((s, e)))]
             if e > s:
                 last_b = self._g(two_held | m.saves[e])[e] + two_level + m.kk[e] + m.bk[e]
-                two = max(ge + max(two_f, two_level + temp + last_f), max(two_b, last_b + m.stash(s, e - 1)) - m.stash(s, e))
+                two = max(ge + max(two_f, two_level + temp + last_f), max(two_b, last_b + m.stash(s, e - 1) + m.extra[e]) - m.stash(s, e))
                 out[e].append((two, 2 * ticks + m.tr[e], Tree((s, e), singles)))
             singles = (*singles, Tree((e, e)))
             flat_f = max(flat_f, flat_level + m.fork[e] + m.fk[e])
-            flat_b = max(flat_b, flat_g + flat_level + m.kk[e] + m.bk[e] + flat_x)
             flat_x += m.extra[e]
+            flat_b = max(flat_b, flat_g + flat_level + m.kk[e] + m.bk[e] + flat_x)
             flat_level += m.kk[e]
             flat_held |= m.saves[e]
             two_f = max(two_f, two_level + temp + m.fr[e] + m.fork[e])
@@ -83,9 +83,9 @@ class Fronts:
     def _single(self, j: int, before: int) -> int:
         """The replay peak of the segment of block j alone (as ``replays`` gives it)."""
         m = self.m
-        rp = self._g(before | m.uses[j])[j] - m.extra[j] - m.inp[j] + m.fork[j] + m.fs[j]
+        rp = self._g(before | m.uses[j])[j] - m.inp[j] + m.fork[j] + m.fs[j]
         bp = self._g(before | m.saves[j])[j] - m.inp[j] + m.kk[j] + m.bk[j]
-        return max(rp, bp - m.rng[j])
+        return max(rp, bp - m.fork[j])
 
     def _g(self, held: int) -> list[int]:
         """[j]: the gradients and side inputs live at block j's backward with ``held`` held."""
@@ -102,7 +102,7 @@ class Fronts:
         if key in self._replays:
             return self._replays[key]
         m = self.m
-        ge = self._g(before | m.holds(s, e))[e] - m.extra[e]
+        ge = self._g(before | m.holds(s, e))[e]
         states: dict[int, list[_State]] = {s: [_State(-m.inp[s], 0, _NONE, _NONE, 0, 0, before, ())]}
         for p in range(s, e + 1):
             for st in _front_states(states.pop(p, [])):
@@ -110,7 +110,7 @@ class Fronts:
                 g = self._g(held | m.saves[p])[p] + level + m.kk[p] + m.bk[p]
                 f = ge + level + temp + m.fork[p] + (m.fk[p] if p < e else m.fs[p])
                 states.setdefault(p + 1, []).append(_State(
-                    level + m.kk[p], t + m.tr[p], max(st.rp, f), max(st.bp, g + st.cs), st.cs + m.extra[p], temp,
+                    level + m.kk[p], t + m.tr[p], max(st.rp, f), max(st.bp, g + st.cs + m.extra[p]), st.cs + m.extra[p], temp,
                     held | m.saves[p], st.kids))
                 for b in range(p, min(e, m.reach[p]) + 1):
                     if (p, b) == (s, e):

@@ -6,39 +6,42 @@ Write in_j for block j's input bytes, and K/F/B for an option's kept, forward-pe
 backward-peak bytes (keep: Kk, Fk, Bk; recompute: Kr, Fr, Br, and Tr its extra time, one
 re-forward); Fs_j is the kept forward's peak up to the block's last saved tensor
 (``BlockProfile.stop_peak_bytes``). A checkpoint's kept bytes beyond its input, rng_j = Kr_j - in_j,
-are what it stashes (the RNG state on the CPU); a segment stashes as much per call. Everything is
-read off the profile, nothing is measured for segments (``remat.manual.segments`` is the
-mechanism, and this is what its frames do):
+are what it stashes, the RNG state (on the CPU; the least rng_j of the profile, "fork" below),
+plus what the code after the block keeps (a stack's last norm: "extra"); a segment stashes as
+much per call. Everything is read off the profile, nothing is measured for segments
+(``remat.manual.segments`` is the mechanism, and this is what its frames do):
 - the forward of a segment [s..e] is that of recomputed blocks whose inputs, but the first, are
   not kept: block s keeps Kr_s, each later block rng_j, and each runs at its Fr_j;
 - its backward starts with the replay: the items of the segment in order, each either a block
   kept during the replay (it keeps Kk_j, runs at Fk_j) or an inner segment, which keeps only its
   input in_a and runs its blocks without keeping anything (an F_0 pass, at most Fr over them; the
-  inner frames it makes stash an RNG state per call until the replay ends); the first item shares
+  inner frames it makes hold an RNG state per call until the replay ends); the first item shares
   the segment's own input; each replayed call holds one more RNG state while it runs (the replay
   forks the RNG); the last block stops at its last saved tensor (at Fs_e: the rest would only
   make its output), and an inner segment that ends the segment is not run at all (the replay
   stops once its input is kept);
 - when the replay ends the frame lets go of what it held: the RNG states of its own calls (an
-  inner segment's stay with the inner frame until its own replay ends, and go for the items
-  before it once its backward is over) and the side inputs its
+  inner segment's stay with the inner frame until its own replay ends) and the side inputs its
   calls received, which stay live only where something else holds them (a block before the
   segment, an inner segment not yet replayed, a kept block that saved them);
-- then the items' backwards in reverse, without those: a kept block j (the last one too) at its
-  Bk_j with what the items before it keep, an inner segment by the same rules, one level down;
+- then the items' backwards in reverse, without those, and without what the items after them
+  stashed (their backwards are over): a kept block j (the last one too) at its Bk_j with what the
+  items before it keep, an inner segment by the same rules, one level down. What the code after
+  block j keeps counts until block j's backward is over: on the safe side (it is let go just
+  before; counted gone, T5's and BART's last encoder block measured 2 KiB over the prediction);
 - the live level under all of it is the cost model's (NOTE [ Every peak candidate is a prefix
   sum ]): parameters, what the blocks before the segment keep, the gradients so far; the side
   inputs its blocks receive are held from its forward until its replay ends (NOTE [ A side
   input's extra life ]), and through later forwards where the plain step would have freed them;
 - time: what its blocks cost kept (nothing, in a measured profile), and each block of a replay
-  runs once per replay it is part of (Tr_j each): a kept block once,
-  an inner segment's blocks once in the outer replay's F_0 pass (unless it ends the segment) and
-  then as many times as their own replays run them.
+  runs once per replay it is part of (Tr_j each): a kept block once, an inner segment's blocks
+  once in the outer replay's F_0 pass (unless it ends the segment) and then as many times as
+  their own replays run them.
 So a segment of one block costs what a recomputed block costs in time, but can peak lower than
 torch's checkpoint (which holds its stash and its inputs through the block's whole backward), and
-the search offers it too. Every candidate is a constant of the segment plus the
-bytes kept before it, so a top-level segment is one more option spanning several blocks for the
-prefix-sum search (``remat.plan.segment_search``).
+the search offers it too. Every candidate is a constant of the segment plus the bytes kept before
+it, so a top-level segment is one more option spanning several blocks for the prefix-sum search
+(``remat.plan.segment_search``).
 """
 
 from __future__ import annotations
@@ -224,9 +227,7 @@ def _replay(m: SegmentModel, tree: Tree, before: int) -> tuple[int, int, str]:
         else:
             items.append(j)
             j += 1
-    # Under the replay: the gradients, and the side inputs held; what the code after the last
-    # block keeps was let go by its own backward, before this one.
-    ge = m.grads_at[e] + m.delta(before | m.holds(s, e), e) + m.gather - m.extra[e]
+    ge = m.grads_at[e] + m.delta(before | m.holds(s, e), e) + m.gather
     best, where, ticks = _NONE, "", 0
     level = -m.inp[s]  # what the items before keep; the segment's input is in the outer level
     temp = 0  # the RNG states of the inner frames an F_0 pass makes, gone when the replay ends
@@ -262,9 +263,9 @@ def _replay(m: SegmentModel, tree: Tree, before: int) -> tuple[int, int, str]:
                 best, where = value, inner
             done += m.stash(*item.span)
             continue
-        done += m.extra[item]
         g = m.grads_at[item] + m.delta(held | m.saves[item], item) + m.gather
         value = g + level + m.kk[item] + m.bk[item] - own - done
+        done += m.extra[item]  # counted as live through the block's own backward: on the safe side
         if value > best:
             best, where = value, f"backward of {names[item].name} (segment {names[s].name}..{names[e].name})"
     return best, ticks, where
