@@ -30,6 +30,7 @@ from remat.distributed import WrappingError, apply_distributed
 from remat.manual.blocks import find_blocks
 from remat.manual.options import set_option as _set
 from remat.measure.profiler import profile
+from remat.plan.segments import estimate_segments
 from remat.plan.solver import solve
 from remat.records import Plan, Profile
 
@@ -63,7 +64,13 @@ def shared_plan(kind: str, how: str) -> Plan:
     text = [""]
     if dist.get_rank() == 0:
         prof = estimated(kind)
-        if how == "mixed":
+        if how == "segments":  # blocks 0..1 one segment, block 2 recomputed: NOTE [ A segment is one recompute frame ]
+            names = [b.name for b in prof.blocks]
+            choices = {n: "recompute" if i == 2 else "keep" for i, n in enumerate(names)}
+            segments = [[names[0], names[1]]]
+            plan = dataclasses.replace(solve(prof, method="none"), choices=choices, segments=segments,
+                                       estimate=estimate_segments(prof, choices, segments), method="manual")
+        elif how == "mixed":
             options = ["recompute", "selective", "keep"]
             choices = dict(zip((b.name for b in prof.blocks), options))
             plan = dataclasses.replace(solve(prof, method="all"), choices=choices, method="manual")
@@ -177,6 +184,7 @@ def scenario(kind: str, how: str, mode: str, opt: str, order: str) -> dict[str, 
     grads, params = train(wrapped, local(batch), loss_fn, make_optimizer(opt, wrapped.parameters()))
     out: dict[str, Any] = {
         "choices": plan.choices,
+        "segments": plan.segments,
         "forward_calls": counter.counts,
         "wrapped_class": type(inner.get_submodule(next(iter(plan.choices)))).__name__,
         "vs_plain_wrapped": {
@@ -200,6 +208,8 @@ SCENARIOS = {
     "fsdp_gpt_solved_sgd": ("gpt", "solved", "fsdp", "sgd", "remat_first"),
     "fsdp_llama_mixed_adamw": ("llama", "mixed", "fsdp", "adamw", "remat_first"),
     "fsdp_gpt_all_adamw_shard_first": ("gpt", "all", "fsdp", "adamw", "shard_first"),
+    "ddp_gpt_segments_adamw": ("gpt", "segments", "ddp", "adamw", "remat_first"),
+    "ddp_llama_segments_sgd": ("llama", "segments", "ddp", "sgd", "remat_first"),
 }
 
 

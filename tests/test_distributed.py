@@ -36,7 +36,7 @@ from remat.distributed import (
 )
 from remat.measure.step import no_gc
 from remat.plan.costmodel import estimate, smallest_feasible
-from remat.plan.solver import solve
+from remat.plan.solver import frontier, smallest_any, solve
 from remat.records import BlockProfile, OptionCost, Profile, Segment
 
 WORKER = Path(__file__).with_name("dist_worker.py")
@@ -56,11 +56,14 @@ def test_ddp_and_fsdp_train_like_one_process(tmp_path: Path) -> None:
     assert run.returncode == 0 and out.exists(), f"torchrun failed:\n{run.stdout[-3000:]}\n{run.stderr[-6000:]}"
     results = json.loads(out.read_text())
     assert results.pop("world_size") == 2
-    assert len(results) == 6
+    assert len(results) == 8
     for name, r in results.items():
-        # Checkpointed blocks run their forward twice per step (forward and recompute), kept once.
+        # Checkpointed blocks run their forward twice per step (forward and recompute), kept once;
+        # so do the blocks of a segment (its forward, then its replay).
+        inside = {b for first, last in r["segments"] for b in (first, last)}
         for block, option in r["choices"].items():
-            assert r["forward_calls"][block] == 3 * (1 if option == "keep" else 2), (name, block)
+            again = option != "keep" or block in inside
+            assert r["forward_calls"][block] == 3 * (2 if again else 1), (name, block)
         assert r["wrapped_class"].startswith("FSDP") == name.startswith("fsdp"), name
         # remat changes nothing under the same wrapper and data split: bitwise equal on the CPU.
         assert r["vs_plain_wrapped"] == {"grads": 0.0, "params": 0.0}, name
@@ -156,6 +159,11 @@ def test_check_wrapping_refuses_a_sharded_model_and_unwraps_ddp() -> None:
             apply_distributed(model, plan, mode="fsdp")
 
         model = tiny()
+        names = list(plan.choices)
+        segmented = dataclasses.replace(plan, segments=[[names[0], names[1]]])
+        with pytest.raises(WrappingError, match="multi-block segments .* do not run under FSDP2"):
+            apply_distributed(model, segmented, mode="fsdp")
+        assert all("forward" not in blk.__dict__ for blk in model.blocks)  # nothing applied
         with pytest.raises(ValueError, match="expected one of 'ddp', 'fsdp'"):
             apply_distributed(model, plan, mode="fsdp2")
         with pytest.raises(ValueError, match="mesh= applies to mode='fsdp' only"):
@@ -471,3 +479,21 @@ def test_estimate_distributed_is_profile_then_per_rank_profile() -> None:
     with pytest.raises(ValueError, match="needs a device"):
         estimate_distributed(lambda: tiny("gpt"), ids, device=None, world_size=8, fsdp=True)  # type: ignore[arg-type]
 
+
+
+def test_plans_for_fsdp_ranks_have_no_segments() -> None:
+    # apply_distributed(mode="fsdp") refuses segments, so plans for an FSDP rank never have them
+    # (a DDP rank's may: they train bit for bit like the plain wrapped model, above). On BiasLM
+    # segments reach below every per-block plan.
+    from remat.measure.profiler import profile
+
+    torch.manual_seed(0)
+    model = models.build_model(models.BiasLMConfig(n_layer=4, dim=32, n_head=2, max_seq=64, vocab_size=64))
+    batch = models.make_batch(model, batch_size=2, seq_len=64)
+    one = profile(model, batch, loss_fn=models.loss_fn_for(model), repeats=1)
+    assert smallest_any(one)[0] < smallest_feasible(one)[0]
+    sharded = dataclasses.replace(one, world_size=2, fsdp=True)
+    low = smallest_any(sharded)[0]
+    assert low == smallest_feasible(sharded)[0]
+    assert all(not plan.segments for plan in frontier(sharded, points=6))
+    assert not solve(sharded, low).segments

@@ -82,6 +82,13 @@ def apply_distributed(
             f"the model is already wrapped by DistributedDataParallel; DDP options "
             f"{sorted(wrap_kwargs)} apply only when apply_distributed wraps it"
         )
+    if mode == "fsdp" and plan.segments:
+        raise WrappingError(
+            f"the plan has multi-block segments ({len(plan.segments)}), which do not run under FSDP2 "
+            "yet: a segment's replay runs its earlier blocks before fully_shard has gathered their "
+            "parameters; solve without them (remat.solve(profile, budget, segments=False)), or use "
+            "mode='ddp'"
+        )
     apply(target, plan, strict=strict)
     if mode == "ddp":
         if is_ddp:

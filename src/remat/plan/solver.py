@@ -238,7 +238,7 @@ def _optimal(
     """The fastest plan's picks and segments (NOTE [ Searching segments ]): per-block options
     and segments together; segments are used when strictly faster than the per-block optimum, or
     when only they fit."""
-    model = SegmentModel(profile, chain) if segments and {"keep", "recompute"} <= set(chain.options) else None
+    model = SegmentModel(profile, chain) if segments and _segments_run(profile, chain) else None
     relaxed = floor_ticks = None
     if model is not None and not chain.holds:
         # A block in a segment is bounded by one more per-block option: the relaxation's fastest
@@ -291,7 +291,7 @@ def smallest_any(profile: Profile) -> tuple[int, str]:
     low, why = smallest_feasible(profile)
     chain = chain_constraints(profile)
     seg = None
-    if {"keep", "recompute"} <= set(chain.options):
+    if _segments_run(profile, chain):
         seg = segment_search(chain, SegmentModel(profile, chain), NO_LIMIT_BYTES, objective="peak")
     if seg is None or not seg.trees or seg.peak_bytes >= low:
         return low, why
@@ -322,6 +322,12 @@ def _plan(
         batch_shape=list(profile.batch_shape),
         notes=notes,
     )
+
+
+def _segments_run(profile: Profile, chain: ChainConstraints) -> bool:
+    """Whether plans with segments can run for ``profile``: blocks that keep and recompute, and
+    no FSDP2 (``remat.distributed.apply_distributed`` refuses them there)."""
+    return {"keep", "recompute"} <= set(chain.options) and not profile.fsdp
 
 
 def _infeasible(profile: Profile, budget_bytes: int, segments: bool = True) -> InfeasibleBudget:
