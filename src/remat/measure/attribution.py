@@ -115,8 +115,7 @@ def attribute(
             numbers["kept"] = live[end] - live[start] + received - handed
             numbers["fwd_peak"] = peak - level
             if (stop := last_save.get(f"sv{key}")) is not None:  # BlockProfile.stop_peak_bytes
-                marks = trace.marks[first[start] : stop + 1]
-                numbers["stop_peak"] = max([marks[0].live_bytes] + [m.peak_bytes for m in marks[1:]]) - level
+                numbers["stop_peak"] = trace.peak_over(first[start], stop) - level
             level += numbers["kept"]
         else:
             numbers["bwd_peak"] = peak - level

@@ -74,6 +74,10 @@ class Trace:
         i, j = labels.index(start), labels.index(stop)
         if j < i:
             raise InvalidValue(f"mark {stop!r} comes before {start!r}")
+        return self.peak_over(i, j)
+
+    def peak_over(self, i: int, j: int) -> int:
+        """Highest live bytes from the i-th mark to the j-th (both included; labels may repeat)."""
         return max([self.marks[i].live_bytes] + [m.peak_bytes for m in self.marks[i + 1 : j + 1]])
 
 

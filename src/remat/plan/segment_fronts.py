@@ -71,7 +71,8 @@ class Fronts:
             flat_level += m.kk[e]
             flat_held |= m.saves[e]
             two_f = max(two_f, two_level + temp + m.fr[e] + m.fork[e])
-            two_b = max(two_b, two_level + m.inp[e] + self._single(e, two_held) + m.stash(s, e))
+            alone = self.replays(e, e, two_held)[0][0]  # the inner segment of block e alone
+            two_b = max(two_b, two_level + m.inp[e] + alone + m.stash(s, e))
             two_level += m.inp[e]
             two_held |= m.uses[e]
             temp += m.fork[e]
@@ -79,13 +80,6 @@ class Fronts:
         self._replays[key] = []
         self._family[key] = out
         return out
-
-    def _single(self, j: int, before: int) -> int:
-        """The replay peak of the segment of block j alone (as ``replays`` gives it)."""
-        m = self.m
-        rp = self._g(before | m.uses[j])[j] - m.inp[j] + m.fork[j] + m.fs[j]
-        bp = self._g(before | m.saves[j])[j] - m.inp[j] + m.kk[j] + m.bk[j]
-        return max(rp, bp - m.fork[j])
 
     def _g(self, held: int) -> list[int]:
         """[j]: the gradients and side inputs live at block j's backward with ``held`` held."""
@@ -132,7 +126,7 @@ class Fronts:
 
 @dataclass(frozen=True)
 class _State:
-    """A partial replay: the items of a segment so far (``_Fronts.replays``)."""
+    """A partial replay: the items of a segment so far (``Fronts.replays``)."""
 
     level: int
     ticks: int
