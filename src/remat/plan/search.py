@@ -12,8 +12,8 @@ import numpy as np
 from remat.plan.costmodel import ChainConstraints
 
 __all__ = [
-    "NO_LIMIT_BYTES", "FreeOption", "Table", "optimal_picks", "pair_rank", "relaxed_beats", "relaxed_optimum",
-    "relaxed_table",
+    "NO_LIMIT_BYTES", "FreeOption", "PerBlock", "Table", "optimal_picks", "pair_rank", "relaxed_beats",
+    "relaxed_optimum", "relaxed_search", "relaxed_table",
 ]
 
 # NOTE [ Pareto DP over prefix kept bytes ]
@@ -83,28 +83,59 @@ def optimal_picks(
     """Option indices of the fastest plan whose peak fits ``budget_bytes`` (the lowest peak among
     those, then the fewest kept bytes); None when none fits. ``plain_limit``: NOTE [ Bounding the
     search ]; tests set it to 0 to check the bounded search."""
-    floors = chain.suffix_floors()  # [i][side-input state]; one state without side inputs
-    budget = min(budget_bytes, NO_LIMIT_BYTES)
-    if max(chain.fixed_bytes, floors[0][0]) > budget:
-        return None
-    if not chain.kept_bytes:
-        return []
-    found = _optimal(Table.of(chain, budget, floors), plain_limit)
-    return found[0]
+    search = PerBlock.start(chain, budget_bytes, plain_limit=plain_limit)
+    return None if search is None else search.optimum()[0]
 
 
-def _optimal(table: Table, plain_limit: int = _PLAIN_LIMIT) -> tuple[list[int], int, Table | None]:
-    """The picks and ticks of ``table``'s fastest plan (which the caller checked exists), and the
-    table bounded if the search needed it (NOTE [ Bounding the search ])."""
-    found = _search(table, bound_ticks=None, width=None, give_up=plain_limit)
-    if found is not None:
-        return found[0], found[1], None
-    bounded = table.bounded()  # a varied chain
-    rough = _search(bounded, bound_ticks=None, width=_ROUGH_WIDTH, give_up=None)
-    assert rough is not None, "the floor check guarantees a feasible plan"
-    found = _search(bounded, bound_ticks=rough[1], width=None, give_up=None)
-    assert found is not None, "the rough plan itself is within the bound"
-    return found[0], found[1], bounded
+@dataclass(frozen=True)
+class PerBlock:
+    """The per-block optimum's search, begun: the optimum itself when the plain search found it,
+    else (a long varied chain, NOTE [ Bounding the search ]) the bounded table and a beam's plan,
+    whose ticks bound the optimum's from above, with the exact search left for when it is asked
+    for: under a tighter bound (``within``) it costs far less."""
+
+    table: Table
+    picks: list[int]
+    ticks: int
+    """The optimum's ticks when ``exact``, else an upper bound on them (the beam's plan's)."""
+    exact: bool
+
+    @classmethod
+    def start(cls, chain: ChainConstraints, budget_bytes: int, *, plain_limit: int = _PLAIN_LIMIT
+              ) -> PerBlock | None:
+        """The search over ``chain``'s options; None when no per-block plan fits."""
+        floors = chain.suffix_floors()  # [i][side-input state]; one state without side inputs
+        budget = min(budget_bytes, NO_LIMIT_BYTES)
+        if max(chain.fixed_bytes, floors[0][0]) > budget:
+            return None
+        return cls.of(Table.of(chain, budget, floors), plain_limit)
+
+    @classmethod
+    def of(cls, table: Table, plain_limit: int = _PLAIN_LIMIT) -> PerBlock:
+        """The search over ``table`` (which the caller checked some plan fits)."""
+        if not table.columns:
+            return cls(table, [], 0, True)
+        found = _search(table, bound_ticks=None, width=None, give_up=plain_limit)
+        if found is not None:
+            return cls(table, found[0], found[1], True)
+        bounded = table if table.rest is not None else table.bounded()  # a varied chain
+        rough = _search(bounded, bound_ticks=None, width=_ROUGH_WIDTH, give_up=None)
+        assert rough is not None, "the floor check guarantees a feasible plan"
+        return cls(bounded, rough[0], rough[1], False)
+
+    def within(self, ticks: int) -> tuple[list[int], int] | None:
+        """The optimum's picks and ticks if it takes at most ``ticks``, else None."""
+        if self.exact:
+            return (self.picks, self.ticks) if self.ticks <= ticks else None
+        try:
+            return _search(self.table, bound_ticks=ticks, width=None, give_up=None, none_left=True)
+        except _NoneLeft:
+            return None
+
+    def optimum(self) -> tuple[list[int], int]:
+        found = self.within(self.ticks)
+        assert found is not None, "the beam's plan itself is within the bound"
+        return found
 
 
 def relaxed_table(chain: ChainConstraints, budget_bytes: int, free: FreeOption) -> Table:
@@ -127,9 +158,19 @@ def relaxed_table(chain: ChainConstraints, budget_bytes: int, free: FreeOption) 
 def relaxed_optimum(relaxed: Table) -> tuple[list[int], int, Table | None] | None:
     """``relaxed``'s fastest plan (picks, -1 for the extra option), its ticks and the table bounded
     if the search needed it; None when nothing fits even there."""
+    search = relaxed_search(relaxed)
+    if search is None:
+        return None
+    picks, ticks = search.optimum()
+    return picks, ticks, None if search.exact else search.table
+
+
+def relaxed_search(relaxed: Table) -> PerBlock | None:
+    """The search for ``relaxed``'s fastest plan, begun (``PerBlock``); None when nothing fits
+    even there."""
     if relaxed.fixed_bytes > relaxed.budget_bytes or int(relaxed.room[0, 0]) < 0:
         return None
-    return _optimal(relaxed) if relaxed.columns else ([], 0, None)
+    return PerBlock.of(relaxed)
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from remat.plan.segments import SegmentModel, Tree
 
 __all__ = ["Fronts"]
@@ -21,64 +23,38 @@ class Fronts:
 
     def __init__(self, model: SegmentModel, exact: bool, max_len: int) -> None:
         self.m, self.exact, self.max_len = model, exact, max_len
-        self._family: dict[tuple[int, int, int], dict[int, list[tuple[int, int, Tree]]]] = {}
+        self._singles = tuple(Tree((j, j)) for j in range(model.n))
+        self.arrays = _Arrays(model)
         self._grads: dict[int, list[int]] = {}
         self._replays: dict[tuple[int, int, int], list[tuple[int, int, Tree]]] = {}
-        self._tops: dict[tuple[int, int, int], list[tuple[int, int, Tree]]] = {}
+        self._tops: dict[tuple[int, int], list[list[tuple[int, int, Tree]]]] = {}
 
     def top(self, s: int, e: int, before: int) -> list[tuple[int, int, Tree]]:
         """``before``: the side-input state before the segment."""
-        key = (s, e, before)
-        if key not in self._tops:
-            m = self.m
-            fwd, _ = m.forward_need(s, e, before)
-            base = m.lead + m.kept(s, e)
-            if self.exact:
-                points = [(max(fwd, base + p), t, tree) for p, t, tree in self.replays(s, e, before)]
-            else:
-                points = [(max(fwd, base + p), t, tree) for p, t, tree in self.families(s, before)[e]]
-            self._tops[key] = _front2(points)
-        return self._tops[key]
+        return self.row(s, before)[e - s]
 
-    def families(self, s: int, before: int) -> dict[int, list[tuple[int, int, Tree]]]:
-        """For every end e: the flat and the two-level segment [s..e] (NOTE [ Searching segments
-        ]), their (replay peak, ticks) as ``SegmentModel.replay`` gives them, in one pass over e."""
-        key = (s, -1, before)
-        if key in self._replays:
-            return self._family[key]
-        m = self.m
-        out: dict[int, list[tuple[int, int, Tree]]] = {}
-        flat_level = two_level = -m.inp[s]
-        flat_f = flat_b = two_f = two_b = _NONE
-        ticks = temp = flat_x = 0
-        flat_held = two_held = before  # the state at each item's backward, before its own
-        singles: tuple[Tree, ...] = ()
-        for e in range(s, min(m.reach[s] + 1, s + self.max_len)):
-            flat_g = self._g(flat_held | m.saves[e])[e]
-            ge = self._g(before | m.holds(s, e))[e]
-            last_f = m.fork[e] + m.fs[e]
-            flat = max(ge + max(flat_f, flat_level + last_f),
-                       max(flat_b, flat_g + flat_level + m.kk[e] + m.bk[e] + flat_x + m.extra[e]) - m.stash(s, e))
-            out[e] = [(flat, ticks + m.tr[e], Tree((s, e)))]
-            if e > s:
-                last_b = self._g(two_held | m.saves[e])[e] + two_level + m.kk[e] + m.bk[e]
-                two = max(ge + max(two_f, two_level + temp + last_f), max(two_b, last_b + m.stash(s, e - 1) + m.extra[e]) - m.stash(s, e))
-                out[e].append((two, 2 * ticks + m.tr[e], Tree((s, e), singles)))
-            singles = (*singles, Tree((e, e)))
-            flat_f = max(flat_f, flat_level + m.fork[e] + m.fk[e])
-            flat_x += m.extra[e]
-            flat_b = max(flat_b, flat_g + flat_level + m.kk[e] + m.bk[e] + flat_x)
-            flat_level += m.kk[e]
-            flat_held |= m.saves[e]
-            two_f = max(two_f, two_level + temp + m.fr[e] + m.fork[e])
-            alone = self.replays(e, e, two_held)[0][0]  # the inner segment of block e alone
-            two_b = max(two_b, two_level + m.inp[e] + alone + m.stash(s, e))
-            two_level += m.inp[e]
-            two_held |= m.uses[e]
-            temp += m.fork[e]
-            ticks += m.tr[e]
-        self._replays[key] = []
-        self._family[key] = out
+    def row(self, s: int, before: int) -> list[list[tuple[int, int, Tree]]]:
+        """``top(s, e, before)`` for every end e from s on, as far as a segment from s may reach.
+        Without side inputs, every start's row at once (the state is always 0)."""
+        if (s, before) not in self._tops:
+            starts = range(self.m.n) if self.m.sides is None else [s]
+            grid = _Grid(self, np.array(starts, dtype=np.int64), before)
+            for r, start in enumerate(starts):
+                self._tops[(start, before)] = self._points(grid, r, start, before)
+        return self._tops[(s, before)]
+
+    def _points(self, grid: _Grid, r: int, s: int, before: int) -> list[list[tuple[int, int, Tree]]]:
+        out = []
+        for d in range(int(grid.length[r])):
+            e, fwd, base = s + d, int(grid.fwd[r, d]), int(grid.base[r, d])
+            if self.exact:
+                points = self.replays(s, e, before)
+            else:  # the flat and the two-level segment (NOTE [ Searching segments ])
+                points = [(int(grid.flat[r, d]), int(grid.flat_ticks[r, d]), Tree((s, e)))]
+                if d:
+                    points.append((int(grid.two[r, d]), int(grid.two_ticks[r, d]),
+                                   Tree((s, e), self._singles[s:e])))
+            out.append(_front2([(max(fwd, base + p), t, tree) for p, t, tree in points]))
         return out
 
     def _g(self, held: int) -> list[int]:
@@ -122,6 +98,83 @@ class Fronts:
         final = [(max(st.rp, st.bp - gone), st.ticks, Tree((s, e), st.kids)) for st in states.get(e + 1, [])]
         self._replays[key] = result = _front2(final)
         return result
+
+
+class _Arrays:
+    """A segment model's per-block numbers as arrays, and its side-input tables [block, state]."""
+
+    def __init__(self, m: SegmentModel) -> None:
+        def arr(x: list[int]) -> np.ndarray:
+            return np.array(x, dtype=np.int64).reshape(m.n)
+
+        self.inp, self.kk, self.fk, self.bk, self.fs = arr(m.inp), arr(m.kk), arr(m.fk), arr(m.bk), arr(m.fs)
+        self.kr, self.fr, self.tr, self.rng, self.fork = arr(m.kr), arr(m.fr), arr(m.tr), arr(m.rng), arr(m.fork)
+        self.extra, self.reach, self.grads_at = arr(m.extra), arr(m.reach), arr(m.grads_at)
+        self.uses, self.saves = arr(m.uses), arr(m.saves)
+        self.rng_sum = np.concatenate([[0], np.cumsum(self.rng)]).astype(np.int64)
+        masks = 1 if m.sides is None else m.sides.masks
+        self.delta = np.zeros((m.n, masks), dtype=np.int64)
+        self.fwd_delta = np.zeros((m.n, masks), dtype=np.int64)
+        if m.sides is not None:
+            for j in range(m.n):
+                for h in range(masks):
+                    self.delta[j, h] = m.sides.delta_bytes(h, j)
+                    self.fwd_delta[j, h] = m.sides.fwd_delta_bytes(h, j)
+
+
+class _Grid:
+    """For rows of starts s (side-input state ``before`` before each) and ends e = s + d: the
+    forward need (``SegmentModel.forward_need``), the base a replay peak stands on, and the flat
+    and two-level segments' replay peaks and ticks, as ``Fronts.families`` computes them one by
+    one, here for every end at once (running sums and maxima along d)."""
+
+    def __init__(self, fronts: Fronts, starts: np.ndarray, before: int) -> None:
+        m, a = fronts.m, fronts.arrays
+        d = np.arange(fronts.max_len, dtype=np.int64)
+        s = starts[:, None]
+        self.length = np.minimum(a.reach[starts] + 1, starts + fronts.max_len) - starts
+        e = np.minimum(s + d[None, :], m.n - 1)  # cells past a row's length are never read
+
+        def col(x: np.ndarray) -> np.ndarray:
+            return x[e]
+
+        def before_each(x: np.ndarray, first: int, how: np.ufunc) -> np.ndarray:
+            """[r, d]: ``how`` accumulated over the items before d (``first`` at d = 0)."""
+            acc = how.accumulate(x, axis=1)
+            return np.concatenate([np.full((acc.shape[0], 1), first, dtype=np.int64), acc[:, :-1]], axis=1)
+
+        def g(held: np.ndarray) -> np.ndarray:  # Fronts._g: gradients and side inputs at e's backward
+            return col(a.grads_at) + a.delta[e, held] + m.gather
+
+        inp, kk, bk, fk, fs, fr = col(a.inp), col(a.kk), col(a.bk), col(a.fk), col(a.fs), col(a.fr)
+        fork, extra, tr, uses, saves = col(a.fork), col(a.extra), col(a.tr), col(a.uses), col(a.saves)
+        stash = a.rng_sum[e + 1] - a.rng_sum[s]  # stash(s, e)
+        stash_before = a.rng_sum[e] - a.rng_sum[s]  # stash(s, e - 1)
+        # the forward: what the segment keeps so far, with the side inputs held so far
+        fwd_level = before_each(np.where(d[None, :] == 0, a.kr[s], col(a.rng)), 0, np.add)
+        fwd_held = before_each(uses, 0, np.bitwise_or) | before
+        self.fwd = np.maximum.accumulate(m.lead + fwd_level + fr + m.gather + a.fwd_delta[e, fwd_held], axis=1)
+        self.base = m.lead + a.kr[s] + a.rng_sum[e + 1] - a.rng_sum[s + 1]  # lead + kept(s, e)
+        ge = g(np.bitwise_or.accumulate(uses, axis=1) | before)
+        # the flat segment: every block kept in the replay
+        level = before_each(kk, 0, np.add) - a.inp[s]
+        flat_g = g(before_each(saves, 0, np.bitwise_or) | before | saves)
+        last_b = flat_g + level + kk + bk + np.cumsum(extra, axis=1)
+        flat_f = before_each(level + fork + fk, _NONE, np.maximum)
+        self.flat = np.maximum(ge + np.maximum(flat_f, level + fork + fs),
+                               np.maximum.accumulate(last_b, axis=1) - stash)
+        ticks = before_each(tr, 0, np.add)
+        self.flat_ticks = ticks + tr
+        # the two-level segment: each block but the last an inner segment of one
+        level = before_each(inp, 0, np.add) - a.inp[s]
+        temp = before_each(fork, 0, np.add)
+        held = before_each(uses, 0, np.bitwise_or) | before
+        alone = np.maximum(g(held | uses) - inp + fork + fs, g(held | saves) - inp + kk + bk + extra - col(a.rng))
+        two_b = before_each(level + inp + alone + stash, _NONE, np.maximum)
+        two_f = before_each(level + temp + fr + fork, _NONE, np.maximum)
+        self.two = np.maximum(ge + np.maximum(two_f, level + temp + fork + fs),
+                              np.maximum(two_b, g(held | saves) + level + kk + bk + stash_before + extra) - stash)
+        self.two_ticks = 2 * ticks + tr
 
 
 @dataclass(frozen=True)

@@ -60,6 +60,7 @@ long chains (fewer compete for it).
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -103,19 +104,9 @@ def segment_search(
         max_len = 16 if n <= 128 else 8
     longest = n if exact else min(n, max_len)
     fronts = Fronts(model, exact, longest)
-    keep, rec = chain.options.index("keep"), chain.options.index("recompute")
-    kept = np.array(chain.kept_bytes, dtype=np.int64).reshape(n, width)
+    keep = chain.options.index("keep")
     ticks = np.rint(np.array(chain.extra_ms, dtype=np.float64).reshape(n, width) * 1e6).astype(np.int64)
-    if chain.holds:
-        holds = np.array(chain.holds, dtype=np.int64).reshape(n, width)
-        fwd = np.array(chain.fwd_need_bytes, dtype=np.int64).reshape(n, width)
-        bwd = np.array(chain.bwd_need_bytes, dtype=np.int64).reshape(n, width)
-        delta = np.array(chain.delta_bytes, dtype=np.int64).reshape(n, -1)
-        fwd_delta = np.array(chain.fwd_delta_bytes, dtype=np.int64).reshape(n, -1)
-        tails = np.array(chain.tail_held_bytes, dtype=np.int64)
-    else:
-        need = np.array(chain.need_bytes, dtype=np.int64).reshape(n, width)
-        tails = np.array([chain.tail_bytes], dtype=np.int64)
+    tails = np.array(chain.tail_held_bytes if chain.holds else [chain.tail_bytes], dtype=np.int64)
     states = len(tails)
     if below_ticks is None:
         floor = None  # the time floor prunes against a bound only
@@ -145,51 +136,35 @@ def segment_search(
         pending[q] = []
         if q == n:
             break
-        hope = (K + floors[q][H] <= budget_bytes) & (limit > T)  # some finish fits, and could win
-        if floor is not None:
-            hope &= limit > T + floor.bound(q, K)
+        # Some finish fits and could win: checked for every move as it is made (below), so here
+        # only for the first state.
+        hope = np.ones(K.size, dtype=bool)
+        if q == 0:
+            hope = (K + floors[q][H] <= budget_bytes) & (limit > T)
+            if floor is not None:
+                hope &= limit > T + floor.bound(q, K)
         alive = _front(K, T, P, H, objective, hope, None if exact else MAX_STATES)
         K, T, P, H, src, idx, mv = (a[alive] for a in (K, T, P, H, src, idx, mv))
         saved.append((src, idx, mv))
         table: list[tuple[int, int, Tree | None]] = []
         moves.append(table)
-        rows = np.arange(K.size, dtype=np.int64)
-        for o in range(width):
-            cH = H | holds[q, o] if chain.holds else H
-            term = np.maximum(fwd[q, o] + fwd_delta[q][cH], bwd[q, o] + delta[q][cH]) if chain.holds else need[q, o]
-            _push(pending[q + 1], budget_bytes, K + kept[q, o], T + ticks[q, o], np.maximum(P, K + term), cH,
-                  q, rows, len(table))
-            table.append((q + 1, o, None))
-        for h in (np.unique(H).tolist() if chain.holds else [0]):  # segments from q, all at once
-            sel = np.flatnonzero(h == H) if chain.holds else rows
-            rows_m = []
-            ends = range(q, min(model.reach[q] + 1, q + longest))
-            spans = [model.kept(q, e) for e in ends]
-            if floor is not None and sel.size and spans:
-                # Replays cost at least their recomputes: a span through which no state here can
-                # end faster needs no front.
-                beyond = np.arange(q + 1, q + 1 + len(spans), dtype=np.int64)  # e + 1 per span
-                ahead = (int(T[sel].min()) + recompute[beyond] - recompute[q]
-                         + floor.bound(beyond, int(K[sel].min()) + np.array(spans, dtype=np.int64)))
-                live = (ahead < limit).tolist()
-            else:
-                live = [True] * len(spans)
-            for e, seg_kept, alive_e in zip(ends, spans, live):
-                if not alive_e:
-                    continue
-                seg_holds = model.holds(q, e)
-                # A segment of one block keeps, holds and costs what recompute does: it is a move
-                # only where its peak is lower.
-                alone = chain.need_at(q, rec, int(h) | seg_holds) if e == q else None
-                for need_e, t, tree in fronts.top(q, e, int(h)):
-                    if alone is not None and need_e >= alone:
-                        continue
-                    rows_m.append((need_e, seg_kept, t + int(kept_ticks[e + 1] - kept_ticks[q]), e + 1, int(h) | seg_holds))
-                    table.append((e + 1, keep, tree))
-            if not rows_m:
+        for h in (np.unique(H).tolist() if chain.holds else [0]):  # every move from q, all at once
+            sel = np.flatnonzero(h == H) if chain.holds else np.arange(K.size, dtype=np.int64)
+            if not sel.size:
                 continue
-            m_need, m_kept, m_ticks, m_target, m_held = (np.array(c, dtype=np.int64) for c in zip(*rows_m))
-            first_move = len(table) - len(rows_m)
+            live = None
+            if exact and floor is not None:
+                # Replays cost at least their recomputes: a span through which no state here can
+                # end faster needs no front (the moves' own check below would drop its moves).
+                ends = np.arange(q, min(model.reach[q] + 1, q + longest), dtype=np.int64)
+                spans = np.array([model.kept(q, int(e)) for e in ends.tolist()], dtype=np.int64)
+                ahead = (int(T[sel].min()) + recompute[ends + 1] - recompute[q]
+                         + floor.bound(ends + 1, int(K[sel].min()) + spans))
+                live = (ahead < limit).tolist()
+            entries, m_need, m_kept, m_ticks, m_target, m_held = _moves(
+                chain, model, fronts, q, int(h), ticks[q].tolist(), kept_ticks, live)
+            first_move = len(table)
+            table.extend(entries)
             Ks, Ts, Ps = K[sel][:, None], T[sel][:, None], P[sel][:, None]
             cK, cT = Ks + m_kept, Ts + m_ticks
             cP = np.maximum(Ps, Ks + m_need)
@@ -197,16 +172,18 @@ def segment_search(
             ok = (cP <= budget_bytes) & (cT < limit) & (cK + room <= budget_bytes)
             if floor is not None:
                 ok &= cT + floor.bound(m_target[None, :], cK) < limit
-            r, c = np.nonzero(ok)
+            c, r = np.nonzero(ok.T)  # by move (so by target), then by state
             if not r.size:
                 continue
-            by = np.argsort(m_target[c], kind="stable")
-            r, c = r[by], c[by]
-            targets, starts = np.unique(m_target[c], return_index=True)
-            for target, lo, hi in zip(targets.tolist(), starts.tolist(), [*starts[1:].tolist(), r.size]):
-                rr, cc = r[lo:hi], c[lo:hi]
-                pending[target].append((cK[rr, cc], cT[rr, cc], cP[rr, cc], m_held[cc],
-                                        np.full(rr.size, q, dtype=np.int64), sel[rr], first_move + cc))
+            at = r * ok.shape[1] + c
+            goes = m_target[c]
+            fK, fT, fP = cK.ravel()[at], cT.ravel()[at], cP.ravel()[at]
+            fH, fi, fm = m_held[c], sel[r], first_move + c
+            fq = np.full(r.size, q, dtype=np.int64)
+            cuts = [0, *(np.flatnonzero(goes[1:] != goes[:-1]) + 1).tolist(), r.size]
+            for lo, hi in itertools.pairwise(cuts):
+                pending[int(goes[lo])].append((fK[lo:hi], fT[lo:hi], fP[lo:hi], fH[lo:hi], fq[lo:hi],
+                                               fi[lo:hi], fm[lo:hi]))
     final = np.maximum(P, K + tails[H] if chain.holds else K + tails[0])
     fits = np.flatnonzero(final <= budget_bytes)
     if not fits.size:
@@ -226,12 +203,38 @@ def segment_search(
     return SegmentResult(picks=picks, trees=sorted(trees, key=lambda t: t.span), ticks=best_ticks, peak_bytes=best_peak)
 
 
-def _push(into: list[tuple[np.ndarray, ...]], budget: int, K: np.ndarray, T: np.ndarray, P: np.ndarray,
-          H: np.ndarray, q: int, rows: np.ndarray, move: int) -> None:
-    ok = budget >= P
-    if ok.any():
-        into.append((K[ok], T[ok], P[ok], H[ok], np.full(int(ok.sum()), q, dtype=np.int64), rows[ok],
-                     np.full(int(ok.sum()), move, dtype=np.int64)))
+def _moves(chain: ChainConstraints, model: SegmentModel, fronts: Fronts, q: int, h: int, ticks: list[int],
+           kept_ticks: np.ndarray, live: list[bool] | None
+           ) -> tuple[list[tuple[int, int, Tree | None]], np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Every move out of position q in side-input state h: block q's options, then the segments
+    from q (a point of each span's front; only spans ``live`` says may win), as the moves table's
+    entries (target, option, tree) and arrays of their need, kept bytes, ticks, target and the
+    state after them."""
+    keep, rec = chain.options.index("keep"), chain.options.index("recompute")
+    entries: list[tuple[int, int, Tree | None]] = []
+    rows: list[tuple[int, int, int, int, int]] = []
+    for o in range(len(chain.options)):
+        held = h | (chain.holds[q][o] if chain.holds else 0)
+        rows.append((chain.need_at(q, o, held), chain.kept_bytes[q][o],
+                     ticks[o], q + 1, held))
+        entries.append((q + 1, o, None))
+    seg_holds = 0
+    for e in range(q, min(model.reach[q] + 1, q + fronts.max_len)):
+        seg_holds |= model.uses[e]
+        if live is not None and not live[e - q]:
+            continue
+        seg_kept = model.kept(q, e)
+        # A segment of one block keeps, holds and costs what recompute does: it is a move only
+        # where its peak is lower.
+        alone = chain.need_at(q, rec, h | seg_holds) if e == q else None
+        run = int(kept_ticks[e + 1] - kept_ticks[q])
+        for need_e, t, tree in fronts.top(q, e, h):
+            if alone is not None and need_e >= alone:
+                continue
+            rows.append((need_e, seg_kept, t + run, e + 1, h | seg_holds))
+            entries.append((e + 1, keep, tree))
+    need, kept, ticks_, target, held = np.array(rows, dtype=np.int64).T
+    return entries, need, kept, ticks_, target, held
 
 
 def _floors(chain: ChainConstraints, model: SegmentModel, fronts: Fronts, longest: int, states: int) -> list[np.ndarray]:
@@ -269,14 +272,24 @@ def _front(K: np.ndarray, T: np.ndarray, P: np.ndarray, H: np.ndarray, objective
             continue
         k, t, p = K[part], T[part], P[part]
         first, second = (t, p) if objective == "time" else (p, t)
-        rank = pair_rank(first, second)
-        order = np.lexsort((rank, k))
-        r = rank[order]
-        keep = np.empty(order.size, dtype=bool)
-        keep[0] = True
-        keep[1:] = r[1:] < np.minimum.accumulate(r)[:-1]
-        chosen = order[keep]
+        chosen = _undominated(k, pair_rank(first, second))
         if cap is not None and chosen.size > cap:  # sorted by K: a spread from both ends
             chosen = chosen[np.unique(np.linspace(0, chosen.size - 1, cap).round().astype(np.int64))]
         out.append(part[chosen])
     return np.concatenate(out)
+
+
+def _undominated(k: np.ndarray, rank: np.ndarray) -> np.ndarray:
+    """Indices, by increasing k, of the points no other beats: no more k and a lower rank, or the
+    same rank and earlier. The pending plans come in runs sorted by K (each a front moved by one
+    move's bytes), which a stable sort merges quickly; within one k only the lowest rank (the
+    first of equal ones) can stay, and it stays when it is below every rank at a smaller k."""
+    order = np.argsort(k, kind="stable")
+    ks, rs = k[order], rank[order]
+    starts = np.flatnonzero(np.concatenate([[True], ks[1:] != ks[:-1]]))
+    low = np.minimum.reduceat(rs, starts)
+    group = np.cumsum(np.concatenate([[False], ks[1:] != ks[:-1]]))
+    where = np.where(rs == low[group], np.arange(rs.size), rs.size)
+    first = np.minimum.reduceat(where, starts)
+    below = np.concatenate([[True], low[1:] < np.minimum.accumulate(low)[:-1]])
+    return order[first[below]]

@@ -21,9 +21,11 @@ from remat.plan.costmodel import ChainConstraints, chain_constraints, smallest_f
 from remat.plan.head import HEAD_KEEP, best_of_heads, frontier_of_heads, head_names, with_head
 from remat.plan.search import (
     NO_LIMIT_BYTES,
+    PerBlock,
+    Table,
     optimal_picks,
     relaxed_beats,
-    relaxed_optimum,
+    relaxed_search,
     relaxed_table,
 )
 from remat.plan.segment_search import SegmentResult, segment_search
@@ -239,35 +241,51 @@ def _optimal(
     and segments together; segments are used when strictly faster than the per-block optimum, or
     when only they fit."""
     model = SegmentModel(profile, chain) if segments and _segments_run(profile, chain) else None
-    relaxed = floor_ticks = None
-    if model is not None and not chain.holds:
+    relaxed: Table | None = None
+    floor_ticks = beam_ticks = None
+    if model is not None:
+        relaxed = relaxed_table(chain, budget, model.free_option())
+    if relaxed is not None and not chain.holds:
         # A block in a segment is bounded by one more per-block option: the relaxation's fastest
         # plan is no slower than any plan, and (without side inputs) when it is a per-block plan,
         # it is the optimum.
-        relaxed = relaxed_table(chain, budget, model.free_option())
-        best = relaxed_optimum(relaxed)
-        if best is None:
+        search = relaxed_search(relaxed)
+        if search is None:
             raise _infeasible(profile, budget, segments)  # nothing fits even the relaxation
-        fastest, floor_ticks, bounded = best
-        if -1 not in fastest:
-            return fastest, []
-        relaxed = bounded or relaxed
-    picks = optimal_picks(chain, budget)
-    below = None if picks is None else _ticks(chain, picks)
-    if model is not None and below != 0:
-        relaxed = relaxed or relaxed_table(chain, budget, model.free_option())
+        if -1 in search.picks and not search.exact:
+            # A varied chain whose beam plan uses segments: the bounded table is the floor, and
+            # the exact relaxed search (which would not end the solve) is skipped; the beam's
+            # plan is a relaxed plan that fast.
+            relaxed, beam_ticks = search.table, search.ticks
+        else:
+            picks, floor_ticks = search.optimum()
+            if -1 not in picks:
+                return picks, []
+            relaxed = search.table
+    per_block = PerBlock.start(chain, budget)
+    # ``upper``: the per-block optimum's ticks, or on a varied chain an upper bound on them.
+    upper = None if per_block is None else per_block.ticks
+    if model is not None and relaxed is not None and upper != 0:
         floor = None
-        if below is not None:
+        if upper is not None:
             floor = relaxed if relaxed.rest is not None else relaxed.bounded()
-            if not (floor_ticks < below if floor_ticks is not None else relaxed_beats(floor, below)):
-                floor = None  # no plan of any kind fits and is strictly faster than ``below``
-        if floor is not None or below is None:
-            seg = segment_search(chain, model, budget, objective="time", below_ticks=below, floor=floor)
-            if seg is not None and seg.trees and (below is None or seg.ticks < below):
-                return seg.picks, _segment_names(profile, seg)
-    if picks is None:
+            if floor_ticks is not None:
+                hopeful = floor_ticks < upper
+            else:
+                hopeful = (beam_ticks is not None and beam_ticks < upper) or relaxed_beats(floor, upper)
+            if not hopeful:
+                floor = None  # no plan of any kind fits and is strictly faster than ``upper``
+        if floor is not None or upper is None:
+            seg = segment_search(chain, model, budget, objective="time", below_ticks=upper, floor=floor)
+            if seg is not None and seg.trees and (upper is None or seg.ticks < upper):
+                # Segments win only when strictly faster than the per-block optimum: under the
+                # segments' ticks, its exact search is quick.
+                if per_block is None or per_block.within(seg.ticks) is None:
+                    return seg.picks, _segment_names(profile, seg)
+                return per_block.optimum()[0], []
+    if per_block is None:
         raise _infeasible(profile, budget, segments)
-    return picks, []
+    return per_block.optimum()[0], []
 
 
 def _ticks(chain: ChainConstraints, picks: Sequence[int]) -> int:
