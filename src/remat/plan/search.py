@@ -10,9 +10,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from remat.plan.costmodel import ChainConstraints
+from remat.plan.pareto import DROPPED, pair_rank, undominated
 
 __all__ = [
-    "NO_LIMIT_BYTES", "FreeOption", "PerBlock", "Table", "optimal_picks", "pair_rank", "relaxed_beats",
+    "NO_LIMIT_BYTES", "FreeOption", "PerBlock", "Table", "optimal_picks", "relaxed_beats",
     "relaxed_optimum", "relaxed_search", "relaxed_table",
 ]
 
@@ -74,7 +75,6 @@ _CELLS_PER_BLOCK = 64  # cells per block in between: rounding errs by up to one 
 _ROUGH_WIDTH = 64  # partial plans per block in the search for a first, good plan
 _UNSET32 = 2**30  # "nothing fits" in the int32 bound (and above it)
 _UNIT_SPAN = 2**29  # the most units of ticks a whole chain adds
-_DROPPED = 2**63 - 1  # the rank of a partial plan that is out
 
 
 def optimal_picks(
@@ -387,9 +387,7 @@ def _undominated(
     return np.logical_not(beaten.any(axis=1))
 
 
-def _front(
-    K: np.ndarray, T: np.ndarray, P: np.ndarray, drop: np.ndarray, H: np.ndarray
-) -> np.ndarray:
+def _front(K: np.ndarray, T: np.ndarray, P: np.ndarray, drop: np.ndarray, H: np.ndarray) -> np.ndarray:
     """Indices of the states that are not dropped and that no other with the same side-input
     state H dominates (NOTE [ Pareto DP over prefix kept bytes ]), ordered by H, then K."""
     states = np.unique(H) if H.size and int(H.min()) != int(H.max()) else H[:1]
@@ -397,28 +395,5 @@ def _front(
         parts = [np.flatnonzero(h == H) for h in states]
         return np.concatenate([p[_front(K[p], T[p], P[p], drop[p], H[p])] for p in parts])
     rank = pair_rank(T, P)
-    rank[drop] = _DROPPED
-    by_k = np.lexsort((rank, K))
-    r = rank[by_k]
-    keep = np.empty(by_k.size, dtype=bool)
-    keep[0] = r[0] < _DROPPED
-    keep[1:] = r[1:] < np.minimum.accumulate(r)[:-1]
-    return by_k[keep]
-
-
-def pair_rank(first: np.ndarray, second: np.ndarray) -> np.ndarray:
-    """Per element, an int64 below ``_DROPPED`` that orders like the pair (first, second), equal
-    pairs equal: the pair packed into one number when its ranges allow (one sort less), else its
-    dense rank."""
-    f_low, s_low = int(first.min()), int(second.min())
-    s_span = int(second.max()) - s_low + 1
-    if (int(first.max()) - f_low + 1) * s_span < _DROPPED:
-        return (first - f_low) * s_span + (second - s_low)
-    by = np.lexsort((second, first))
-    fs, ss = first[by], second[by]
-    step = np.empty(by.size, dtype=bool)
-    step[0] = True
-    step[1:] = (fs[1:] != fs[:-1]) | (ss[1:] != ss[:-1])
-    rank = np.empty(by.size, dtype=np.int64)
-    rank[by] = np.cumsum(step)
-    return rank
+    rank[drop] = DROPPED
+    return undominated(K, rank)

@@ -6,13 +6,15 @@ numbers ] (``remat.plan.segments``) as a DP over a segment's items. Pure: no tor
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import overload
 
 import numpy as np
 
 from remat.plan.segments import SegmentModel, Tree
 
-__all__ = ["Fronts"]
+__all__ = ["Fronts", "SegmentMoves"]
 
 _NONE = -(2**62)
 
@@ -27,34 +29,68 @@ class Fronts:
         self.arrays = _Arrays(model)
         self._grads: dict[int, list[int]] = {}
         self._replays: dict[tuple[int, int, int], list[tuple[int, int, Tree]]] = {}
-        self._tops: dict[tuple[int, int], list[list[tuple[int, int, Tree]]]] = {}
+        self._tops: dict[tuple[int, int, int], list[tuple[int, int, Tree]]] = {}
+        self._rows: dict[tuple[int, int], SegmentMoves] = {}
 
     def top(self, s: int, e: int, before: int) -> list[tuple[int, int, Tree]]:
-        """``before``: the side-input state before the segment."""
-        return self.row(s, before)[e - s]
+        """The exact search's front of segment [s..e] over every structure (``before``: the
+        side-input state before it): (need, replay ticks, tree), fastest first."""
+        key = (s, e, before)
+        if key not in self._tops:
+            m = self.m
+            fwd, _ = m.forward_need(s, e, before)
+            base = m.lead + m.kept(s, e)
+            self._tops[key] = _front2([(max(fwd, base + p), t, tree) for p, t, tree in self.replays(s, e, before)])
+        return self._tops[key]
 
-    def row(self, s: int, before: int) -> list[list[tuple[int, int, Tree]]]:
-        """``top(s, e, before)`` for every end e from s on, as far as a segment from s may reach.
-        Without side inputs, every start's row at once (the state is always 0)."""
-        if (s, before) not in self._tops:
+    def moves(self, s: int, before: int, live: list[bool] | None = None) -> SegmentMoves:
+        """Every top-level segment from s (side-input state ``before`` before it): each point of
+        each span's front, by end, fastest first; ``live[e - s]`` False: span [s..e] is not
+        wanted (only read in the exact search, where fronts cost the most)."""
+        if self.exact:
+            ends = range(s, min(self.m.reach[s] + 1, s + self.max_len))
+            points = [(n, t, e, tree) for e in ends if live is None or live[e - s]
+                      for n, t, tree in self.top(s, e, before)]
+            need, ticks, end = (np.array([[p[i] for p in points]], dtype=np.int64) for i in range(3))
+            return self._finish(np.array([s]), before, need, ticks, end, np.ones(need.shape, dtype=bool),
+                                trees=[[p[3] for p in points]])[0]
+        if (s, before) not in self._rows:
             starts = range(self.m.n) if self.m.sides is None else [s]
             grid = _Grid(self, np.array(starts, dtype=np.int64), before)
-            for r, start in enumerate(starts):
-                self._tops[(start, before)] = self._points(grid, r, start, before)
-        return self._tops[(s, before)]
+            for start, found in zip(starts, grid.moves(self)):
+                self._rows[(start, before)] = found
+        return self._rows[(s, before)]
 
-    def _points(self, grid: _Grid, r: int, s: int, before: int) -> list[list[tuple[int, int, Tree]]]:
+    def _finish(self, starts: np.ndarray, before: int, need: np.ndarray, ticks: np.ndarray, end: np.ndarray,
+                keep: np.ndarray, *, trees: Sequence[Sequence[Tree]] | None = None,
+                kinds: np.ndarray | None = None) -> list[SegmentMoves]:
+        """Per row (a start s): the segments among ``keep`` [row, point] that are moves, with
+        the bytes they keep, the state after them and their ticks with their blocks' kept
+        run. A segment of one block keeps, holds and costs what recompute does: it is a move
+        only where its peak is lower."""
+        m, a = self.m, self.arrays
+        s = starts[:, None]
+        end = np.minimum(end, m.n - 1)  # cells past a row's length are not kept
+        d = end - s
+        spans = np.bitwise_or.accumulate(a.uses[np.minimum(s + np.arange(self.max_len), m.n - 1)], axis=1)
+        held = np.take_along_axis(spans, np.maximum(d, 0), axis=1) | before
+        rec = m.chain.options.index("recompute")
+        alone = np.array([[m.chain.need_at(q, rec, int(h))] for q, h in zip(starts.tolist(), spans[:, 0] | before)],
+                         dtype=np.int64).reshape(-1, 1)
+        keep = keep & ~((d == 0) & (need >= alone))
+        kept = a.kr[s] + a.rng_sum[end + 1] - a.rng_sum[s + 1]  # SegmentModel.kept(s, e)
+        total = ticks + a.kept_ticks[end + 1] - a.kept_ticks[s]  # a segment's blocks run kept
         out = []
-        for d in range(int(grid.length[r])):
-            e, fwd, base = s + d, int(grid.fwd[r, d]), int(grid.base[r, d])
-            if self.exact:
-                points = self.replays(s, e, before)
-            else:  # the flat and the two-level segment (NOTE [ Searching segments ])
-                points = [(int(grid.flat[r, d]), int(grid.flat_ticks[r, d]), Tree((s, e)))]
-                if d:
-                    points.append((int(grid.two[r, d]), int(grid.two_ticks[r, d]),
-                                   Tree((s, e), self._singles[s:e])))
-            out.append(_front2([(max(fwd, base + p), t, tree) for p, t, tree in points]))
+        for r, q in enumerate(starts.tolist()):
+            at = np.flatnonzero(keep[r])
+            row_trees: Sequence[Tree]
+            if trees is not None:
+                row_trees = trees[r]
+            else:
+                assert kinds is not None
+                row_trees = _Trees(q, end[r], kinds[r], self._singles)
+            out.append(SegmentMoves(need[r, at], total[r, at], end[r, at], kept[r, at], held[r, at],
+                                    _Picked(row_trees, at)))
         return out
 
     def _g(self, held: int) -> list[int]:
@@ -100,6 +136,61 @@ class Fronts:
         return result
 
 
+@dataclass(frozen=True)
+class SegmentMoves:
+    """Segments from one start: per move, its need (NOTE [ Searching segments ]), its ticks, its
+    last block, the bytes it keeps, and (``trees[i]``) its structure."""
+
+    need: np.ndarray
+    ticks: np.ndarray
+    """With the kept time of its blocks."""
+    end: np.ndarray
+    kept: np.ndarray
+    held: np.ndarray
+    """The side-input state after it."""
+    trees: Sequence[Tree]
+
+
+class _Trees(Sequence[Tree]):
+    """The flat (kind 0) or two-level (kind 1) segments from ``s`` to ``ends``, made when read
+    (the search reads only its plan's)."""
+
+    def __init__(self, s: int, ends: np.ndarray, kinds: np.ndarray, singles: tuple[Tree, ...]) -> None:
+        self.s, self.ends, self.kinds, self.singles = s, ends, kinds, singles
+
+    def __len__(self) -> int:
+        return len(self.ends)
+
+    @overload
+    def __getitem__(self, i: int) -> Tree: ...
+    @overload
+    def __getitem__(self, i: slice) -> Sequence[Tree]: ...
+    def __getitem__(self, i: int | slice) -> Tree | Sequence[Tree]:
+        if isinstance(i, slice):
+            return [self[j] for j in range(len(self))[i]]
+        e = int(self.ends[i])
+        return Tree((self.s, e), self.singles[self.s : e] if self.kinds[i] else ())
+
+
+
+class _Picked(Sequence[Tree]):
+    """``trees[at[i]]``."""
+
+    def __init__(self, trees: Sequence[Tree], at: np.ndarray) -> None:
+        self.trees, self.at = trees, at
+
+    def __len__(self) -> int:
+        return len(self.at)
+
+    @overload
+    def __getitem__(self, i: int) -> Tree: ...
+    @overload
+    def __getitem__(self, i: slice) -> Sequence[Tree]: ...
+    def __getitem__(self, i: int | slice) -> Tree | Sequence[Tree]:
+        if isinstance(i, slice):
+            return [self[j] for j in range(len(self))[i]]
+        return self.trees[int(self.at[i])]
+
 class _Arrays:
     """A segment model's per-block numbers as arrays, and its side-input tables [block, state]."""
 
@@ -112,6 +203,9 @@ class _Arrays:
         self.extra, self.reach, self.grads_at = arr(m.extra), arr(m.reach), arr(m.grads_at)
         self.uses, self.saves = arr(m.uses), arr(m.saves)
         self.rng_sum = np.concatenate([[0], np.cumsum(self.rng)]).astype(np.int64)
+        keep = m.chain.options.index("keep")
+        ms = np.array([row[keep] for row in m.chain.extra_ms], dtype=np.float64).reshape(m.n)
+        self.kept_ticks = np.concatenate([[0], np.cumsum(np.rint(ms * 1e6))]).astype(np.int64)
         masks = 1 if m.sides is None else m.sides.masks
         self.delta = np.zeros((m.n, masks), dtype=np.int64)
         self.fwd_delta = np.zeros((m.n, masks), dtype=np.int64)
@@ -175,6 +269,26 @@ class _Grid:
         self.two = np.maximum(ge + np.maximum(two_f, level + temp + fork + fs),
                               np.maximum(two_b, g(held | saves) + level + kk + bk + stash_before + extra) - stash)
         self.two_ticks = 2 * ticks + tr
+        self.starts, self.before = starts, before
+
+    def moves(self, fronts: Fronts) -> list[SegmentMoves]:
+        """Per row: the front of the flat and the two-level segment of each span (NOTE [
+        Searching segments ]) as ``_front2`` keeps it, by end, fastest first."""
+        flat = np.maximum(self.fwd, self.base + self.flat)
+        two = np.maximum(self.fwd, self.base + self.two)
+        tf, tt = self.flat_ticks, self.two_ticks
+        d = np.arange(flat.shape[1])[None, :]
+        flat_first = (tf < tt) | ((tf == tt) & (flat <= two)) | (d == 0)  # no two-level of one block
+        first, second = np.where(flat_first, flat, two), np.where(flat_first, two, flat)
+        inside = d < self.length[:, None]
+        # [row, d, point]: the two points of each span in ``_front2``'s order, and which it keeps
+        rows = flat.shape[0]
+        need = np.stack([first, second], axis=2).reshape(rows, -1)
+        ticks = np.stack([np.where(flat_first, tf, tt), np.where(flat_first, tt, tf)], axis=2).reshape(rows, -1)
+        kinds = np.stack([~flat_first, flat_first], axis=2).astype(np.int64).reshape(rows, -1)
+        keep = np.stack([inside, inside & (d > 0) & (second < first)], axis=2).reshape(rows, -1)
+        end = np.repeat(self.starts[:, None] + d, 2, axis=1)
+        return fronts._finish(self.starts, self.before, need, ticks, end, keep, kinds=kinds)
 
 
 @dataclass(frozen=True)

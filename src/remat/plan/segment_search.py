@@ -60,13 +60,16 @@ long chains (fewer compete for it).
 
 from __future__ import annotations
 
+import functools
 import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from remat.plan.costmodel import ChainConstraints
-from remat.plan.search import Table, pair_rank
+from remat.plan.pareto import pair_rank, undominated
+from remat.plan.search import Table
 from remat.plan.segment_fronts import Fronts
 from remat.plan.segments import SegmentModel, Tree
 
@@ -119,12 +122,11 @@ def segment_search(
     floor_table = np.stack(floors)  # [position, state]
     limit = _NO_TICKS if below_ticks is None else below_ticks
     recompute = np.concatenate([[0], np.cumsum([max(0, t) for t in model.tr])]).astype(np.int64)
-    kept_ticks = np.concatenate([[0], np.cumsum(ticks[:, keep])]).astype(np.int64)  # a segment's blocks run kept
     pending: list[list[tuple[np.ndarray, ...]]] = [[] for _ in range(n + 1)]
     zero = np.zeros(1, dtype=np.int64)
     pending[0].append((zero, zero, np.full(1, chain.fixed_bytes, dtype=np.int64), zero, zero - 1, zero, zero))
     saved: list[tuple[np.ndarray, ...]] = []
-    moves: list[list[tuple[int, int, Tree | None]]] = []  # per position: (target, option, tree)
+    moves: list[list[tuple[int, _MoveSet]]] = []  # per position: (first move's index, its set)
     for q in range(n + 1):
         if not pending[q]:
             if q == n:
@@ -146,7 +148,7 @@ def segment_search(
         alive = _front(K, T, P, H, objective, hope, None if exact else MAX_STATES)
         K, T, P, H, src, idx, mv = (a[alive] for a in (K, T, P, H, src, idx, mv))
         saved.append((src, idx, mv))
-        table: list[tuple[int, int, Tree | None]] = []
+        table: list[tuple[int, _MoveSet]] = []
         moves.append(table)
         for h in (np.unique(H).tolist() if chain.holds else [0]):  # every move from q, all at once
             sel = np.flatnonzero(h == H) if chain.holds else np.arange(K.size, dtype=np.int64)
@@ -161,10 +163,10 @@ def segment_search(
                 ahead = (int(T[sel].min()) + recompute[ends + 1] - recompute[q]
                          + floor.bound(ends + 1, int(K[sel].min()) + spans))
                 live = (ahead < limit).tolist()
-            entries, m_need, m_kept, m_ticks, m_target, m_held = _moves(
-                chain, model, fronts, q, int(h), ticks[q].tolist(), kept_ticks, live)
-            first_move = len(table)
-            table.extend(entries)
+            move_set, m_need, m_kept, m_ticks, m_target, m_held = _moves(
+                chain, fronts, q, int(h), ticks[q].tolist(), live)
+            first_move = sum(m.width + len(m.trees) for _, m in table)
+            table.append((first_move, move_set))
             Ks, Ts, Ps = K[sel][:, None], T[sel][:, None], P[sel][:, None]
             cK, cT = Ks + m_kept, Ts + m_ticks
             cP = np.maximum(Ps, Ks + m_need)
@@ -194,7 +196,8 @@ def segment_search(
     picks, trees = [keep] * n, list[Tree]()
     q, i, move = int(src[at]), int(idx[at]), int(mv[at])
     while q >= 0:
-        _, o, step = moves[q][move]
+        first, move_set = next((f, m) for f, m in reversed(moves[q]) if f <= move)
+        o, step = move_set.entry(move - first)
         if step is None:
             picks[q] = o
         else:
@@ -203,38 +206,34 @@ def segment_search(
     return SegmentResult(picks=picks, trees=sorted(trees, key=lambda t: t.span), ticks=best_ticks, peak_bytes=best_peak)
 
 
-def _moves(chain: ChainConstraints, model: SegmentModel, fronts: Fronts, q: int, h: int, ticks: list[int],
-           kept_ticks: np.ndarray, live: list[bool] | None
-           ) -> tuple[list[tuple[int, int, Tree | None]], np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+@dataclass(frozen=True)
+class _MoveSet:
+    """The moves out of one position in one side-input state: the block's ``width`` options,
+    then segments (``trees``)."""
+
+    width: int
+    trees: Sequence[Tree]
+
+    def entry(self, i: int) -> tuple[int, Tree | None]:
+        """(option, None) for an option's move, (-1, tree) for a segment's."""
+        return (i, None) if i < self.width else (-1, self.trees[i - self.width])
+
+
+def _moves(chain: ChainConstraints, fronts: Fronts, q: int, h: int, ticks: list[int], live: list[bool] | None
+           ) -> tuple[_MoveSet, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Every move out of position q in side-input state h: block q's options, then the segments
-    from q (a point of each span's front; only spans ``live`` says may win), as the moves table's
-    entries (target, option, tree) and arrays of their need, kept bytes, ticks, target and the
-    state after them."""
-    keep, rec = chain.options.index("keep"), chain.options.index("recompute")
-    entries: list[tuple[int, int, Tree | None]] = []
-    rows: list[tuple[int, int, int, int, int]] = []
-    for o in range(len(chain.options)):
+    from q (the points of each span's front; only spans ``live`` says may win), and arrays of
+    their need, kept bytes, ticks, target and the state after them."""
+    width = len(chain.options)
+    rows = []
+    for o in range(width):
         held = h | (chain.holds[q][o] if chain.holds else 0)
-        rows.append((chain.need_at(q, o, held), chain.kept_bytes[q][o],
-                     ticks[o], q + 1, held))
-        entries.append((q + 1, o, None))
-    seg_holds = 0
-    for e in range(q, min(model.reach[q] + 1, q + fronts.max_len)):
-        seg_holds |= model.uses[e]
-        if live is not None and not live[e - q]:
-            continue
-        seg_kept = model.kept(q, e)
-        # A segment of one block keeps, holds and costs what recompute does: it is a move only
-        # where its peak is lower.
-        alone = chain.need_at(q, rec, h | seg_holds) if e == q else None
-        run = int(kept_ticks[e + 1] - kept_ticks[q])
-        for need_e, t, tree in fronts.top(q, e, h):
-            if alone is not None and need_e >= alone:
-                continue
-            rows.append((need_e, seg_kept, t + run, e + 1, h | seg_holds))
-            entries.append((e + 1, keep, tree))
-    need, kept, ticks_, target, held = np.array(rows, dtype=np.int64).T
-    return entries, need, kept, ticks_, target, held
+        rows.append((chain.need_at(q, o, held), chain.kept_bytes[q][o], ticks[o], q + 1, held))
+    need, kept, tick, target, after = np.array(rows, dtype=np.int64).T
+    seg = fronts.moves(q, h, live)
+    columns = (np.concatenate([need, seg.need]), np.concatenate([kept, seg.kept]), np.concatenate([tick, seg.ticks]),
+               np.concatenate([target, seg.end + 1]), np.concatenate([after, seg.held]))
+    return (_MoveSet(width, seg.trees), *columns)
 
 
 def _floors(chain: ChainConstraints, model: SegmentModel, fronts: Fronts, longest: int, states: int) -> list[np.ndarray]:
@@ -242,23 +241,18 @@ def _floors(chain: ChainConstraints, model: SegmentModel, fronts: Fronts, longes
     segments (as ``ChainConstraints.suffix_floors`` without them): a partial plan keeping K before
     q can still fit budget B only if K + floors[q][H] <= B."""
     n = len(chain.kept_bytes)
-    floors = [np.zeros(states, dtype=np.int64) for _ in range(n + 1)]
-    floors[n][:] = [chain.tail_at(h) for h in range(states)]
+    floors = np.zeros((n + 1, states), dtype=np.int64)
+    floors[n] = [chain.tail_at(h) for h in range(states)]
     for q in range(n - 1, -1, -1):
         for h in range(states):
-            best = None
-            for o, k in enumerate(chain.kept_bytes[q]):
-                now = h | (chain.holds[q][o] if chain.holds else 0)
-                value = max(chain.need_at(q, o, now), k + int(floors[q + 1][now]))
-                best = value if best is None else min(best, value)
-            for e in range(q, min(model.reach[q] + 1, q + longest)):
-                now = h | model.holds(q, e)
-                low = min(p for p, _, _ in fronts.top(q, e, h))
-                best = min(best, max(low, model.kept(q, e) + int(floors[e + 1][now])))  # type: ignore[type-var]
-            assert best is not None
-            floors[q][h] = best
-    return floors
-
+            best = min(max(chain.need_at(q, o, now := h | (chain.holds[q][o] if chain.holds else 0)),
+                           k + int(floors[q + 1, now]))
+                       for o, k in enumerate(chain.kept_bytes[q]))
+            seg = fronts.moves(q, h)
+            if seg.need.size:
+                best = min(best, int(np.maximum(seg.need, seg.kept + floors[seg.end + 1, seg.held]).min()))
+            floors[q, h] = best
+    return list(floors)
 
 def _front(K: np.ndarray, T: np.ndarray, P: np.ndarray, H: np.ndarray, objective: str, hope: np.ndarray,
            cap: int | None) -> np.ndarray:
@@ -266,30 +260,24 @@ def _front(K: np.ndarray, T: np.ndarray, P: np.ndarray, H: np.ndarray, objective
     Searching segments ]); at most ``cap`` per state, spread over the front."""
     out = [np.zeros(0, dtype=np.int64)]
     one = bool(H.size) and int(H.min()) == int(H.max())  # one side-input state: no split
+    every = bool(hope.all())
     for h in [int(H[0])] if one else np.unique(H[hope]).tolist():
-        part = np.flatnonzero(hope) if one else np.flatnonzero((h == H) & hope)
+        if one:
+            part = np.arange(H.size) if every else np.flatnonzero(hope)
+        else:
+            part = np.flatnonzero((h == H) & hope)
         if not part.size:
             continue
         k, t, p = K[part], T[part], P[part]
         first, second = (t, p) if objective == "time" else (p, t)
-        chosen = _undominated(k, pair_rank(first, second))
+        chosen = undominated(k, pair_rank(first, second))
         if cap is not None and chosen.size > cap:  # sorted by K: a spread from both ends
-            chosen = chosen[np.unique(np.linspace(0, chosen.size - 1, cap).round().astype(np.int64))]
+            chosen = chosen[_spread(chosen.size, cap)]
         out.append(part[chosen])
     return np.concatenate(out)
 
 
-def _undominated(k: np.ndarray, rank: np.ndarray) -> np.ndarray:
-    """Indices, by increasing k, of the points no other beats: no more k and a lower rank, or the
-    same rank and earlier. The pending plans come in runs sorted by K (each a front moved by one
-    move's bytes), which a stable sort merges quickly; within one k only the lowest rank (the
-    first of equal ones) can stay, and it stays when it is below every rank at a smaller k."""
-    order = np.argsort(k, kind="stable")
-    ks, rs = k[order], rank[order]
-    starts = np.flatnonzero(np.concatenate([[True], ks[1:] != ks[:-1]]))
-    low = np.minimum.reduceat(rs, starts)
-    group = np.cumsum(np.concatenate([[False], ks[1:] != ks[:-1]]))
-    where = np.where(rs == low[group], np.arange(rs.size), rs.size)
-    first = np.minimum.reduceat(where, starts)
-    below = np.concatenate([[True], low[1:] < np.minimum.accumulate(low)[:-1]])
-    return order[first[below]]
+@functools.lru_cache(maxsize=4096)
+def _spread(size: int, cap: int) -> np.ndarray:
+    """``cap`` indices spread evenly over 0..size-1, both ends included."""
+    return np.unique(np.linspace(0, size - 1, cap).round().astype(np.int64))

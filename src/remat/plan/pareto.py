@@ -1,0 +1,49 @@
+"""Pareto fronts of partial plans, for the searches of ``remat.plan.search`` and
+``remat.plan.segment_search``: a pair of criteria packed into one rank, and the points no other
+beats on (bytes kept, rank). Pure: numpy.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = ["DROPPED", "pair_rank", "undominated"]
+
+DROPPED = 2**63 - 1
+"""The rank of a partial plan that is out."""
+
+
+def pair_rank(first: np.ndarray, second: np.ndarray) -> np.ndarray:
+    """Per element, an int64 below ``DROPPED`` that orders like the pair (first, second), equal
+    pairs equal: the pair packed into one number when its ranges allow (one sort less), else its
+    dense rank."""
+    f_low, s_low = int(first.min()), int(second.min())
+    s_span = int(second.max()) - s_low + 1
+    if (int(first.max()) - f_low + 1) * s_span < DROPPED:
+        return (first - f_low) * s_span + (second - s_low)
+    by = np.lexsort((second, first))
+    fs, ss = first[by], second[by]
+    step = np.empty(by.size, dtype=bool)
+    step[0] = True
+    step[1:] = (fs[1:] != fs[:-1]) | (ss[1:] != ss[:-1])
+    rank = np.empty(by.size, dtype=np.int64)
+    rank[by] = np.cumsum(step)
+    return rank
+
+
+def undominated(k: np.ndarray, rank: np.ndarray) -> np.ndarray:
+    """Indices, by increasing k, of the points no other beats: no more k and a lower rank, or the
+    same k and rank and earlier; ranks ``DROPPED`` never stay. What ``np.lexsort((rank, k))``
+    and a running minimum give, with one stable sort: within one k only the lowest rank (the
+    first of equal ones) can stay, and it stays when it is below every rank at a smaller k.
+    Partial plans often come in runs sorted by k (a front moved by one move's bytes), which the
+    stable sort merges quickly."""
+    order = np.argsort(k, kind="stable")
+    ks, rs = k[order], rank[order]
+    new = np.concatenate([[True], ks[1:] != ks[:-1]])
+    starts = np.flatnonzero(new)
+    low = np.minimum.reduceat(rs, starts)
+    where = np.where(rs == low[np.cumsum(new) - 1], np.arange(rs.size), rs.size)
+    first = np.minimum.reduceat(where, starts)
+    below = np.concatenate([[True], low[1:] < np.minimum.accumulate(low)[:-1]]) & (low < DROPPED)
+    return order[first[below]]
