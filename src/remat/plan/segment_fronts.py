@@ -1,7 +1,9 @@
 """The segment search's fronts: per span and side-input state, the Pareto front of (need,
 ticks) of a segment over its structures (NOTE [ Searching segments ] in
 ``remat.plan.segment_search``), with the arithmetic of NOTE [ A segment's costs from per-block
-numbers ] (``remat.plan.segments``) as a DP over a segment's items. Pure: no torch.
+numbers ] (``remat.plan.segments``): as a DP over a segment's items on short chains (every
+nesting), and for the flat and two-level families of long chains as arrays over every start and
+end at once. Pure: numpy, no torch.
 """
 
 from __future__ import annotations
@@ -219,8 +221,11 @@ class _Arrays:
 class _Grid:
     """For rows of starts s (side-input state ``before`` before each) and ends e = s + d: the
     forward need (``SegmentModel.forward_need``), the base a replay peak stands on, and the flat
-    and two-level segments' replay peaks and ticks, as ``Fronts.families`` computes them one by
-    one, here for every end at once (running sums and maxima along d)."""
+    and two-level segments' replay peaks and ticks, as ``SegmentModel.replay`` computes them one
+    tree at a time, here for every end at once (running sums and maxima along d). The flat
+    segment keeps every block in its replay; the two-level one replays each block but the last
+    as a segment of one: it holds one input per block in the forward and goes down to one input
+    per block only while it is replayed (NOTE [ Searching segments ])."""
 
     def __init__(self, fronts: Fronts, starts: np.ndarray, before: int) -> None:
         m, a = fronts.m, fronts.arrays

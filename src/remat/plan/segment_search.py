@@ -56,6 +56,17 @@ the time floor does, or the plan is over the budget and dropped at its end. Both
 partial plans that cannot end strictly faster than the per-block optimum, so results the solver
 uses are those of the search without them, up to which states the ``MAX_STATES`` cap keeps on
 long chains (fewer compete for it).
+On a varied chain (one whose exact searches need their bounds, NOTE [ Bounding the search ] in
+``remat.plan.search``) two exact searches are put off: where the relaxed chain's beam plan uses
+the extra option, the exact relaxed search (which could only end the solve with a per-block plan)
+is skipped and its bounded table is the floor; and the per-block optimum is bounded from above
+by its beam's plan, which the segment search is to beat. Only when it does is the per-block
+search run, under the segment plan's ticks (where it is quick): a per-block plan that fast wins.
+For the solve time, every position's moves are arrays: block q's options and the segments from
+q in one matrix against the partial plans there, and the flat and two-level segments of every
+span computed for every start at once (``remat.plan.segment_fronts``: the arithmetic of
+``SegmentModel.replay``, as running sums and maxima along the span; tests/test_segment_fronts.py
+checks it equal, tree by tree). A segment's tree is made only for the plan found.
 """
 
 from __future__ import annotations
