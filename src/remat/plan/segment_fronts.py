@@ -8,7 +8,8 @@ end at once. Pure: numpy, no torch.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import overload
 
@@ -85,14 +86,13 @@ class Fronts:
         out = []
         for r, q in enumerate(starts.tolist()):
             at = np.flatnonzero(keep[r])
-            row_trees: Sequence[Tree]
+            make: Callable[[int], Tree]
             if trees is not None:
-                row_trees = trees[r]
+                make = trees[r].__getitem__
             else:
                 assert kinds is not None
-                row_trees = _Trees(q, end[r], kinds[r], self._singles)
-            out.append(SegmentMoves(need[r, at], total[r, at], end[r, at], kept[r, at], held[r, at],
-                                    _Picked(row_trees, at)))
+                make = functools.partial(_family_tree, q, end[r], kinds[r], self._singles)
+            out.append(SegmentMoves(need[r, at], total[r, at], end[r, at], kept[r, at], held[r, at], _Trees(make, at)))
         return out
 
     def _g(self, held: int) -> list[int]:
@@ -154,32 +154,10 @@ class SegmentMoves:
 
 
 class _Trees(Sequence[Tree]):
-    """The flat (kind 0) or two-level (kind 1) segments from ``s`` to ``ends``, made when read
-    (the search reads only its plan's)."""
+    """``make(at[i])``, made when read: the search reads only its plan's trees."""
 
-    def __init__(self, s: int, ends: np.ndarray, kinds: np.ndarray, singles: tuple[Tree, ...]) -> None:
-        self.s, self.ends, self.kinds, self.singles = s, ends, kinds, singles
-
-    def __len__(self) -> int:
-        return len(self.ends)
-
-    @overload
-    def __getitem__(self, i: int) -> Tree: ...
-    @overload
-    def __getitem__(self, i: slice) -> Sequence[Tree]: ...
-    def __getitem__(self, i: int | slice) -> Tree | Sequence[Tree]:
-        if isinstance(i, slice):
-            return [self[j] for j in range(len(self))[i]]
-        e = int(self.ends[i])
-        return Tree((self.s, e), self.singles[self.s : e] if self.kinds[i] else ())
-
-
-
-class _Picked(Sequence[Tree]):
-    """``trees[at[i]]``."""
-
-    def __init__(self, trees: Sequence[Tree], at: np.ndarray) -> None:
-        self.trees, self.at = trees, at
+    def __init__(self, make: Callable[[int], Tree], at: np.ndarray) -> None:
+        self.make, self.at = make, at
 
     def __len__(self) -> int:
         return len(self.at)
@@ -191,7 +169,14 @@ class _Picked(Sequence[Tree]):
     def __getitem__(self, i: int | slice) -> Tree | Sequence[Tree]:
         if isinstance(i, slice):
             return [self[j] for j in range(len(self))[i]]
-        return self.trees[int(self.at[i])]
+        return self.make(int(self.at[i]))
+
+
+def _family_tree(s: int, ends: np.ndarray, kinds: np.ndarray, singles: tuple[Tree, ...], j: int) -> Tree:
+    """The flat (kind 0) or two-level (kind 1) segment from ``s`` to ``ends[j]``."""
+    e = int(ends[j])
+    return Tree((s, e), singles[s:e] if kinds[j] else ())
+
 
 class _Arrays:
     """A segment model's per-block numbers as arrays, and its side-input tables [block, state]."""
