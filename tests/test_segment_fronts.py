@@ -55,6 +55,15 @@ def test_every_start_at_once_is_the_cost_model_one_by_one(p: Profile, max_len: i
             assert found == want
 
 
+def _sort_and_scan(k: np.ndarray, rank: np.ndarray) -> list[int]:
+    order = np.lexsort((rank, k))
+    r = rank[order]
+    keep = np.empty(order.size, dtype=bool)
+    keep[0] = r[0] < DROPPED
+    keep[1:] = r[1:] < np.minimum.accumulate(r)[:-1]
+    return order[keep].tolist()
+
+
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.tuples(st.integers(0, 6), st.integers(0, 6), st.booleans()), min_size=1, max_size=40))
 def test_the_front_is_the_sort_and_scan(points: list[tuple[int, int, bool]]) -> None:
@@ -62,9 +71,17 @@ def test_the_front_is_the_sort_and_scan(points: list[tuple[int, int, bool]]) -> 
     dropped points never stay; ties in both go to the first."""
     k = np.array([p[0] for p in points], dtype=np.int64)
     rank = np.array([DROPPED if p[2] else p[1] for p in points], dtype=np.int64)
-    order = np.lexsort((rank, k))
-    r = rank[order]
-    keep = np.empty(order.size, dtype=bool)
-    keep[0] = r[0] < DROPPED
-    keep[1:] = r[1:] < np.minimum.accumulate(r)[:-1]
-    assert undominated(k, rank).tolist() == order[keep].tolist()
+    assert undominated(k, rank).tolist() == _sort_and_scan(k, rank)
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(0, 2**32 - 1), st.sampled_from([3, 40, 10**6]), st.integers(1000, 5000))
+def test_the_front_of_many_points_is_the_sort_and_scan(seed: int, spread: int, size: int) -> None:
+    """Past the size where ``undominated`` turns to one stable sort: runs sorted by k (as the
+    search's pending plans come), many ties, some dropped."""
+    rng = np.random.default_rng(seed)
+    runs = [np.sort(rng.integers(0, spread, size // 4)) + rng.integers(0, spread) for _ in range(4)]
+    k = np.concatenate(runs).astype(np.int64)
+    rank = rng.integers(0, spread, k.size).astype(np.int64)
+    rank[rng.random(k.size) < 0.1] = DROPPED
+    assert undominated(k, rank).tolist() == _sort_and_scan(k, rank)

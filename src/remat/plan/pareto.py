@@ -11,6 +11,7 @@ __all__ = ["DROPPED", "pair_rank", "undominated"]
 
 DROPPED = 2**63 - 1
 """The rank of a partial plan that is out."""
+_SMALL = 1000  # points below which the two-key sort is the faster front (timed on 100..4000)
 
 
 def pair_rank(first: np.ndarray, second: np.ndarray) -> np.ndarray:
@@ -38,6 +39,13 @@ def undominated(k: np.ndarray, rank: np.ndarray) -> np.ndarray:
     first of equal ones) can stay, and it stays when it is below every rank at a smaller k.
     Partial plans often come in runs sorted by k (a front moved by one move's bytes), which the
     stable sort merges quickly."""
+    if k.size < _SMALL:  # fewer numpy calls: the sort by both, then a running minimum
+        by = np.lexsort((rank, k))
+        r = rank[by]
+        keep = np.empty(by.size, dtype=bool)
+        keep[0] = r[0] < DROPPED
+        keep[1:] = r[1:] < np.minimum.accumulate(r)[:-1]
+        return by[keep]
     order = np.argsort(k, kind="stable")
     ks, rs = k[order], rank[order]
     new = np.concatenate([[True], ks[1:] != ks[:-1]])
