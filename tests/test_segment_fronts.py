@@ -75,13 +75,16 @@ def test_the_front_is_the_sort_and_scan(points: list[tuple[int, int, bool]]) -> 
 
 
 @settings(max_examples=30, deadline=None)
-@given(st.integers(0, 2**32 - 1), st.sampled_from([3, 40, 10**6]), st.integers(1000, 5000))
-def test_the_front_of_many_points_is_the_sort_and_scan(seed: int, spread: int, size: int) -> None:
+@given(st.integers(0, 2**32 - 1), st.sampled_from([3, 40, 10**6]), st.integers(1000, 5000), st.booleans())
+def test_the_front_of_many_points_is_the_sort_and_scan(seed: int, spread: int, size: int, low_out: bool) -> None:
     """Past the size where ``undominated`` turns to one stable sort: runs sorted by k (as the
-    search's pending plans come), many ties, some dropped."""
+    search's pending plans come), many ties, some dropped (``low_out``: every point of the
+    smallest k)."""
     rng = np.random.default_rng(seed)
     runs = [np.sort(rng.integers(0, spread, size // 4)) + rng.integers(0, spread) for _ in range(4)]
     k = np.concatenate(runs).astype(np.int64)
     rank = rng.integers(0, spread, k.size).astype(np.int64)
     rank[rng.random(k.size) < 0.1] = DROPPED
+    if low_out:
+        rank[k == k.min()] = DROPPED
     assert undominated(k, rank).tolist() == _sort_and_scan(k, rank)
