@@ -193,14 +193,11 @@ class _Arrays:
         keep = m.chain.options.index("keep")
         ms = np.array([row[keep] for row in m.chain.extra_ms], dtype=np.float64).reshape(m.n)
         self.kept_ticks = np.concatenate([[0], np.cumsum(np.rint(ms * 1e6))]).astype(np.int64)
-        masks = 1 if m.sides is None else m.sides.masks
-        self.delta = np.zeros((m.n, masks), dtype=np.int64)
-        self.fwd_delta = np.zeros((m.n, masks), dtype=np.int64)
-        if m.sides is not None:
-            for j in range(m.n):
-                for h in range(masks):
-                    self.delta[j, h] = m.sides.delta_bytes(h, j)
-                    self.fwd_delta[j, h] = m.sides.fwd_delta_bytes(h, j)
+        if m.sides is None:
+            self.delta = self.fwd_delta = np.zeros((m.n, 1), dtype=np.int64)
+        else:  # the chain's own tables: ``SideGroups.delta_bytes`` and ``fwd_delta_bytes``
+            self.delta = np.array(m.chain.delta_bytes, dtype=np.int64).reshape(m.n, -1)
+            self.fwd_delta = np.array(m.chain.fwd_delta_bytes, dtype=np.int64).reshape(m.n, -1)
 
 
 class _Grid:
