@@ -133,6 +133,7 @@ class PerBlock:
             return None
 
     def optimum(self) -> tuple[list[int], int]:
+        """The optimum's picks and ticks (an exact search under the beam's bound, if not done)."""
         found = self.within(self.ticks)
         assert found is not None, "the beam's plan itself is within the bound"
         return found

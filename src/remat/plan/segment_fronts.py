@@ -76,7 +76,7 @@ class Fronts:
         end = np.minimum(end, m.n - 1)  # cells past a row's length are not kept
         d = end - s
         spans = np.bitwise_or.accumulate(a.uses[np.minimum(s + np.arange(self.max_len), m.n - 1)], axis=1)
-        held = np.take_along_axis(spans, np.maximum(d, 0), axis=1) | before
+        held = np.take_along_axis(spans, d, axis=1) | before
         rec = m.chain.options.index("recompute")
         alone = np.array([[m.chain.need_at(q, rec, int(h))] for q, h in zip(starts.tolist(), spans[:, 0] | before)],
                          dtype=np.int64).reshape(-1, 1)

@@ -60,8 +60,10 @@ On a varied chain (one whose exact searches need their bounds, NOTE [ Bounding t
 ``remat.plan.search``) two exact searches are put off: where the relaxed chain's beam plan uses
 the extra option, the exact relaxed search (which could only end the solve with a per-block plan)
 is skipped and its bounded table is the floor; and the per-block optimum is bounded from above
-by its beam's plan, which the segment search is to beat. Only when it does is the per-block
-search run, under the segment plan's ticks (where it is quick): a per-block plan that fast wins.
+by its beam's plan, which the segment search is to beat (a looser time floor than the optimum
+itself, so on chains that reach ``MAX_STATES`` other states compete for the cap). When it does,
+the exact per-block search runs under the segment plan's ticks (where it is quick), and a
+per-block plan that fast wins; when it does not, the exact per-block search runs in full.
 For the solve time, every position's moves are arrays: block q's options and the segments from
 q in one matrix against the partial plans there, and the flat and two-level segments of every
 span computed for every start at once (``remat.plan.segment_fronts``: the arithmetic of
@@ -264,6 +266,7 @@ def _floors(chain: ChainConstraints, model: SegmentModel, fronts: Fronts, longes
                 best = min(best, int(np.maximum(seg.need, seg.kept + floors[seg.end + 1, seg.held]).min()))
             floors[q, h] = best
     return list(floors)
+
 
 def _front(K: np.ndarray, T: np.ndarray, P: np.ndarray, H: np.ndarray, objective: str, hope: np.ndarray,
            cap: int | None) -> np.ndarray:

@@ -243,9 +243,8 @@ def _optimal(
     model = SegmentModel(profile, chain) if segments and _segments_run(profile, chain) else None
     relaxed: Table | None = None
     floor_ticks = beam_ticks = None
-    if model is not None:
+    if model is not None and not chain.holds:
         relaxed = relaxed_table(chain, budget, model.free_option())
-    if relaxed is not None and not chain.holds:
         # A block in a segment is bounded by one more per-block option: the relaxation's fastest
         # plan is no slower than any plan, and (without side inputs) when it is a per-block plan,
         # it is the optimum.
@@ -265,7 +264,8 @@ def _optimal(
     per_block = PerBlock.start(chain, budget)
     # ``upper``: the per-block optimum's ticks, or on a varied chain an upper bound on them.
     upper = None if per_block is None else per_block.ticks
-    if model is not None and relaxed is not None and upper != 0:
+    if model is not None and upper != 0:
+        relaxed = relaxed or relaxed_table(chain, budget, model.free_option())
         floor = None
         if upper is not None:
             floor = relaxed if relaxed.rest is not None else relaxed.bounded()
@@ -278,11 +278,12 @@ def _optimal(
         if floor is not None or upper is None:
             seg = segment_search(chain, model, budget, objective="time", below_ticks=upper, floor=floor)
             if seg is not None and seg.trees and (upper is None or seg.ticks < upper):
-                # Segments win only when strictly faster than the per-block optimum: under the
-                # segments' ticks, its exact search is quick.
-                if per_block is None or per_block.within(seg.ticks) is None:
+                # Segments win only when strictly faster than the per-block optimum: its exact
+                # search under the segments' ticks (quick) finds it if it is as fast.
+                found = None if per_block is None else per_block.within(seg.ticks)
+                if found is None:
                     return seg.picks, _segment_names(profile, seg)
-                return per_block.optimum()[0], []
+                return found[0], []
     if per_block is None:
         raise _infeasible(profile, budget, segments)
     return per_block.optimum()[0], []
