@@ -129,10 +129,9 @@ def segment_search(
     if floor is not None:
         # The time floor prunes; these floors (which would need every span's front) are only
         # the head's, a weaker bound that holds for every state (NOTE [ Searching segments ]).
-        floors = [np.full(states, int(tails.min()), dtype=np.int64) for _ in range(n + 1)]
+        floors = np.full((n + 1, states), int(tails.min()), dtype=np.int64)
     else:
-        floors = _floors(chain, model, fronts, longest, states)
-    floor_table = np.stack(floors)  # [position, state]
+        floors = _floors(chain, fronts, states)  # [position, state]
     limit = _NO_TICKS if below_ticks is None else below_ticks
     recompute = np.concatenate([[0], np.cumsum([max(0, t) for t in model.tr])]).astype(np.int64)
     pending: list[list[tuple[np.ndarray, ...]]] = [[] for _ in range(n + 1)]
@@ -155,7 +154,7 @@ def segment_search(
         # only for the first state.
         hope = np.ones(K.size, dtype=bool)
         if q == 0:
-            hope = (K + floors[q][H] <= budget_bytes) & (limit > T)
+            hope = (K + floors[q, H] <= budget_bytes) & (limit > T)
             if floor is not None:
                 hope &= limit > T + floor.bound(q, K)
         alive = _front(K, T, P, H, objective, hope, None if exact else MAX_STATES)
@@ -183,7 +182,7 @@ def segment_search(
             Ks, Ts, Ps = K[sel][:, None], T[sel][:, None], P[sel][:, None]
             cK, cT = Ks + m_kept, Ts + m_ticks
             cP = np.maximum(Ps, Ks + m_need)
-            room = floor_table[m_target, m_held]
+            room = floors[m_target, m_held]
             ok = (cP <= budget_bytes) & (cT < limit) & (cK + room <= budget_bytes)
             if floor is not None:
                 ok &= cT + floor.bound(m_target[None, :], cK) < limit
@@ -249,10 +248,10 @@ def _moves(chain: ChainConstraints, fronts: Fronts, q: int, h: int, ticks: list[
     return (_MoveSet(width, seg.trees), *columns)
 
 
-def _floors(chain: ChainConstraints, model: SegmentModel, fronts: Fronts, longest: int, states: int) -> list[np.ndarray]:
+def _floors(chain: ChainConstraints, fronts: Fronts, states: int) -> np.ndarray:
     """[q][state]: the lowest peak blocks q.. and the head reach with nothing kept before q, with
     segments (as ``ChainConstraints.suffix_floors`` without them): a partial plan keeping K before
-    q can still fit budget B only if K + floors[q][H] <= B."""
+    q can still fit budget B only if K + floors[q, H] <= B."""
     n = len(chain.kept_bytes)
     floors = np.zeros((n + 1, states), dtype=np.int64)
     floors[n] = [chain.tail_at(h) for h in range(states)]
@@ -265,7 +264,7 @@ def _floors(chain: ChainConstraints, model: SegmentModel, fronts: Fronts, longes
             if seg.need.size:
                 best = min(best, int(np.maximum(seg.need, seg.kept + floors[seg.end + 1, seg.held]).min()))
             floors[q, h] = best
-    return list(floors)
+    return floors
 
 
 def _front(K: np.ndarray, T: np.ndarray, P: np.ndarray, H: np.ndarray, objective: str, hope: np.ndarray,

@@ -289,10 +289,6 @@ def _optimal(
     return per_block.optimum()[0], []
 
 
-def _ticks(chain: ChainConstraints, picks: Sequence[int]) -> int:
-    return sum(round(chain.extra_ms[i][o] * 1_000_000) for i, o in enumerate(picks))
-
-
 def _segment_names(profile: Profile, seg: SegmentResult) -> list[list[str]]:
     names = [b.name for b in profile.blocks]
     spans = sorted((s for t in seg.trees for s in t.spans()), key=lambda s: (s[0], -s[1]))
