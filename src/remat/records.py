@@ -22,6 +22,22 @@ that saves it. Under a plan it lives until the backward of the first block (in f
 holds it: a checkpointed consumer (``recompute``, ``selective``) holds its inputs until its own
 backward; a kept consumer holds it when it saves it. The cost model adds the difference
 (``remat.plan.costmodel``, NOTE [ A side input's extra life ]).
+
+# NOTE [ Handovers ]
+A block may return more than its hidden output (BLOOM's layers return their attention
+probabilities), and the model's loop may hold the whole return value until a later block returns
+(``outputs = block(...)``). Such a tensor is a *handover*: made by one block, dropped by the
+model's code when a later block returns (or in the head's forward). Under an option whose forward
+saves it for the backward (``keep`` saves the probabilities) it lives on to the block's backward
+and dropping it frees nothing; under one that does not (``recompute``), dropping it frees it.
+Each option's numbers are measured with every block on that option, so a block's kept bytes carry
+the free of the handover of the block before it as that run had it, which a plan mixing options
+does not: a recomputed block after a kept one frees nothing there (BLOOM: 64 KiB more than its
+profile said). The profile records each handover (``Handover``: bytes, maker, where it dies,
+under which options it is saved) and ``estimate`` corrects the parts whose numbers were measured
+under another saving than the plan's (``remat.plan.handovers``). The solvers' searches do not see
+it (it ties a block's bytes to its neighbour's option); ``solve`` checks its plan with
+``estimate`` and solves again under a budget lowered by what the handovers add.
 """
 
 from __future__ import annotations
@@ -45,6 +61,7 @@ __all__ = [
     "BlockProfile",
     "CheckpointOption",
     "Estimate",
+    "Handover",
     "Option",
     "OptionCost",
     "Plan",
@@ -55,8 +72,8 @@ __all__ = [
     "load_record",
 ]
 
-PROFILE_SCHEMA = 4  # 2: side inputs (NOTE [ Side inputs ]); 3: head options (NOTE [ The head's options ]);
-# 4: where a replay stops (BlockProfile.stop_peak_bytes)
+PROFILE_SCHEMA = 5  # 2: side inputs (NOTE [ Side inputs ]); 3: head options (NOTE [ The head's options ]);
+# 4: where a replay stops (BlockProfile.stop_peak_bytes); 5: handovers (NOTE [ Handovers ])
 PLAN_SCHEMA = 2  # 2: the head's option, segments (NOTE [ A segment is one recompute frame over several calls ])
 
 # NOTE [ The head's options ]
@@ -152,6 +169,22 @@ class Segment:
 
 
 @dataclass(frozen=True, kw_only=True)
+class Handover:
+    """A tensor a block returns besides its hidden output that the model's code holds until a
+    later block returns or the head runs (NOTE [ Handovers ])."""
+
+    size_bytes: int
+    """Bytes of its storages."""
+    made_by: str
+    """The block that returns it."""
+    dies_after: str | None = None
+    """The block in whose forward phase the model's code drops it (the block after ``made_by``
+    in a loop that holds each return value until the next); None: in the head's forward."""
+    kept_by: list[str] = field(default_factory=list)
+    """The options measured under which ``made_by``'s forward saves it for the backward."""
+
+
+@dataclass(frozen=True, kw_only=True)
 class SideInput:
     """A tensor that enters blocks besides their hidden input, counted once (NOTE [ Side inputs ])."""
 
@@ -221,6 +254,8 @@ class Profile:
     ``remat.distributed``."""
     side_inputs: list[SideInput] = field(default_factory=list)
     """Tensors that enter blocks besides their hidden input, each once (NOTE [ Side inputs ])."""
+    handovers: list[Handover] = field(default_factory=list)
+    """Tensors blocks return that the model's code holds until a later block (NOTE [ Handovers ])."""
     post_fwd_peak_held_bytes: int = 0
     """The head's forward peak (as ``post.fwd_peak_bytes``) when the side inputs are still held by
     checkpoints, measured with every block recomputed; without side inputs, ``post``'s own."""

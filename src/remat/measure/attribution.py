@@ -194,6 +194,9 @@ def assemble(
             _peaks_over_model_level(numbers, keep_blocks, pre, post, order, named, sides or [])
     # The head's forward with the side inputs still held: every block recomputed holds them.
     held = runs["recompute"][1].fwd_peak_bytes if sides and "recompute" in runs else post.fwd_peak_bytes
+    if sides and "recompute" in runs:  # as if the handovers freed in the head were saved as kept
+        held += sum(h.size_bytes * (("keep" in h.kept_by) - ("recompute" in h.kept_by))
+                    for h in fixed.get("handovers", []) if h.dies_after is None)  # NOTE [ Handovers ]
     param_bytes = [_step.storage_bytes(list(m.parameters())) for _, m in named]
     fwd, bwd, sel_extra = _block_times(times, len(named))
     if smooth:

@@ -27,6 +27,7 @@ from remat.errors import InvalidType, InvalidValue, ProfileError
 from remat.manual.blocks import find_blocks
 from remat.measure import step as _step
 from remat.measure.attribution import assemble, phase_times
+from remat.measure.handovers import handovers, note_handover_uses, note_returned
 from remat.measure.heads import add_heads, measure_heads
 from remat.measure.runner import StepRunner, every_block
 from remat.measure.sides import first_tensor as _first_tensor
@@ -141,6 +142,7 @@ class _Hooks:
             self.mark(f"fs{i}")
             x = _first_tensor((args, kwargs))
             note_sides(self, i, x, (args, kwargs))
+            note_handover_uses(self, (args, kwargs))
             self.in_bytes[i] = 0
             if x is not None:
                 if _storage_key(x) not in self.base_keys:
@@ -158,6 +160,7 @@ class _Hooks:
             self.running = [j for j in self.running if j != i]
             y = _first_tensor(output)
             note_output(self, i, y)
+            note_returned(self, i, output, y, args)
             self.out_bytes[i] = y.untyped_storage().nbytes() if y is not None else 0
             if y is not None and y.requires_grad:
                 y.register_hook(lambda g: self.mark(f"bs{i}"))
@@ -260,6 +263,7 @@ def _measured(
                                          saves=option == "keep")
                 traces[option] = (tracer.trace, hooks)
         sides = _sides(model, named, batch, loss_fn, optimizer, keys, traces["keep"][1])
+        handed = handovers([n for n, _ in named], {o: h for o, (_, h) in traces.items()})
         # Timed in turns, so that a change in the machine's load hits both options alike.
         marked = functools.partial(_marked_step, model, named, batch, loss_fn, optimizer, base_keys=keys)
         runner = StepRunner(marked, model, device=device, repeats=repeats)
@@ -275,6 +279,7 @@ def _measured(
         host_link_bytes_per_s=host_link_bytes_per_s(device) if cuda else None,
         smooth=True,
         sides=sides,
+        handovers=handed,
         device=str(device),
         mode="measured",
         dtype=_dtype_name(model),
@@ -354,6 +359,7 @@ def _estimated(
                 stamps = {m.label: m.t_ms for m in meter.marks}
                 times[option] = phase_times(stamps, hooks.order)
         sides = _sides(model, named, fake_batch, loss_fn, opt, keys, traces["keep"][1])
+        handed = handovers([n for n, _ in named], {o: h for o, (_, h) in traces.items()})
         param_bytes = _step.param_bytes(model)
         opt_bytes = _step.optimizer_bytes(opt)
         data = _step.batch_bytes(fake_batch)
@@ -371,6 +377,7 @@ def _estimated(
             else None,
             smooth=False,
             sides=sides,
+            handovers=handed,
             device=spec.name,
             mode="estimated",
             dtype=_dtype_name(model),

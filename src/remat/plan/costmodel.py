@@ -14,6 +14,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from remat.errors import InvalidType, InvalidValue, did_you_mean
+from remat.plan.handovers import handed_over
 from remat.plan.schedule import Phase, step_phases
 from remat.plan.sides import side_groups
 from remat.records import OPTIONS, Estimate, OptionCost, Profile
@@ -28,7 +29,10 @@ def estimate(profile: Profile, choices: Mapping[str, str]) -> Estimate:
     ``choices`` maps every block name to one of the options that block offers.
     """
     costs = _chosen_costs(profile, choices)
-    phases = _phases(profile, costs, [choices[b.name] for b in profile.blocks])
+    options = [choices[b.name] for b in profile.blocks]
+    if profile.handovers:  # NOTE [ Handovers ] in remat.records
+        costs = _chosen_costs(profile := handed_over(profile, options), choices)
+    phases = _phases(profile, costs, options)
     peak = max(phases, key=lambda p: p.peak_bytes)  # max() keeps the first phase reaching it
     step_ms = profile.plain_step_ms + sum(c.extra_ms for c in costs)
     overhead = step_ms / profile.plain_step_ms - 1.0 if profile.plain_step_ms else 0.0
@@ -141,9 +145,7 @@ def _chosen_costs(profile: Profile, choices: Mapping[str, str]) -> list[OptionCo
         option = choices[block.name]
         cost = block.options.get(option)
         if cost is None:
-            offered = [o for o in OPTIONS if o in block.options] + sorted(
-                set(block.options) - set(OPTIONS)
-            )
+            offered = [o for o in OPTIONS if o in block.options] + sorted(set(block.options) - set(OPTIONS))
             where = f" on device {profile.device!r}" if option in OPTIONS else ""
             raise InvalidValue(
                 f"block {block.name!r} does not offer option {option!r}{where}; expected one of "

@@ -1,0 +1,112 @@
+"""The handovers of traced steps, as ``Handover`` records (NOTE [ Handovers ] in ``remat.records``).
+
+A block's forward hook notes the storages it returns besides its hidden output (and besides its
+inputs and what lived before the step), and when each one is freed: the forward position of the
+last block started and whether it had ended, as for side inputs (NOTE [ Where a side input dies ]).
+One freed after a later block ended and before the next one started (or the head ran) is a
+handover in that run; one that outlives the forward is saved (or held to the end) in that run. A
+storage that enters a later block is a side input, not a handover. The runs of each option are
+matched by the order in which a block returns them (the same calls in the same order).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from remat.measure import step as _step
+from remat.measure.sides import SeenSides, storage_key
+from remat.records import Handover
+
+__all__ = ["handovers", "note_handover_uses", "note_returned"]
+
+_FOUND = "_handovers"  # on the hooks object: block -> [bytes] of what it returned besides its output
+_DEATHS = "_handover_deaths"  # (block, n) -> (forward position, ended) when freed in the forward
+_ALIVE = "_handovers_alive"  # storage key -> (block, n), while the storage lives
+_USED = "_handovers_used"  # {(block, n)}: entered a later block (a side input)
+
+
+def note_returned(hooks: SeenSides, i: int, output: Any, y: torch.Tensor | None, inputs: Any) -> None:
+    """Note what block i returned besides its hidden output ``y`` (the forward hook's)."""
+    if y is None:
+        return
+    skip = {storage_key(y), *hooks.base_keys, *(storage_key(t) for t in _step.tensors_in(inputs))}
+    found = _state(hooks, _FOUND).setdefault(i, [])
+    alive = _state(hooks, _ALIVE)
+    for t in _step.tensors_in(output):
+        if t.device != y.device or storage_key(t) in skip:
+            continue
+        skip.add(storage_key(t))
+        alive[storage_key(t)] = (i, len(found))
+        weakref.finalize(t.untyped_storage(), _freed, hooks, i, len(found), storage_key(t))
+        found.append(t.untyped_storage().nbytes())
+
+
+def note_handover_uses(hooks: SeenSides, inputs: Any) -> None:
+    """A returned storage entering a block (the pre-hook's) is a side input there, not a handover."""
+    alive, used = _state(hooks, _ALIVE), _state(hooks, _USED)
+    for t in _step.tensors_in(inputs):
+        if (who := alive.get(storage_key(t))) is not None:
+            used[who] = True
+
+
+def _freed(hooks: SeenSides, i: int, n: int, key: int) -> None:
+    alive = _state(hooks, _ALIVE)
+    if alive.get(key) == (i, n):
+        del alive[key]
+    if not hooks.forward_done and hooks.order:
+        _state(hooks, _DEATHS)[(i, n)] = (len(hooks.order) - 1, hooks.order[-1] not in hooks.running)
+
+
+def handovers(names: list[str], runs: Mapping[str, Any]) -> list[Handover]:
+    """The handovers of the steps ``runs`` (option -> the hooks of a step with every block on it;
+    ``keep`` among them), one record per maker and place of death, in forward order."""
+    keep = runs["keep"]
+    order: list[int] = keep.order
+    found: dict[tuple[int, int | None], tuple[int, list[str]]] = {}
+    for i in order:
+        sizes = _state(keep, _FOUND).get(i, [])
+        for n, nbytes in enumerate(sizes):
+            deaths = {o: _death(h, order, i, n) for o, h in runs.items()}
+            if any((i, n) in _state(h, _USED) or _state(h, _FOUND).get(i, [])[n:n + 1] != [nbytes]
+                   for h in runs.values()):
+                continue  # a side input, or the runs disagree
+            places = {d for d in deaths.values() if d != "saved"}
+            if len(places) != 1 or None in places:
+                continue  # saved under every option, freed where it is made, or freed in two places
+            place = places.pop()
+            kept_by = [o for o, d in deaths.items() if d == "saved"]
+            key = (i, place if isinstance(place, int) else None)
+            total, kept = found.get(key, (0, kept_by))
+            if kept != kept_by:
+                continue  # one record per maker and place: these live as one
+            found[key] = (total + nbytes, kept_by)
+    return [
+        Handover(size_bytes=nbytes, made_by=names[i], dies_after=None if at is None else names[at], kept_by=kept)
+        for (i, at), (nbytes, kept) in found.items()
+    ]
+
+
+def _death(hooks: SeenSides, order: list[int], i: int, n: int) -> int | str | None:
+    """Where returned storage n of block i died in that step: ``"saved"`` (it outlived the
+    forward), the index of the block in whose forward phase it died after that block ended (a
+    later block's), ``"head"`` (after the last block), or None (anywhere else: where it was made,
+    or inside a block)."""
+    died = _state(hooks, _DEATHS).get((i, n))
+    if died is None:
+        return "saved"
+    position, ended = died
+    if not ended or position <= order.index(i):
+        return None
+    return "head" if position == len(order) - 1 else order[position]
+
+
+def _state(hooks: Any, name: str) -> dict[Any, Any]:
+    found = getattr(hooks, name, None)
+    if found is None:
+        found = {}
+        setattr(hooks, name, found)
+    return found  # type: ignore[no-any-return]
