@@ -93,8 +93,8 @@ def handovers(names: list[str], runs: Mapping[str, Any]) -> list[Handover]:
 def _death(hooks: SeenSides, order: list[int], i: int, n: int) -> int | str | None:
     """Where returned storage n of block i died in that step: ``"saved"`` (it outlived the
     forward), the index of the block in whose forward phase it died after that block ended (a
-    later block's), ``"head"`` (after the last block), or None (anywhere else: where it was made,
-    or inside a block)."""
+    later block's), ``"head"`` (after the last block, one made before it), or None (anywhere else:
+    in the phase that made it, inside a block)."""
     died = _state(hooks, _DEATHS).get((i, n))
     if died is None:
         return "saved"

@@ -18,11 +18,13 @@ modelled).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
-from remat.records import BlockProfile, Handover, OptionCost, Profile
+from remat.errors import InfeasibleBudget
+from remat.records import BlockProfile, Handover, OptionCost, Plan, Profile
+from remat.units import format_bytes
 
-__all__ = ["bounding", "handed_over"]
+__all__ = ["bounding", "fitted", "handed_over"]
 
 _RUN_OF = {"tiled": "keep", "offload": "keep", "recompute_offload": "recompute"}
 
@@ -51,6 +53,62 @@ def handed_over(profile: Profile, options: Sequence[str]) -> Profile:
         for i, (b, o) in enumerate(zip(profile.blocks, options))
     ]
     return _with_head(profile, blocks, head)
+
+
+def fitted(profile: Profile, budget_bytes: int, search: Callable[[Profile, int], Plan],
+           remake: Callable[[Plan, list[str]], Plan]) -> Plan:
+    """``search(profile, budget_bytes)``'s plan, for a search that sees no handovers. When they
+    put it over the budget (by ``estimate``, which sees them), the fastest that fits of the plans
+    found again: under a budget lowered by the excess, and on the profile at its worst case (whose
+    plans fit) and at its best (finding plans the per-run numbers put too high). With handovers,
+    the plan is then improved one block's option at a time (``remake``: the plan with other
+    options) while that makes it faster and it fits."""
+    first = search(profile, budget_bytes)
+    if not profile.handovers:
+        return first
+    again, over = [first], first.estimate.peak_bytes - budget_bytes
+    if over > 0:
+        for on, target in ((profile, budget_bytes - over), (bounding(profile, True), budget_bytes),
+                           (bounding(profile, False), budget_bytes)):
+            try:
+                again.append(search(on, target))
+            except InfeasibleBudget:
+                continue
+    fits = [p for p in again if p.estimate.peak_bytes <= budget_bytes]
+    if not fits:
+        lowest = min(p.estimate.peak_bytes for p in again)
+        raise InfeasibleBudget(
+            f"budget {format_bytes(budget_bytes)} ({budget_bytes} bytes): the plans found peak above "
+            f"it once the tensors the blocks hand to one another are counted (the lowest at {lowest} "
+            "bytes); raise the budget or lower the batch.",
+            budget_bytes=budget_bytes, smallest_bytes=lowest, dominant="tensors handed between blocks",
+        )
+    return _improved(profile, budget_bytes, min(fits, key=_rank), remake)
+
+
+def _rank(plan: Plan) -> tuple[float, int]:
+    return plan.estimate.step_ms, plan.estimate.peak_bytes
+
+
+def _improved(profile: Profile, budget_bytes: int, plan: Plan, remake: Callable[[Plan, list[str]], Plan]) -> Plan:
+    """``plan`` with one block's option changed at a time (outside its segments) while that makes
+    it faster, or as fast and lower, and it still fits; a few passes at most."""
+    names = [b.name for b in profile.blocks]
+    inside = {j for first, last in plan.segments for j in range(names.index(first), names.index(last) + 1)}
+    for _ in range(4):
+        better = False
+        for i in (i for i in range(len(names)) if i not in inside):
+            for option in profile.options:
+                picks = [plan.choices[n] for n in names]
+                if picks[i] == option:
+                    continue
+                picks[i] = option
+                other = remake(plan, picks)
+                if other.estimate.peak_bytes <= budget_bytes and _rank(other) < _rank(plan):
+                    plan, better = other, True
+        if not better:
+            break
+    return plan
 
 
 def bounding(profile: Profile, worst: bool) -> Profile:

@@ -18,7 +18,7 @@ import numpy as np
 from remat.errors import InfeasibleBudget, InvalidType, InvalidValue, did_you_mean
 from remat.plan.baselines import baseline, option_index
 from remat.plan.costmodel import ChainConstraints, chain_constraints, smallest_feasible
-from remat.plan.handovers import bounding
+from remat.plan.handovers import fitted
 from remat.plan.head import HEAD_KEEP, best_of_heads, frontier_of_heads, head_names, with_head
 from remat.plan.search import (
     NO_LIMIT_BYTES,
@@ -105,41 +105,21 @@ def solve(
 
 def _searched(profile: Profile, chain: ChainConstraints, budget_bytes: int, method: str, notes: list[str],
               segments: bool) -> Plan:
-    """The plan ``method`` finds. With handovers the searches do not see (NOTE [ Handovers ] in
-    remat.records), one that ``estimate`` puts over the budget is searched again: under a budget
-    lowered by the excess, and on the profile at its worst case (``bounding``: its plans fit) and
-    at its best (finding plans the per-run numbers put too high); the fastest that fits wins."""
+    """The plan ``method`` finds, checked against the handovers the searches do not see (``fitted``)."""
 
-    def found(on: Profile, target: int, constraints: ChainConstraints) -> Plan | None:
-        try:
-            spans: list[list[str]] = []
-            if method == "optimal":
-                picks, spans = _optimal(on, constraints, target, segments)
-            else:
-                picks = _greedy_picks(on, constraints, target)
-        except InfeasibleBudget:
-            if on is profile and target == budget_bytes:
-                raise
-            return None
+    def found(on: Profile, target: int) -> Plan:
+        constraints = chain if on is profile else chain_constraints(on)
+        spans: list[list[str]] = []
+        if method == "optimal":
+            picks, spans = _optimal(on, constraints, target, segments)
+        else:
+            picks = _greedy_picks(on, constraints, target)
         return _plan(profile, [constraints.options[o] for o in picks], budget_bytes, method, notes, spans)
 
-    first = found(profile, budget_bytes, chain)
-    assert first is not None
-    over = first.estimate.peak_bytes - budget_bytes
-    if over <= 0 or not profile.handovers:
-        return first
-    bounds = [bounding(profile, worst) for worst in (True, False)]
-    again = [found(profile, budget_bytes - over, chain), *(found(b, budget_bytes, chain_constraints(b)) for b in bounds)]
-    fits = [p for p in again if p is not None and p.estimate.peak_bytes <= budget_bytes]
-    if fits:
-        return min(fits, key=lambda p: (p.estimate.step_ms, p.estimate.peak_bytes))
-    lowest = min(p.estimate.peak_bytes for p in [first, *again] if p is not None)
-    raise InfeasibleBudget(
-        f"budget {_bytes(budget_bytes, lowest)}: the plans found peak above it once the tensors the "
-        f"blocks hand to one another are counted (the lowest at {_bytes(lowest, budget_bytes)}); "
-        "raise the budget or lower the batch.",
-        budget_bytes=budget_bytes, smallest_bytes=lowest, dominant="tensors handed between blocks",
-    )
+    def remake(plan: Plan, names: list[str]) -> Plan:
+        return _plan(profile, names, budget_bytes, method, notes, plan.segments)
+
+    return fitted(profile, budget_bytes, found, remake)
 
 
 def check_method(method: str) -> None:
