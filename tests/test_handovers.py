@@ -13,7 +13,6 @@ import pytest
 import torch
 from torch import nn
 
-import remat
 from remat.manual.options import clear_option, set_option
 from remat.measure.profiler import profile
 from remat.measure.tracer import measure_step
@@ -131,12 +130,7 @@ def test_solve_fits_and_is_the_fastest_per_block_plan() -> None:
         plan = solve(prof, budget, segments=False)
         assert plan.estimate.peak_bytes <= budget and plan.estimate.step_ms == pytest.approx(fastest), (k, plan.choices)
         assert _measured(model, batch, plan.choices) <= budget, (k, plan.choices)
-        with_segments = solve(prof, budget)
-        remat.apply(model, with_segments, strict=False)
-        try:
-            assert measure_step(model, batch, repeats=0).peak_bytes <= budget, (k, with_segments.segments)
-        finally:
-            remat.remove(model)
+        assert solve(prof, budget) == plan  # no segments: their model does not count handovers
 
 
 def test_bloom_every_plan_is_predicted_and_solve_fits() -> None:

@@ -179,10 +179,11 @@ def test_profile_json_round_trip_and_old_schema(tmp_path: object) -> None:
     again = Profile.from_json(prof.to_json())
     assert again == prof
     data = json.loads(prof.to_json())
-    # 1: before side inputs (NOTE [ Side inputs ]); 2: before head options; 3: before stop peaks
-    for old in (0, 1, 2, 3):
+    # 1: before side inputs (NOTE [ Side inputs ]); 2: before head options; 3: before stop peaks;
+    # 4: before handovers (NOTE [ Handovers ])
+    for old in (0, 1, 2, 3, 4):
         data["schema_version"] = old
-        with pytest.raises(RecordError, match=f"schema version {old}, but this remat reads version 4"):
+        with pytest.raises(RecordError, match=f"schema version {old}, but this remat reads version 5"):
             Profile.from_json(json.dumps(data))
     with pytest.raises(RecordError, match="expected a remat profile record"):
         Profile.from_json(json.dumps({"kind": "plan"}))
