@@ -26,30 +26,35 @@ __all__ = ["handovers", "note_handover_uses", "note_returned"]
 _FOUND = "_handovers"  # on the hooks object: block -> [bytes] of what it returned besides its output
 _DEATHS = "_handover_deaths"  # (block, n) -> (forward position, ended) when freed in the forward
 _ALIVE = "_handovers_alive"  # storage key -> (block, n), while the storage lives
-_USED = "_handovers_used"  # {(block, n)}: entered a later block (a side input)
+_USED = "_handovers_used"  # (block, n) -> True: entered a later block (a side input)
+_INPUTS = "_handover_inputs"  # block -> the storage keys of its inputs
 
 
-def note_returned(hooks: SeenSides, i: int, output: Any, y: torch.Tensor | None, inputs: Any) -> None:
-    """Note what block i returned besides its hidden output ``y`` (the forward hook's)."""
+def note_returned(hooks: SeenSides, i: int, output: Any, y: torch.Tensor | None) -> None:
+    """Note what block i returned besides its hidden output ``y`` and its inputs (the forward
+    hook's; ``note_handover_uses`` noted the inputs)."""
     if y is None:
         return
-    skip = {storage_key(y), *hooks.base_keys, *(storage_key(t) for t in _step.tensors_in(inputs))}
+    skip = {storage_key(y), *hooks.base_keys, *_state(hooks, _INPUTS).get(i, ())}
     found = _state(hooks, _FOUND).setdefault(i, [])
     alive = _state(hooks, _ALIVE)
     for t in _step.tensors_in(output):
-        if t.device != y.device or storage_key(t) in skip:
-            continue
+        if t.layout != torch.strided or t.device != y.device or storage_key(t) in skip | alive.keys():
+            continue  # a sparse tensor has no storage; one another block returned is that block's
         skip.add(storage_key(t))
         alive[storage_key(t)] = (i, len(found))
         weakref.finalize(t.untyped_storage(), _freed, hooks, i, len(found), storage_key(t))
         found.append(t.untyped_storage().nbytes())
 
 
-def note_handover_uses(hooks: SeenSides, inputs: Any) -> None:
-    """A returned storage entering a block (the pre-hook's) is a side input there, not a handover."""
+def note_handover_uses(hooks: SeenSides, i: int, inputs: Any) -> None:
+    """Note block i's inputs (the pre-hook's): a returned storage entering a block is a side
+    input there, not a handover."""
     alive, used = _state(hooks, _ALIVE), _state(hooks, _USED)
-    for t in _step.tensors_in(inputs):
-        if (who := alive.get(storage_key(t))) is not None:
+    keys = [storage_key(t) for t in _step.tensors_in(inputs) if t.layout == torch.strided]
+    _state(hooks, _INPUTS)[i] = keys
+    for key in keys:
+        if (who := alive.get(key)) is not None:
             used[who] = True
 
 
@@ -99,9 +104,9 @@ def _death(hooks: SeenSides, order: list[int], i: int, n: int) -> int | str | No
     if died is None:
         return "saved"
     position, ended = died
-    if not ended or position <= order.index(i):
-        return None
-    return "head" if position == len(order) - 1 else order[position]
+    if position == len(order) - 1 and ended:
+        return "head"  # the last block's too: the head's numbers are the kept run's
+    return order[position] if ended and position > order.index(i) else None
 
 
 def _state(hooks: Any, name: str) -> dict[Any, Any]:

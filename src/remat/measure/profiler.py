@@ -142,7 +142,7 @@ class _Hooks:
             self.mark(f"fs{i}")
             x = _first_tensor((args, kwargs))
             note_sides(self, i, x, (args, kwargs))
-            note_handover_uses(self, (args, kwargs))
+            note_handover_uses(self, i, (args, kwargs))
             self.in_bytes[i] = 0
             if x is not None:
                 if _storage_key(x) not in self.base_keys:
@@ -160,7 +160,7 @@ class _Hooks:
             self.running = [j for j in self.running if j != i]
             y = _first_tensor(output)
             note_output(self, i, y)
-            note_returned(self, i, output, y, args)
+            note_returned(self, i, output, y)
             self.out_bytes[i] = y.untyped_storage().nbytes() if y is not None else 0
             if y is not None and y.requires_grad:
                 y.register_hook(lambda g: self.mark(f"bs{i}"))

@@ -6,10 +6,14 @@ that dies in block k's forward phase (freed there when j's option does not save 
 kept bytes of block k as the run of k's option had it: freed there when that run's option of j
 does not save it. Under the plan it is freed when j's own option does not save it. So k's kept
 bytes move by the handover's bytes times (saved under j's option - saved under k's). One that
-dies in the head's forward (after the last block) moves the head's kept bytes and forward peak the
-same way against the kept run, whose numbers the head's are; the level that stays after the head's
-backward moves with them (its gradient bytes), and each block's backward peak, measured over the
-level its own run's head left, moves back by what that run saved beyond the kept run.
+dies in the head's forward (after the last block) moves the head's kept bytes the same way against
+the kept run, whose numbers the head's are, and its forward peak only up: it may be freed after
+the head's peak, so it counts as live there (on the safe side: a language model's head peaks at
+its logits, after the loop let it go); the level that stays after the head's
+backward moves with them (its gradient bytes) until the maker's backward, where every run has let
+it go (the maker's gradient bytes move back), and the backward peaks of the maker and the blocks
+after it, measured over the level their own run's head left, move back by what that run saved
+beyond the kept run.
 Options not run are judged as the run their numbers come from: ``tiled`` and the offloads as
 ``keep`` and ``recompute`` (the offloads' copies leave the handover itself where it is: not
 modelled).
@@ -21,78 +25,93 @@ import dataclasses
 from collections.abc import Callable, Sequence
 
 from remat.errors import InfeasibleBudget
-from remat.records import BlockProfile, Handover, OptionCost, Plan, Profile
+from remat.records import Handover, Plan, Profile
 from remat.units import format_bytes
 
-__all__ = ["bounding", "fitted", "handed_over"]
+__all__ = ["Remake", "Search", "bounding", "fitted", "handed_over", "lowest"]
 
 _RUN_OF = {"tiled": "keep", "offload": "keep", "recompute_offload": "recompute"}
 
 
 def handed_over(profile: Profile, options: Sequence[str]) -> Profile:
-    """``profile`` with the numbers of the chosen ``options`` (one per block) corrected for the
-    handovers under that plan; ``profile`` itself when it has none."""
+    """``profile`` with its numbers corrected for the handovers under the plan of ``options``
+    (one per block); ``profile`` itself when it has none."""
     if not profile.handovers:
         return profile
     index = {b.name: i for i, b in enumerate(profile.blocks)}
-    kept = [0] * len(profile.blocks)
-    bwd = [0] * len(profile.blocks)
-    head = 0
-    for h in profile.handovers:
-        mine = _saved(h, options[index[h.made_by]])
-        if h.dies_after is not None:
-            k = index[h.dies_after]
-            kept[k] += h.size_bytes * (mine - _saved(h, options[k]))
-            continue
-        head += h.size_bytes * (mine - _saved(h, "keep"))
-        for b, option in enumerate(options):
-            bwd[b] -= h.size_bytes * (_saved(h, option) - _saved(h, "keep"))
-    blocks = [
-        b if not (kept[i] or bwd[i]) else dataclasses.replace(b, options={
-            **b.options, o: _moved(b.options[o], kept[i], bwd[i])})
-        for i, (b, o) in enumerate(zip(profile.blocks, options))
-    ]
-    return _with_head(profile, blocks, head)
+    return _corrected(profile, lambda h: _saved(h, options[index[h.made_by]]))
 
 
-def fitted(profile: Profile, budget_bytes: int, search: Callable[[Profile, int], Plan],
-           remake: Callable[[Plan, list[str]], Plan]) -> Plan:
-    """``search(profile, budget_bytes)``'s plan, for a search that sees no handovers. When they
-    put it over the budget (by ``estimate``, which sees them), the fastest that fits of the plans
-    found again: under a budget lowered by the excess, and on the profile at its worst case (whose
-    plans fit) and at its best (finding plans the per-run numbers put too high). With handovers,
-    the plan is then improved one block's option at a time (``remake``: the plan with other
-    options) while that makes it faster and it fits."""
-    first = search(profile, budget_bytes)
+Search = Callable[[Profile, int], Plan]
+"""A search that sees no handovers: the plan it finds for a profile and a budget (raises
+``InfeasibleBudget`` when none fits by its numbers)."""
+Remake = Callable[[Plan, list[str]], Plan]
+"""The plan with other options per block (same segments), its estimate made anew."""
+
+
+def fitted(profile: Profile, budget_bytes: int, search: Search, remake: Remake,
+           smallest: Callable[[Profile], int]) -> Plan:
+    """``search(profile, budget_bytes)``'s plan. With handovers (which ``estimate`` sees and the
+    search does not) it is searched again when they put it over or the search finds none: under
+    a budget lowered by the excess, and on the profile at its worst case (whose plans fit) and at
+    its best (finding plans the per-run numbers put too high); the fastest that fits is then
+    improved one block's option at a time while that makes it faster and it fits. None fits:
+    ``InfeasibleBudget`` with the lowest peak found (``lowest``; ``smallest`` is a profile's
+    smallest feasible peak by its numbers)."""
     if not profile.handovers:
-        return first
-    again, over = [first], first.estimate.peak_bytes - budget_bytes
+        return search(profile, budget_bytes)
+    found = _tried([(profile, budget_bytes)], search)
+    over = min((p.estimate.peak_bytes for p in found), default=budget_bytes + 1) - budget_bytes
     if over > 0:
-        for on, target in ((profile, budget_bytes - over), (bounding(profile, True), budget_bytes),
-                           (bounding(profile, False), budget_bytes)):
-            try:
-                again.append(search(on, target))
-            except InfeasibleBudget:
-                continue
-    fits = [p for p in again if p.estimate.peak_bytes <= budget_bytes]
+        found += _tried([(profile, budget_bytes - over), (bounding(profile, True), budget_bytes),
+                         (bounding(profile, False), budget_bytes)], search)
+    fits = [p for p in found if p.estimate.peak_bytes <= budget_bytes]
     if not fits:
-        lowest = min(p.estimate.peak_bytes for p in again)
-        raise InfeasibleBudget(
-            f"budget {format_bytes(budget_bytes)} ({budget_bytes} bytes): the plans found peak above "
-            f"it once the tensors the blocks hand to one another are counted (the lowest at {lowest} "
-            "bytes); raise the budget or lower the batch.",
-            budget_bytes=budget_bytes, smallest_bytes=lowest, dominant="tensors handed between blocks",
-        )
-    return _improved(profile, budget_bytes, min(fits, key=_rank), remake)
+        low = lowest(profile, search, remake, smallest)
+        if low.estimate.peak_bytes > budget_bytes:
+            raise InfeasibleBudget(
+                f"budget {format_bytes(budget_bytes)} is below the smallest feasible "
+                f"{format_bytes(low.estimate.peak_bytes)} ({low.estimate.peak_bytes} bytes, the peak "
+                f"at the {low.estimate.peak_phase}); raise the budget or lower the batch.",
+                budget_bytes=budget_bytes, smallest_bytes=low.estimate.peak_bytes,
+                dominant=f"the peak falls at the {low.estimate.peak_phase}",
+            )
+        fits = [low]
+    return _improved(profile, min(fits, key=_by_time), remake, _by_time, budget_bytes)
 
 
-def _rank(plan: Plan) -> tuple[float, int]:
+def lowest(profile: Profile, search: Search, remake: Remake, smallest: Callable[[Profile], int]) -> Plan:
+    """The plan of the lowest peak found, handovers counted: the searches' plans at the smallest
+    feasible peak of the profile and of its best and worst cases, the lowest improved one block's
+    option at a time while that lowers its peak."""
+    found = _tried([(on, smallest(on)) for on in (profile, bounding(profile, False), bounding(profile, True))],
+                   search)
+    assert found, "the worst case's smallest feasible peak has a plan"
+    return _improved(profile, min(found, key=_by_peak), remake, _by_peak, None)
+
+
+def _tried(attempts: list[tuple[Profile, int]], search: Search) -> list[Plan]:
+    out = []
+    for on, target in attempts:
+        try:
+            out.append(search(on, target))
+        except InfeasibleBudget:
+            continue
+    return out
+
+
+def _by_time(plan: Plan) -> tuple[float, float]:
     return plan.estimate.step_ms, plan.estimate.peak_bytes
 
 
-def _improved(profile: Profile, budget_bytes: int, plan: Plan, remake: Callable[[Plan, list[str]], Plan]) -> Plan:
-    """``plan`` with one block's option changed at a time (outside its segments) while that makes
-    it faster, or as fast and lower, and it still fits; a few passes at most."""
+def _by_peak(plan: Plan) -> tuple[float, float]:
+    return plan.estimate.peak_bytes, plan.estimate.step_ms
+
+
+def _improved(profile: Profile, plan: Plan, remake: Remake, rank: Callable[[Plan], tuple[float, float]],
+              budget_bytes: int | None) -> Plan:
+    """``plan`` with one block's option changed at a time (outside its segments) while that
+    lowers its ``rank`` and it still fits ``budget_bytes`` (None: any); a few passes at most."""
     names = [b.name for b in profile.blocks]
     inside = {j for first, last in plan.segments for j in range(names.index(first), names.index(last) + 1)}
     for _ in range(4):
@@ -104,7 +123,8 @@ def _improved(profile: Profile, budget_bytes: int, plan: Plan, remake: Callable[
                     continue
                 picks[i] = option
                 other = remake(plan, picks)
-                if other.estimate.peak_bytes <= budget_bytes and _rank(other) < _rank(plan):
+                fits = budget_bytes is None or other.estimate.peak_bytes <= budget_bytes
+                if fits and rank(other) < rank(plan):
                     plan, better = other, True
         if not better:
             break
@@ -119,38 +139,39 @@ def bounding(profile: Profile, worst: bool) -> Profile:
     numbers put too high."""
     pick = max if worst else min
     index = {b.name: i for i, b in enumerate(profile.blocks)}
-    kept: list[dict[str, int]] = [dict.fromkeys(b.options, 0) for b in profile.blocks]
-    bwd: list[dict[str, int]] = [dict.fromkeys(b.options, 0) for b in profile.blocks]
-    head = 0
+    return _corrected(profile, lambda h: pick(_saved(h, o) for o in profile.blocks[index[h.made_by]].options))
+
+
+def _corrected(profile: Profile, saved: Callable[[Handover], int]) -> Profile:
+    """``profile`` with every option's numbers moved for handovers whose makers save them as
+    ``saved`` says (1 or 0; the module's docstring), and no handovers left."""
+    index = {b.name: i for i, b in enumerate(profile.blocks)}
+    kept = [dict.fromkeys(b.options, 0) for b in profile.blocks]
+    bwd = [dict.fromkeys(b.options, 0) for b in profile.blocks]
+    grad, head, head_peak = [0] * len(profile.blocks), 0, 0
     for h in profile.handovers:
-        most = pick(_saved(h, o) for o in profile.blocks[index[h.made_by]].options)
+        j, mine = index[h.made_by], saved(h)
         if h.dies_after is not None:
             k = index[h.dies_after]
             for o in kept[k]:
-                kept[k][o] += h.size_bytes * (most - _saved(h, o))
+                kept[k][o] += h.size_bytes * (mine - _saved(h, o))
             continue
-        head += h.size_bytes * (most - _saved(h, "keep"))
-        for b in bwd:
-            for o in b:
-                b[o] -= h.size_bytes * (_saved(h, o) - _saved(h, "keep"))
-    blocks = [dataclasses.replace(b, options={o: _moved(c, kept[i][o], bwd[i][o]) for o, c in b.options.items()})
-              for i, b in enumerate(profile.blocks)]
-    return _with_head(profile, blocks, head)
-
-
-def _with_head(profile: Profile, blocks: list[BlockProfile], head: int) -> Profile:
-    """``profile`` with ``blocks``, no handovers, and the head's numbers moved by ``head`` bytes."""
-    post = dataclasses.replace(
-        profile.post, kept_bytes=profile.post.kept_bytes + head,
-        fwd_peak_bytes=profile.post.fwd_peak_bytes + head, grad_bytes=profile.post.grad_bytes + head,
-    )
+        moved = h.size_bytes * (mine - _saved(h, "keep"))
+        head += moved
+        head_peak += max(0, moved)  # freed in the head, maybe after its peak: counted live there
+        grad[j] -= moved  # from the maker's backward on, every run has let it go
+        for b in range(j, len(profile.blocks)):  # backwards up to the maker's: over the levels
+            for o in bwd[b]:  # their runs held, which freed it in the head when they saved it not
+                bwd[b][o] -= h.size_bytes * (_saved(h, o) - _saved(h, "keep"))
+    blocks = [dataclasses.replace(b, grad_bytes=b.grad_bytes + grad[i], options={
+        o: dataclasses.replace(c, kept_bytes=c.kept_bytes + kept[i][o], bwd_peak_bytes=c.bwd_peak_bytes + bwd[i][o])
+        for o, c in b.options.items()}) for i, b in enumerate(profile.blocks)]
+    post = dataclasses.replace(profile.post, kept_bytes=profile.post.kept_bytes + head,
+                               fwd_peak_bytes=profile.post.fwd_peak_bytes + head_peak,
+                               grad_bytes=profile.post.grad_bytes + head)
     return dataclasses.replace(profile, blocks=blocks, post=post, handovers=[],
-                               post_fwd_peak_held_bytes=profile.post_fwd_peak_held_bytes + head)
+                               post_fwd_peak_held_bytes=profile.post_fwd_peak_held_bytes + head_peak)
 
 
 def _saved(h: Handover, option: str) -> int:
     return int(_RUN_OF.get(option, option) in h.kept_by)
-
-
-def _moved(cost: OptionCost, kept: int, bwd: int) -> OptionCost:
-    return dataclasses.replace(cost, kept_bytes=cost.kept_bytes + kept, bwd_peak_bytes=cost.bwd_peak_bytes + bwd)

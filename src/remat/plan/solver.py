@@ -18,7 +18,7 @@ import numpy as np
 from remat.errors import InfeasibleBudget, InvalidType, InvalidValue, did_you_mean
 from remat.plan.baselines import baseline, option_index
 from remat.plan.costmodel import ChainConstraints, chain_constraints, smallest_feasible
-from remat.plan.handovers import fitted
+from remat.plan.handovers import Remake, Search, fitted, lowest
 from remat.plan.head import HEAD_KEEP, best_of_heads, frontier_of_heads, head_names, with_head
 from remat.plan.search import (
     NO_LIMIT_BYTES,
@@ -106,12 +106,20 @@ def solve(
 def _searched(profile: Profile, chain: ChainConstraints, budget_bytes: int, method: str, notes: list[str],
               segments: bool) -> Plan:
     """The plan ``method`` finds, checked against the handovers the searches do not see (``fitted``)."""
+    found, remake = _searches(profile, chain, budget_bytes, method, notes, segments)
+    return fitted(profile, budget_bytes, found, remake, lambda on: smallest_feasible(on)[0])
+
+
+def _searches(profile: Profile, chain: ChainConstraints, budget_bytes: int | None, method: str,
+              notes: list[str], segments: bool) -> tuple[Search, Remake]:
+    """``method``'s search, on ``profile`` or one of its bounds, and the plan with other options,
+    for ``remat.plan.handovers``; plans carry ``budget_bytes``."""
 
     def found(on: Profile, target: int) -> Plan:
         constraints = chain if on is profile else chain_constraints(on)
         spans: list[list[str]] = []
-        if method == "optimal":
-            picks, spans = _optimal(on, constraints, target, segments)
+        if method == "optimal":  # no segments with handovers (_segments_run), on its bounds too
+            picks, spans = _optimal(on, constraints, target, segments and not profile.handovers)
         else:
             picks = _greedy_picks(on, constraints, target)
         return _plan(profile, [constraints.options[o] for o in picks], budget_bytes, method, notes, spans)
@@ -119,7 +127,7 @@ def _searched(profile: Profile, chain: ChainConstraints, budget_bytes: int, meth
     def remake(plan: Plan, names: list[str]) -> Plan:
         return _plan(profile, names, budget_bytes, method, notes, plan.segments)
 
-    return fitted(profile, budget_bytes, found, remake)
+    return found, remake
 
 
 def check_method(method: str) -> None:
@@ -164,11 +172,13 @@ def frontier(profile: Profile, *, points: int | None = 16, segments: bool = True
     plans: dict[tuple[int, float], Plan] = {}
 
     def add(budget: int) -> int:
-        picks, spans = _optimal(profile, chain, budget, segments)
-        plan = _plan(profile, [chain.options[o] for o in picks], budget, "optimal", [], spans)
+        try:
+            plan = _searched(profile, chain, budget, "optimal", [], segments)
+        except InfeasibleBudget:  # with handovers, the searches' smallest is not quite the plans'
+            return low - 1
         # Budgets between two points of the frontier give the same point: keep the first.
         plans.setdefault((plan.estimate.peak_bytes, plan.estimate.step_ms), plan)
-        return plan.estimate.peak_bytes
+        return min(budget, plan.estimate.peak_bytes)
 
     if points is None:
         budget = high
@@ -317,8 +327,12 @@ def smallest_any(profile: Profile) -> tuple[int, str]:
         low, why, head = min(((*smallest_any(with_head(profile, h)), h) for h in head_names(profile)),
                              key=lambda t: t[0])
         return low, why if head == HEAD_KEEP else f"{why} (head: {head})"
-    low, why = smallest_feasible(profile)
     chain = chain_constraints(profile)
+    if profile.handovers:  # NOTE [ Handovers ] in remat.records: the lowest plan found, counted
+        low_plan = lowest(profile, *_searches(profile, chain, None, "optimal", [], False),
+                          lambda on: smallest_feasible(on)[0])
+        return low_plan.estimate.peak_bytes, f"the peak falls at the {low_plan.estimate.peak_phase}"
+    low, why = smallest_feasible(profile)
     seg = None
     if _segments_run(profile, chain):
         seg = segment_search(chain, SegmentModel(profile, chain), NO_LIMIT_BYTES, objective="peak")
