@@ -13,11 +13,12 @@ import pytest
 import torch
 from torch import nn
 
+import remat
 from remat.manual.options import clear_option, set_option
 from remat.measure.profiler import profile
 from remat.measure.tracer import measure_step
 from remat.plan.costmodel import estimate
-from remat.plan.solver import smallest_any, solve
+from remat.plan.solver import frontier, smallest_any, solve
 from remat.records import Profile
 
 
@@ -184,3 +185,27 @@ def test_no_phase_of_any_plan_measures_over_its_prediction(hold: str) -> None:
             if (d := prof.base_bytes + tracer.trace.peak_between(start, end) - predicted.peak_bytes) > 0:
                 over["".join(o[0] for o in combo) + " " + predicted.name] = d
     assert over == {}
+
+
+def test_smallest_frontier_and_refusals_count_the_handovers() -> None:
+    model, batch = _case()
+    prof = profile(model, batch, repeats=1)
+    names = [b.name for b in prof.blocks]
+    every = [estimate(prof, dict(zip(names, c))) for c in itertools.product(prof.options, repeat=len(names))]
+    lowest = min(e.peak_bytes for e in every)
+    assert smallest_any(prof)[0] == lowest
+    with pytest.raises(remat.InfeasibleBudget) as refused:
+        solve(prof, lowest - 1)
+    assert refused.value.smallest_bytes == lowest
+    front = frontier(prof, points=None)  # walks every point (it once never ended)
+    assert [p.estimate.peak_bytes for p in front] == sorted((p.estimate.peak_bytes for p in front), reverse=True)
+    assert all(p.estimate.peak_bytes <= p.budget_bytes and not p.segments for p in front)
+    fastest = {}
+    for e in every:  # the brute-force frontier: the fastest plan at each peak, then undominated
+        fastest[e.peak_bytes] = min(fastest.get(e.peak_bytes, e.step_ms), e.step_ms)
+    points, best = [], float("inf")
+    for peak in sorted(fastest):
+        if fastest[peak] < best - 1e-9:
+            points.append(peak)
+            best = fastest[peak]
+    assert [p.estimate.peak_bytes for p in front][::-1] == points
