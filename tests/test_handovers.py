@@ -78,6 +78,15 @@ def _measured(model: nn.Module, batch: Any, choices: dict[str, str], loss_fn: An
             clear_option(modules[name])
 
 
+def _every_plan() -> tuple[nn.Module, torch.Tensor, Profile, list[Any]]:
+    """The loop, its profile, and the estimate of every per-block plan."""
+    model, batch = _case()
+    prof = profile(model, batch, repeats=1)
+    names = [b.name for b in prof.blocks]
+    return model, batch, prof, [estimate(prof, dict(zip(names, c)))
+                                for c in itertools.product(prof.options, repeat=len(names))]
+
+
 def test_the_loop_holds_four_handovers_saved_by_keep_and_the_record_round_trips() -> None:
     model, batch = _case()
     prof = profile(model, batch, repeats=1)
@@ -121,10 +130,7 @@ def test_every_plan_is_predicted_to_the_byte() -> None:
 
 
 def test_solve_fits_and_is_the_fastest_per_block_plan() -> None:
-    model, batch = _case()
-    prof = profile(model, batch, repeats=1)
-    names = [b.name for b in prof.blocks]
-    every = [estimate(prof, dict(zip(names, c))) for c in itertools.product(prof.options, repeat=len(names))]
+    model, batch, prof, every = _every_plan()
     low, high = smallest_any(prof)[0], prof.plain_peak_bytes
     for k in range(11):
         budget = low + (high - low) * k // 10
@@ -188,10 +194,7 @@ def test_no_phase_of_any_plan_measures_over_its_prediction(hold: str) -> None:
 
 
 def test_smallest_frontier_and_refusals_count_the_handovers() -> None:
-    model, batch = _case()
-    prof = profile(model, batch, repeats=1)
-    names = [b.name for b in prof.blocks]
-    every = [estimate(prof, dict(zip(names, c))) for c in itertools.product(prof.options, repeat=len(names))]
+    _, _, prof, every = _every_plan()
     lowest = min(e.peak_bytes for e in every)
     assert smallest_any(prof)[0] == lowest
     with pytest.raises(remat.InfeasibleBudget) as refused:

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from remat.measure import step as _step
-from remat.measure.sides import SeenSides, storage_key
+from remat.measure.sides import SeenSides, noted_dict, storage_key
 from remat.records import Handover
 
 __all__ = ["handovers", "note_handover_uses", "note_returned"]
@@ -35,9 +35,9 @@ def note_returned(hooks: SeenSides, i: int, output: Any, y: torch.Tensor | None)
     hook's; ``note_handover_uses`` noted the inputs)."""
     if y is None:
         return
-    skip = {storage_key(y), *hooks.base_keys, *_state(hooks, _INPUTS).get(i, ())}
-    found = _state(hooks, _FOUND).setdefault(i, [])
-    alive = _state(hooks, _ALIVE)
+    skip = {storage_key(y), *hooks.base_keys, *noted_dict(hooks, _INPUTS).get(i, ())}
+    found = noted_dict(hooks, _FOUND).setdefault(i, [])
+    alive = noted_dict(hooks, _ALIVE)
     for t in _step.tensors_in(output):
         if t.layout != torch.strided or t.device != y.device or storage_key(t) in skip | alive.keys():
             continue  # a sparse tensor has no storage; one another block returned is that block's
@@ -50,20 +50,20 @@ def note_returned(hooks: SeenSides, i: int, output: Any, y: torch.Tensor | None)
 def note_handover_uses(hooks: SeenSides, i: int, inputs: Any) -> None:
     """Note block i's inputs (the pre-hook's): a returned storage entering a block is a side
     input there, not a handover."""
-    alive, used = _state(hooks, _ALIVE), _state(hooks, _USED)
+    alive, used = noted_dict(hooks, _ALIVE), noted_dict(hooks, _USED)
     keys = [storage_key(t) for t in _step.tensors_in(inputs) if t.layout == torch.strided]
-    _state(hooks, _INPUTS)[i] = keys
+    noted_dict(hooks, _INPUTS)[i] = keys
     for key in keys:
         if (who := alive.get(key)) is not None:
             used[who] = True
 
 
 def _freed(hooks: SeenSides, i: int, n: int, key: int) -> None:
-    alive = _state(hooks, _ALIVE)
+    alive = noted_dict(hooks, _ALIVE)
     if alive.get(key) == (i, n):
         del alive[key]
     if not hooks.forward_done and hooks.order:
-        _state(hooks, _DEATHS)[(i, n)] = (len(hooks.order) - 1, hooks.order[-1] not in hooks.running)
+        noted_dict(hooks, _DEATHS)[(i, n)] = (len(hooks.order) - 1, hooks.order[-1] not in hooks.running)
 
 
 def handovers(names: list[str], runs: Mapping[str, Any]) -> list[Handover]:
@@ -73,10 +73,10 @@ def handovers(names: list[str], runs: Mapping[str, Any]) -> list[Handover]:
     order: list[int] = keep.order
     found: dict[tuple[int, int | None], tuple[int, list[str]]] = {}
     for i in order:
-        sizes = _state(keep, _FOUND).get(i, [])
+        sizes = noted_dict(keep, _FOUND).get(i, [])
         for n, nbytes in enumerate(sizes):
             deaths = {o: _death(h, order, i, n) for o, h in runs.items()}
-            if any((i, n) in _state(h, _USED) or _state(h, _FOUND).get(i, [])[n:n + 1] != [nbytes]
+            if any((i, n) in noted_dict(h, _USED) or noted_dict(h, _FOUND).get(i, [])[n:n + 1] != [nbytes]
                    for h in runs.values()):
                 continue  # a side input, or the runs disagree
             places = {d for d in deaths.values() if d != "saved"}
@@ -100,18 +100,10 @@ def _death(hooks: SeenSides, order: list[int], i: int, n: int) -> int | str | No
     forward), the index of the block in whose forward phase it died after that block ended (a
     later block's), ``"head"`` (after the last block, one made before it), or None (anywhere else:
     in the phase that made it, inside a block)."""
-    died = _state(hooks, _DEATHS).get((i, n))
+    died = noted_dict(hooks, _DEATHS).get((i, n))
     if died is None:
         return "saved"
     position, ended = died
     if position == len(order) - 1 and ended:
         return "head"  # the last block's too: the head's numbers are the kept run's
     return order[position] if ended and position > order.index(i) else None
-
-
-def _state(hooks: Any, name: str) -> dict[Any, Any]:
-    found = getattr(hooks, name, None)
-    if found is None:
-        found = {}
-        setattr(hooks, name, found)
-    return found  # type: ignore[no-any-return]

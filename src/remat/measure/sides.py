@@ -30,6 +30,7 @@ __all__ = [
     "hooks_of",
     "note_output",
     "note_sides",
+    "noted_dict",
     "noting_deaths",
     "noting_saved",
     "side_inputs",
@@ -245,8 +246,14 @@ def with_skips(traced: SeenSides, profile: Profile) -> Profile:
 
 def _keys(hooks: SeenSides, name: str) -> dict[int, int]:
     """[block]: a storage key noted on the hooks object (not part of the SeenSides protocol)."""
-    keys = getattr(hooks, name, None)
-    if keys is None:
-        keys = {}
-        setattr(hooks, name, keys)
-    return keys  # type: ignore[no-any-return]
+    return noted_dict(hooks, name)
+
+
+def noted_dict(hooks: Any, name: str) -> dict[Any, Any]:
+    """A dict noted on the hooks object as ``name`` (not part of the SeenSides protocol), made
+    on first use."""
+    found = getattr(hooks, name, None)
+    if found is None:
+        found = {}
+        setattr(hooks, name, found)
+    return found  # type: ignore[no-any-return]
