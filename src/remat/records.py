@@ -35,7 +35,8 @@ the free of the handover of the block before it as that run had it, which a plan
 does not: a recomputed block after a kept one frees nothing there (BLOOM: 64 KiB more than its
 profile said). The profile records each handover (``Handover``: bytes, maker, where it dies,
 under which options it is saved) and ``estimate`` corrects the parts whose numbers were measured
-under another saving than the plan's (``remat.plan.handovers``). The solvers' searches do not see
+under another saving than the plan's (``remat.plan.handovers``; one freed in the head's forward
+counts as live at the head's peak, which may come first). The solvers' searches do not see
 it (it ties a block's bytes to its neighbour's option); ``solve`` checks its plan with
 ``estimate``, searches again when the handovers put it over, and improves it a block at a time
 (``remat.plan.handovers.fitted``). The segment model does not count handovers either (on a loop
