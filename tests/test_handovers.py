@@ -5,6 +5,7 @@ force, and the detection leaves out what is not a handover; on a pure-torch loop
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import random
 from typing import Any
@@ -212,3 +213,16 @@ def test_smallest_frontier_and_refusals_count_the_handovers() -> None:
             points.append(peak)
             best = fastest[peak]
     assert [p.estimate.peak_bytes for p in front][::-1] == points
+
+
+def test_the_plan_table_shows_the_bytes_the_plan_keeps() -> None:
+    from remat.report.tables import plan_table, render_text
+    from remat.units import format_bytes
+
+    _, _, prof, _ = _every_plan()
+    names = [b.name for b in prof.blocks]
+    plan = dataclasses.replace(solve(prof, method="none"), choices=dict(zip(names, ["recompute", "keep"] * 2)))
+    text = render_text(plan_table(plan, prof))
+    after = prof.blocks[1].options["keep"].kept_bytes - prof.handovers[0].size_bytes  # freed at its return
+    row = next(line for line in text.splitlines() if line.strip().startswith("blocks.1 "))
+    assert format_bytes(after) in row, row

@@ -18,6 +18,7 @@ from rich.table import Table
 from rich.text import Text
 
 from remat.errors import InvalidValue
+from remat.plan.handovers import handed_over
 from remat.plan.head import head_extra_ms
 from remat.records import OPTIONS, Plan, Profile, Segment
 from remat.units import axis_unit, format_bytes
@@ -93,6 +94,8 @@ def plan_table(plan: Plan, profile: Profile | None = None) -> Table:
                 f"profile is of {profile.model} (fingerprint {profile.fingerprint}); pass the "
                 "profile the plan was solved from"
             )
+        if profile.handovers and set(plan.choices) == {b.name for b in profile.blocks}:
+            profile = handed_over(profile, [plan.choices[b.name] for b in profile.blocks])  # as estimated
         blocks = {b.name: b for b in profile.blocks}
     est = plan.estimate
     budget = "none" if plan.budget_bytes is None else format_bytes(plan.budget_bytes)
