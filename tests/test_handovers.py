@@ -226,3 +226,24 @@ def test_the_plan_table_shows_the_bytes_the_plan_keeps() -> None:
     after = prof.blocks[1].options["keep"].kept_bytes - prof.handovers[0].size_bytes  # freed at its return
     row = next(line for line in text.splitlines() if line.strip().startswith("blocks.1 "))
     assert format_bytes(after) in row, row
+
+
+def test_an_offloaded_maker_leaves_the_device_tensor_to_the_loop_until_it_drops_it() -> None:
+    # Derived (no GPU here): the offload's numbers keep nothing on the device, but the loop holds
+    # the device tensor until the next block returns: one more transient in that block's forward.
+    from remat.plan.handovers import bounding, handed_over
+
+    _, _, prof, _ = _every_plan()
+    blocks = [dataclasses.replace(b, options={**b.options, "offload": dataclasses.replace(
+        b.options["keep"], kept_bytes=0)}) for b in prof.blocks]
+    prof = dataclasses.replace(prof, blocks=blocks)
+    first = prof.handovers[0]
+    assert (first.made_by, first.dies_after) == ("blocks.0", "blocks.1")
+
+    def fwd(p: Profile) -> int:
+        return p.blocks[1].options["keep"].fwd_peak_bytes
+
+    kept_first = handed_over(prof, ["keep"] * 4)
+    offloaded = handed_over(prof, ["offload", "keep", "keep", "keep"])
+    assert fwd(offloaded) == fwd(kept_first) + first.size_bytes == fwd(prof) + first.size_bytes
+    assert fwd(bounding(prof, True)) == fwd(offloaded) and fwd(bounding(prof, False)) == fwd(prof)

@@ -15,8 +15,10 @@ it go (the maker's gradient bytes move back), and the backward peaks of the make
 after it, measured over the level their own run's head left, move back by what that run saved
 beyond the kept run.
 Options not run are judged as the run their numbers come from: ``tiled`` and the offloads as
-``keep`` and ``recompute`` (the offloads' copies leave the handover itself where it is: not
-modelled).
+``keep`` and ``recompute``. An offloaded maker's numbers keep nothing on the device, but the
+model's code still holds the device tensor until it drops it (the copy is the saved one): that
+counts as one more transient in the forward phase where it dies (derived, not measured: no GPU
+has run it).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from remat.units import format_bytes
 __all__ = ["Remake", "Search", "bounding", "fitted", "handed_over", "lowest"]
 
 _RUN_OF = {"tiled": "keep", "offload": "keep", "recompute_offload": "recompute"}
+_OFFLOADS = ("offload", "recompute_offload")
 
 
 def handed_over(profile: Profile, options: Sequence[str]) -> Profile:
@@ -39,7 +42,8 @@ def handed_over(profile: Profile, options: Sequence[str]) -> Profile:
     if not profile.handovers:
         return profile
     index = {b.name: i for i, b in enumerate(profile.blocks)}
-    return _corrected(profile, lambda h: _saved(h, options[index[h.made_by]]))
+    return _corrected(profile, lambda h: _saved(h, options[index[h.made_by]]),
+                      lambda h: int(options[index[h.made_by]] in _OFFLOADS))
 
 
 Search = Callable[[Profile, int], Plan]
@@ -139,32 +143,39 @@ def bounding(profile: Profile, worst: bool) -> Profile:
     numbers put too high."""
     pick = max if worst else min
     index = {b.name: i for i, b in enumerate(profile.blocks)}
-    return _corrected(profile, lambda h: pick(_saved(h, o) for o in profile.blocks[index[h.made_by]].options))
+    return _corrected(profile, lambda h: pick(_saved(h, o) for o in profile.blocks[index[h.made_by]].options),
+                      lambda h: pick(int(o in _OFFLOADS) for o in profile.blocks[index[h.made_by]].options))
 
 
-def _corrected(profile: Profile, saved: Callable[[Handover], int]) -> Profile:
+def _corrected(profile: Profile, saved: Callable[[Handover], int], copied: Callable[[Handover], int]) -> Profile:
     """``profile`` with every option's numbers moved for handovers whose makers save them as
-    ``saved`` says (1 or 0; the module's docstring), and no handovers left."""
+    ``saved`` says (1 or 0; the module's docstring) and offload them as ``copied`` says (their
+    numbers count none of it on the device, but the model's code holds the device tensor until it
+    drops it: one more transient in the forward where it dies), and no handovers left."""
     index = {b.name: i for i, b in enumerate(profile.blocks)}
     kept = [dict.fromkeys(b.options, 0) for b in profile.blocks]
     bwd = [dict.fromkeys(b.options, 0) for b in profile.blocks]
+    fwd = [h.size_bytes * copied(h) for h in profile.handovers]  # per handover
     grad, head, head_peak = [0] * len(profile.blocks), 0, 0
-    for h in profile.handovers:
+    peak = [0] * len(profile.blocks)
+    for h, extra in zip(profile.handovers, fwd):
         j, mine = index[h.made_by], saved(h)
         if h.dies_after is not None:
             k = index[h.dies_after]
+            peak[k] += extra
             for o in kept[k]:
                 kept[k][o] += h.size_bytes * (mine - _saved(h, o))
             continue
         moved = h.size_bytes * (mine - _saved(h, "keep"))
         head += moved
-        head_peak += max(0, moved)  # freed in the head, maybe after its peak: counted live there
+        head_peak += max(0, moved) + extra  # freed in the head, maybe after its peak: live there
         grad[j] -= moved  # from the maker's backward on, every run has let it go
         for b in range(j, len(profile.blocks)):  # backwards up to the maker's: over the levels
             for o in bwd[b]:  # their runs held, which freed it in the head when they saved it not
                 bwd[b][o] -= h.size_bytes * (_saved(h, o) - _saved(h, "keep"))
     blocks = [dataclasses.replace(b, grad_bytes=b.grad_bytes + grad[i], options={
-        o: dataclasses.replace(c, kept_bytes=c.kept_bytes + kept[i][o], bwd_peak_bytes=c.bwd_peak_bytes + bwd[i][o])
+        o: dataclasses.replace(c, kept_bytes=c.kept_bytes + kept[i][o], fwd_peak_bytes=c.fwd_peak_bytes + peak[i],
+                               bwd_peak_bytes=c.bwd_peak_bytes + bwd[i][o])
         for o, c in b.options.items()}) for i, b in enumerate(profile.blocks)]
     post = dataclasses.replace(profile.post, kept_bytes=profile.post.kept_bytes + head,
                                fwd_peak_bytes=profile.post.fwd_peak_bytes + head_peak,
