@@ -53,6 +53,7 @@ from torch import nn
 from remat.errors import ProfileError
 from remat.manual.blocks import fingerprint
 from remat.measure import step as _step
+from remat.measure.handovers import handovers
 from remat.measure.tracer import Trace
 from remat.plan.schedule import Phase, step_phases
 from remat.plan.sides import SideGroups
@@ -194,9 +195,10 @@ def assemble(
             _peaks_over_model_level(numbers, keep_blocks, pre, post, order, named, sides or [])
     # The head's forward with the side inputs still held: every block recomputed holds them.
     held = runs["recompute"][1].fwd_peak_bytes if sides and "recompute" in runs else post.fwd_peak_bytes
+    handed = handovers([n for n, _ in named], {o: h for o, (_, h) in traces.items()})  # NOTE [ Handovers ]
     if sides and "recompute" in runs:  # as if the handovers freed in the head were saved as kept
         held += sum(h.size_bytes * (("keep" in h.kept_by) - ("recompute" in h.kept_by))
-                    for h in fixed.get("handovers", []) if h.dies_after is None)  # NOTE [ Handovers ]
+                    for h in handed if h.dies_after is None)
     param_bytes = [_step.storage_bytes(list(m.parameters())) for _, m in named]
     fwd, bwd, sel_extra = _block_times(times, len(named))
     if smooth:
@@ -230,6 +232,7 @@ def assemble(
         plain_peak_bytes=fixed["base_bytes"] + trace_keep.peak_bytes,
         plain_step_ms=t_keep["step"],
         side_inputs=sides or [],
+        handovers=handed,
         post_fwd_peak_held_bytes=held,
         **fixed,
     )

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from remat.measure import step as _step
-from remat.measure.sides import SeenSides, noted_dict, storage_key
+from remat.measure.sides import SeenSides, death_point, noted_dict, storage_key
 from remat.records import Handover
 
 __all__ = ["handovers", "note_handover_uses", "note_returned"]
@@ -62,8 +62,8 @@ def _freed(hooks: SeenSides, i: int, n: int, key: int) -> None:
     alive = noted_dict(hooks, _ALIVE)
     if alive.get(key) == (i, n):
         del alive[key]
-    if not hooks.forward_done and hooks.order:
-        noted_dict(hooks, _DEATHS)[(i, n)] = (len(hooks.order) - 1, hooks.order[-1] not in hooks.running)
+    if (at := death_point(hooks)) is not None:
+        noted_dict(hooks, _DEATHS)[(i, n)] = at
 
 
 def handovers(names: list[str], runs: Mapping[str, Any]) -> list[Handover]:

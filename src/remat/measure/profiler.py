@@ -27,7 +27,7 @@ from remat.errors import InvalidType, InvalidValue, ProfileError
 from remat.manual.blocks import find_blocks
 from remat.measure import step as _step
 from remat.measure.attribution import assemble, phase_times
-from remat.measure.handovers import handovers, note_handover_uses, note_returned
+from remat.measure.handovers import note_handover_uses, note_returned
 from remat.measure.heads import add_heads, measure_heads
 from remat.measure.runner import StepRunner, every_block
 from remat.measure.sides import first_tensor as _first_tensor
@@ -263,7 +263,6 @@ def _measured(
                                          saves=option == "keep")
                 traces[option] = (tracer.trace, hooks)
         sides = _sides(model, named, batch, loss_fn, optimizer, keys, traces["keep"][1])
-        handed = handovers([n for n, _ in named], {o: h for o, (_, h) in traces.items()})
         # Timed in turns, so that a change in the machine's load hits both options alike.
         marked = functools.partial(_marked_step, model, named, batch, loss_fn, optimizer, base_keys=keys)
         runner = StepRunner(marked, model, device=device, repeats=repeats)
@@ -279,7 +278,6 @@ def _measured(
         host_link_bytes_per_s=host_link_bytes_per_s(device) if cuda else None,
         smooth=True,
         sides=sides,
-        handovers=handed,
         device=str(device),
         mode="measured",
         dtype=_dtype_name(model),
@@ -359,7 +357,6 @@ def _estimated(
                 stamps = {m.label: m.t_ms for m in meter.marks}
                 times[option] = phase_times(stamps, hooks.order)
         sides = _sides(model, named, fake_batch, loss_fn, opt, keys, traces["keep"][1])
-        handed = handovers([n for n, _ in named], {o: h for o, (_, h) in traces.items()})
         param_bytes = _step.param_bytes(model)
         opt_bytes = _step.optimizer_bytes(opt)
         data = _step.batch_bytes(fake_batch)
@@ -377,8 +374,7 @@ def _estimated(
             else None,
             smooth=False,
             sides=sides,
-            handovers=handed,
-            device=spec.name,
+                device=spec.name,
             mode="estimated",
             dtype=_dtype_name(model),
             batch_shape=_step.batch_shape(fake_batch),

@@ -26,6 +26,7 @@ from remat.records import Profile, SideInput
 
 __all__ = [
     "SeenSides",
+    "death_point",
     "first_tensor",
     "hooks_of",
     "note_output",
@@ -87,8 +88,16 @@ def note_sides(hooks: SeenSides, i: int, x: torch.Tensor | None, inputs: Any) ->
 
 
 def _died(hooks: SeenSides, key: int) -> None:
-    if not hooks.forward_done and hooks.order:
-        hooks.deaths[key] = (len(hooks.order) - 1, hooks.order[-1] not in hooks.running)
+    if (at := death_point(hooks)) is not None:
+        hooks.deaths[key] = at
+
+
+def death_point(hooks: SeenSides) -> tuple[int, bool] | None:
+    """Where in the forward a storage freed now dies: the position of the last block started and
+    whether it has ended; None after the forward (NOTE [ Where a side input dies ])."""
+    if hooks.forward_done or not hooks.order:
+        return None
+    return len(hooks.order) - 1, hooks.order[-1] not in hooks.running
 
 
 @contextmanager
