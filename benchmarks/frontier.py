@@ -226,15 +226,24 @@ def _noise(times: list[float]) -> float:
 # --- one model ----------------------------------------------------------------------------------
 
 
+def letter(option: str) -> str:
+    """``LETTERS``, and for ``compiled:<budget>`` the budget's first decimal (1 for budget 1)."""
+    if option.startswith("compiled:"):
+        budget = float(option.removeprefix("compiled:"))
+        return "1" if budget >= 1 else str(int(budget * 10 + 1e-9))
+    return LETTERS.get(option, "?")
+
+
 def summary(plan: Plan) -> str:
-    """One letter per block: K keep, S selective, R recompute, O offload, B recompute+offload;
-    a segment in brackets, nested ones inside (its blocks K: kept during its replay); then the
-    head option, when the plan has one other than ``keep`` (e.g. ``+chunked:128``)."""
+    """One letter per block: K keep, S selective, R recompute, O offload, B recompute+offload, a
+    digit d compiled at activation budget 0.d (1: budget 1); a segment in brackets, nested ones
+    inside (its blocks K: kept during its replay); then the head option, when the plan has one
+    other than ``keep`` (e.g. ``+chunked:128``)."""
     names = list(plan.choices)
     spans = [(names.index(a), names.index(b)) for a, b in plan.segments]
     out = []
     for i, o in enumerate(plan.choices.values()):
-        out.append("[" * sum(a == i for a, _ in spans) + LETTERS.get(o, "?")
+        out.append("[" * sum(a == i for a, _ in spans) + letter(o)
                    + "]" * sum(b == i for _, b in spans))
     return "".join(out) + (f"+{plan.head}" if plan.head not in (None, HEAD_KEEP) else "")
 
@@ -280,8 +289,19 @@ def run_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
     ran = [c for c in configs if not c.error]
     log("   peaks: " + ", ".join(f"{c.name} {format_bytes(peaks[c.name])}" for c in ran))
 
-    prof = profile(case.model, case.batch, loss_fn=case.loss_fn, optimizer=case.optimizer,
-                   repeats=args.profile_repeats)
+    # remat's own compiled options, at the budgets whose peers compiled (NOTE [ Compiled blocks ]).
+    budgets = [c.extra["activation_memory_budget"] for c in ran if c.kind == "compile"]
+    try:
+        prof = profile(case.model, case.batch, loss_fn=case.loss_fn, optimizer=case.optimizer,
+                       repeats=args.profile_repeats, compile_budgets=budgets)
+    except Exception as e:  # a compile failure is a result to report, not a crash
+        if not budgets:
+            raise
+        log(f"   profile with compiled options failed ({type(e).__name__}: {str(e)[:160]}); without them")
+        prof = profile(case.model, case.batch, loss_fn=case.loss_fn, optimizer=case.optimizer,
+                       repeats=args.profile_repeats)
+    if budgets:
+        _stop_compile_workers()
     floor, dominant = smallest_any(prof)
     # remat's plans: one per peer peak, then below the lowest peer; identical plans measured once.
     plans: dict[tuple[Any, ...], Config] = {}

@@ -130,6 +130,60 @@ def batchnorm_convnet(control: bool) -> None:
         torch.testing.assert_close(buf, buffers[name], rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
 
 
+def compiled_options(control: bool) -> None:
+    """Blocks compiled at two activation budgets as per-block options (NOTE [ Compiled blocks ]):
+    a profile measures them, and plans that mix them with eager options and segments measure
+    their prediction to the byte; gradients equal eager plain's to round-off; apply and remove
+    leave the model as it was."""
+    import torch
+
+    import remat
+    from remat import models
+    from remat.manual.options import option_of
+    from remat.measure.tracer import measure_step
+    from remat.plan.segments import estimate_segments
+    from remat.plan.solver import smallest_any
+
+    torch.manual_seed(0)
+    cfg = models.GPTConfig(n_layer=3, n_embd=64, n_head=2, block_size=64, vocab_size=256, dropout=0.0)
+    model = models.build_model(cfg)
+    batch = models.make_batch(model, batch_size=4, seq_len=64)
+    opt = torch.optim.AdamW(model.parameters())
+    if control:
+        _plain_compiled_step(model.blocks[0], torch.randn(4, 64, 64), lambda out, _: out.sum())
+        return
+    ref = copy.deepcopy(model)
+    prof = remat.profile(model, batch, optimizer=opt, repeats=1, compile_budgets=(0.5, 0.2))
+    assert prof.options[-2:] == ("compiled:0.5", "compiled:0.2"), prof.options
+    keep, half, fifth = (prof.blocks[0].options[o].kept_bytes for o in ("keep", "compiled:0.5", "compiled:0.2"))
+    assert keep > half > fifth, (keep, half, fifth)  # a lower budget keeps less
+    names = [b.name for b in prof.blocks]
+    mixes = [("compiled:0.5",) * 3, ("compiled:0.2",) * 3, ("compiled:0.5", "keep", "recompute"),
+             ("keep", "compiled:0.2", "compiled:0.5"), ("selective", "compiled:0.5", "compiled:0.2")]
+    cases = [(dict(zip(names, m)), []) for m in mixes]
+    cases.append((dict(zip(names, ("keep", "keep", "compiled:0.2"))), [[names[0], names[1]]]))  # a segment
+    base = remat.solve(prof, prof.plain_peak_bytes)
+    for choices, segments in cases:
+        predicted = estimate_segments(prof, choices, segments).peak_bytes
+        remat.apply(model, dataclasses.replace(base, choices=choices, segments=segments))
+        assert [option_of(b) for b in model.blocks] == list(choices.values())
+        measured = measure_step(model, batch, optimizer=opt).peak_bytes
+        remat.remove(model)
+        assert measured == predicted, (choices, segments, measured, predicted)
+    low, high = smallest_any(prof)[0], prof.plain_peak_bytes
+    for k in range(5):  # the solver's plans, from the plain peak down to the lowest
+        plan = remat.solve(prof, high - (high - low) * k // 4)
+        remat.apply(model, plan)
+        measured = measure_step(model, batch, optimizer=opt).peak_bytes
+        remat.remove(model)
+        assert measured == plan.estimate.peak_bytes, (plan.choices, plan.segments, measured, plan.estimate)
+    remat.apply(model, dataclasses.replace(base, choices=dict(zip(names, ("compiled:0.2",) * 3)), segments=[]))
+    _grads_close(model, ref, batch, None)
+    remat.remove(model)
+    assert all("forward" not in b.__dict__ for b in model.blocks)
+    _grads_close(model, ref, batch, None)
+
+
 def aborts(control: bool) -> None:
     """The harness's own check: a process that dies as Inductor's code did (SIGABRT)."""
     sys.stderr.write("free(): invalid next size (normal)\n")
@@ -145,7 +199,8 @@ def aborts_with_remat_only(control: bool) -> None:
 
 CASES: dict[str, Callable[[bool], None]] = {
     f.__name__: f
-    for f in (fullgraph_gpt, transformers_gpt2, batchnorm_convnet, aborts, aborts_with_remat_only)
+    for f in (fullgraph_gpt, transformers_gpt2, batchnorm_convnet, compiled_options, aborts,
+              aborts_with_remat_only)
 }
 
 

@@ -143,7 +143,8 @@ def brute_force(p: Profile) -> Brute:
 
 @st.composite
 def chains(
-    draw: st.DrawFn, max_blocks: int = 6, max_blocks_3: int | None = None, sides: bool = False
+    draw: st.DrawFn, max_blocks: int = 6, max_blocks_3: int | None = None, sides: bool = False,
+    compiled: bool = False,
 ) -> Profile:
     """Random chains with 3 options (up to ``max_blocks_3`` blocks) or all 5 (up to ``max_blocks``).
 
@@ -152,9 +153,13 @@ def chains(
     numbers (0..64) times a scale of 1 byte or about a MiB, so that ties and budgets right at a
     peak are common, and large counts exercise the solvers' rounding. Times are multiples of
     1/4 ms, exact in floating point, so equal times are exactly equal. With ``sides``, one to
-    three side inputs enter random subsets of the blocks, some saved by some of them."""
+    three side inputs enter random subsets of the blocks, some saved by some of them. With
+    ``compiled``, every block also offers ``compiled:0.5`` and ``compiled:0.2``, whose extra
+    times may be negative (compiled code can beat the eager block's)."""
     options = draw(st.sampled_from([("keep", "selective", "recompute"), OPTIONS]))
-    top = max_blocks if len(options) == len(OPTIONS) or max_blocks_3 is None else max_blocks_3
+    if compiled:
+        options = (*options, "compiled:0.5", "compiled:0.2")
+    top = max_blocks if len(options) >= len(OPTIONS) or max_blocks_3 is None else max_blocks_3
     n = draw(st.integers(0, top))
     scale = draw(st.sampled_from([1, 1, 2**20 + 3]))
     rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
@@ -170,7 +175,8 @@ def chains(
             f"layers.{i}",
             grad=nbytes(),
             **{
-                o: cost(nbytes(), fwd=nbytes(), bwd=nbytes(), ms=int(rng.integers(0, 41)) / 4)
+                o: cost(nbytes(), fwd=nbytes(), bwd=nbytes(),
+                        ms=int(rng.integers(-20 if o.startswith("compiled") else 0, 41)) / 4)
                 for o in options
             },
         )

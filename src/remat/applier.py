@@ -38,6 +38,7 @@ from torch import nn
 
 from remat.errors import InvalidType, PlanMismatch, WrappingError, did_you_mean
 from remat.manual.blocks import fingerprint
+from remat.manual.compiled import compile_budget
 from remat.manual.head import set_head_chunk
 from remat.manual.lm_head import chunk_of_option, clear_head, set_head
 from remat.manual.options import clear_option, set_option
@@ -108,8 +109,9 @@ def apply(model: nn.Module, plan: Plan, *, strict: bool = True) -> nn.Module:
                 f"the plan was made for a {plan.model}; its block {name!r} is not in this "
                 f"{type(model).__name__}{hint}"
             )
-        if option not in OPTIONS:
-            raise PlanMismatch(f"the plan asks for option {option!r} on {name!r}; expected one of {OPTIONS}")
+        if option not in OPTIONS and compile_budget(option) is None:  # it checks a compiled one
+            raise PlanMismatch(f"the plan asks for option {option!r} on {name!r}; expected one of "
+                               f"{OPTIONS} or 'compiled:<budget>'")
     if strict and plan.fingerprint != fingerprint(model):
         raise PlanMismatch(
             f"the plan was made for a {plan.model} of another shape (fingerprint {plan.fingerprint}, "

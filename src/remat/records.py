@@ -96,7 +96,9 @@ PLAN_SCHEMA = 2  # 2: the head's option, segments (NOTE [ A segment is one recom
 # ``keep`` (which is not checkpointing), ``recompute`` first as its default. ``tiled`` (the block
 # kept, its MLP run over the sequence in tiles, each recomputed: NOTE [ The tiled MLP ] in
 # ``remat.manual.tiled``) is an option of a block's MLP, not a checkpoint of the block: it is
-# offered for blocks with an MLP remat can find, and is no ``mode=`` of the manual API.
+# offered for blocks with an MLP remat can find, and is no ``mode=`` of the manual API. Neither is
+# ``compiled:<budget>`` (the block compiled at that activation budget: NOTE [ Compiled blocks ] in
+# ``remat.manual.compiled``), measured only when ``remat.profile`` is asked for its budgets.
 
 #: What a block does with its activations (NOTE [ One option vocabulary ]).
 Option: TypeAlias = Literal["keep", "tiled", "selective", "recompute", "offload", "recompute_offload"]
@@ -285,10 +287,10 @@ class Profile:
     @property
     def options(self) -> tuple[str, ...]:
         """The options every block offers on this device."""
-        common = set(OPTIONS)
+        common = set(self.blocks[0].options) if self.blocks else set(OPTIONS)
         for block in self.blocks:
             common &= set(block.options)
-        return tuple(o for o in OPTIONS if o in common)
+        return tuple(o for o in OPTIONS if o in common) + tuple(sorted(common - set(OPTIONS), reverse=True))
 
     def to_json(self) -> str:
         return dump_record(self, "profile")

@@ -1,8 +1,8 @@
 """verify(): run real steps with a plan applied and hold them against the plan's prediction.
 
 A plan passes when its measured peak is within its budget and its gradients equal the plain
-model's: bit for bit, or, for a plan that sums in another order (a chunked head, a tiled MLP:
-NOTE [ The head's options ] in ``remat.records``), to round-off (every difference within 1% of
+model's: bit for bit, or, for a plan that sums in another order (a chunked head, a tiled MLP,
+compiled blocks: NOTE [ The head's options ] in ``remat.records``), to round-off (every difference within 1% of
 the tensor's largest magnitude; a wrong gradient is off by far more). Predicted vs measured peak and step time are reported, never adjusted: a plan whose
 measured peak exceeds its budget is reported as failed.
 
@@ -64,7 +64,8 @@ class Report:
     """Median step time with the plan, milliseconds."""
     grads_equal: bool
     """Every gradient (and the loss) equal to the plain model's, bit for bit (to round-off for a plan
-    with a chunked head or a tiled MLP, whose sums run in another order)."""
+    with a chunked head, a tiled MLP or compiled blocks, whose sums run in another order; compiled
+    blocks with active dropout draw other random numbers, and do not compare)."""
     max_grad_diff: float
     """The largest absolute difference between a gradient and the plain model's."""
     repeats: int
@@ -180,7 +181,7 @@ def verify_many(
         key = _key(plan)
         mem, grads = measured.get(key, (plain_mem, plain_grads))
         ms = plan_ms.get(key, plain_ms)
-        exact = plan.head == "keep" and "tiled" not in plan.choices.values()
+        exact = plan.head == "keep" and not any(o == "tiled" or o.startswith("compiled:") for o in plan.choices.values())
         diff, equal = _compare(plain_grads, grads, exact=exact)
         reports.append(Report(
             method=plan.method,

@@ -15,9 +15,11 @@ import click
 from remat import __version__
 from remat.cli.common import (
     BUDGET_METHODS,
+    COMPILE_HELP,
     DEVICE_HELP,
     StageProgress,
     check_budget,
+    check_compile_budgets,
     check_device,
     defaults_from_plan,
     fit_verdict,
@@ -128,13 +130,15 @@ def demo(out: Path, quick: bool, as_json: bool) -> None:
 @click.option("--device", callback=check_device, metavar="DEVICE", help=DEVICE_HELP + " Default: cpu.")
 @click.option("--repeats", type=click.IntRange(min=1), default=3, metavar="N",
               help="Timed steps per option when measuring (medians; default 3).")
+@click.option("--compile-budgets", callback=check_compile_budgets, metavar="B[,B...]", help=COMPILE_HELP)
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path),
               help="Save the profile here (JSON) for `remat plan --profile`.")
 @click.option("--json", "as_json", is_flag=True, help="Print the profile as JSON.")
 @handle_errors
 def profile_cmd(
     model: str, batch: int | None, seq: int | None, dtype: str | None, optimizer: str,
-    blocks: tuple[str, ...], device: str | None, repeats: int, out: Path | None, as_json: bool,
+    blocks: tuple[str, ...], device: str | None, repeats: int, compile_budgets: tuple[float, ...],
+    out: Path | None, as_json: bool,
 ) -> None:  # fmt: skip
     """What each block of a model keeps for the backward, and what each option costs.
 
@@ -148,10 +152,11 @@ def profile_cmd(
       remat profile --model gpt2 --batch 4 --seq 512 --out gpt2.json
       remat profile --model llama-8b --seq 8192 --dtype bfloat16 --device h100 --json
       remat profile --model mypkg.models:make_step --blocks 'encoder.layers.*'
+      remat profile --model gpt-tiny --compile-budgets 0.5,0.2 --out gpt.json
     """
     args = ModelArgs(model, batch, seq, dtype, optimizer, blocks)
     target = load_target(args, device=device)
-    prof = profile_target(target, args, device=device, repeats=repeats)
+    prof = profile_target(target, args, device=device, repeats=repeats, compile_budgets=compile_budgets)
     if out is not None:
         prof.save(save_to(out))
     if as_json:
@@ -179,6 +184,7 @@ def profile_cmd(
 @click.option("--device", callback=check_device, metavar="DEVICE", help=DEVICE_HELP + " Default: cpu.")
 @click.option("--repeats", type=click.IntRange(min=1), default=3, metavar="N",
               help="Timed steps per option when measuring (medians; default 3).")
+@click.option("--compile-budgets", callback=check_compile_budgets, metavar="B[,B...]", help=COMPILE_HELP)
 @click.option("--world-size", type=click.IntRange(min=1), default=1, metavar="N",
               help="Plan for one rank of an N-rank data-parallel job (DDP; with --fsdp, FSDP2): "
                    "the budget is per GPU, --batch the per-rank batch.")
@@ -194,8 +200,8 @@ def profile_cmd(
 def plan_cmd(
     ctx: click.Context, model: str | None, batch: int | None, seq: int | None, dtype: str | None,
     optimizer: str, blocks: tuple[str, ...], profile_path: Path | None, budget: str | None,
-    method: str, k: int | None, device: str | None, repeats: int, world_size: int, fsdp: bool,
-    out: Path | None, as_json: bool,
+    method: str, k: int | None, device: str | None, repeats: int, compile_budgets: tuple[float, ...],
+    world_size: int, fsdp: bool, out: Path | None, as_json: bool,
 ) -> None:  # fmt: skip
     """The fastest plan that fits a budget: which blocks to keep, recompute, or offload.
 
@@ -215,7 +221,8 @@ def plan_cmd(
     from remat.records import Profile
     from remat.report import plan_table
 
-    model_options = ("model", "batch", "seq", "dtype", "optimizer", "blocks", "device", "repeats")
+    model_options = ("model", "batch", "seq", "dtype", "optimizer", "blocks", "device", "repeats",
+                     "compile_budgets")
     if (model is None) == (profile_path is None):
         raise click.UsageError("give either --model (to profile it now) or --profile FILE")
     if out is not None and profile_path is not None and same_file(out, profile_path):
@@ -232,7 +239,7 @@ def plan_cmd(
         args = ModelArgs(model, batch, seq, dtype, optimizer, blocks)
         target = load_target(args, device=device)
         training = bool(getattr(target.model, "training", True))  # a factory when estimating
-        prof = profile_target(target, args, device=device, repeats=repeats)
+        prof = profile_target(target, args, device=device, repeats=repeats, compile_budgets=compile_budgets)
     else:
         assert profile_path is not None
         prof = Profile.load(profile_path)

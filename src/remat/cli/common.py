@@ -191,6 +191,24 @@ def check_budget(ctx: click.Context, param: click.Parameter, value: str | None) 
     return value
 
 
+COMPILE_HELP = ("Also measure every block compiled at these activation budgets, as options "
+                "compiled:<budget> (comma-separated numbers in (0, 1], e.g. 0.5,0.2; a torch.compile "
+                "per budget, tens of seconds each on a CPU). Measured profiles only.")
+
+
+def check_compile_budgets(ctx: click.Context, param: click.Parameter, value: str | None) -> tuple[float, ...]:
+    """``--compile-budgets 0.5,0.2`` as numbers, each in (0, 1]; checked before anything runs."""
+    if not value:
+        return ()
+    try:
+        budgets = tuple(float(v) for v in value.split(","))
+    except ValueError:
+        budgets = ()
+    if not budgets or not all(0 < b <= 1 for b in budgets):
+        raise click.BadParameter(f"expected comma-separated numbers in (0, 1], e.g. 0.5,0.2; got {value!r}")
+    return budgets
+
+
 def check_device(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
     if value is None or measured_device(value):
         return value
@@ -233,7 +251,8 @@ def model_flags(*, required: bool, blocks: bool = True) -> Callable[[_F], _F]:
 # --- the stages, with progress ------------------------------------------------------------------
 
 
-def profile_target(target: Target, args: ModelArgs, *, device: str | None, repeats: int) -> Profile:
+def profile_target(target: Target, args: ModelArgs, *, device: str | None, repeats: int,
+                   compile_budgets: tuple[float, ...] = ()) -> Profile:
     from remat.measure.profiler import profile
 
     where = "measuring on the CPU" if device in (None, "cpu") else (
@@ -244,7 +263,7 @@ def profile_target(target: Target, args: ModelArgs, *, device: str | None, repea
         return profile(
             target.model, target.batch, loss_fn=target.loss_fn, optimizer=target.optimizer,
             blocks=list(args.blocks) or None, device=None if measured_device(device) else device,
-            repeats=repeats,
+            repeats=repeats, compile_budgets=compile_budgets,
         )  # fmt: skip
 
 

@@ -15,6 +15,13 @@ from typing import Any, cast
 from torch import nn
 
 from remat.manual import checkpoint, module_form
+from remat.manual.compiled import (
+    compile_block,
+    compile_budget,
+    compiled_budget_of,
+    compiled_option,
+    uncompile_block,
+)
 from remat.manual.tiled import is_tiled, tile_block, untile_block
 from remat.records import CheckpointOption
 
@@ -24,9 +31,14 @@ __all__ = ["clear_option", "option_of", "set_option"]
 def set_option(module: nn.Module, option: str) -> None:
     """Make ``module`` run with ``option`` (``"keep"`` undoes any other), in place."""
     untile_block(module)
+    uncompile_block(module)
     if option == "tiled":  # NOTE [ The tiled MLP ] in remat.manual.tiled: the block kept, its MLP tiled
         set_option(module, "keep")
         tile_block(module)
+        return
+    if (budget := compile_budget(option)) is not None:  # NOTE [ Compiled blocks ] in remat.manual.compiled
+        set_option(module, "keep")
+        compile_block(module, budget)
         return
     if _is_hf_layer(module):
         _set_hf(module, option)
@@ -96,6 +108,8 @@ def option_of(module: nn.Module) -> str:
     """The option a module runs with: ``keep`` unless remat wrapped it."""
     if is_tiled(module):
         return "tiled"
+    if (budget := compiled_budget_of(module)) is not None:
+        return compiled_option(budget)
     if _is_hf_layer(module):
         return getattr(module, "_remat_mode", None) or "keep"
     return module_form.is_checkpointed(module) or "keep"
@@ -104,6 +118,7 @@ def option_of(module: nn.Module) -> str:
 def clear_option(module: nn.Module) -> None:
     """Undo ``set_option`` on ``module``: its own forward again (transformers' settings as before)."""
     untile_block(module)
+    uncompile_block(module)
     if _is_hf_layer(module):
         _restore_hf(module)  # transformers' own settings back, as they were before apply
     else:

@@ -59,7 +59,7 @@ from remat.plan.schedule import Phase, step_phases
 from remat.plan.sides import SideGroups
 from remat.records import BlockProfile, OptionCost, Profile, Segment, SideInput
 
-__all__ = ["Boundaries", "assemble", "attribute", "median_times", "phase_times", "span"]
+__all__ = ["Boundaries", "assemble", "attribute", "attribute_over_keep", "median_times", "phase_times", "span"]
 
 
 class Boundaries(Protocol):
@@ -129,6 +129,17 @@ def attribute(
         for s in (parts["pre"], parts["post"])
     )  # fmt: skip
     return pre, post, [parts[i] for i in range(n)], optimizer_peak
+
+
+def attribute_over_keep(run: tuple[Trace, Boundaries], keep: tuple[Trace, Boundaries],
+                        named: list[tuple[str, nn.Module]]) -> list[dict[str, int]]:
+    """The block numbers of one option's run (every block on it), its backward peaks restated
+    over the level the cost model replays, as ``assemble`` does for the runs it is given (NOTE
+    [ Gradients live as long as the plain step's ]); for a profile without side inputs."""
+    pre, post, keep_blocks, _ = attribute(*keep, len(named))
+    numbers = attribute(*run, len(named))[2]
+    _peaks_over_model_level(numbers, keep_blocks, pre, post, keep[1].order, named, [])
+    return numbers
 
 
 def _boundary(key: Any, hooks: Boundaries) -> tuple[int, int]:

@@ -27,6 +27,7 @@ from remat.errors import InvalidType, InvalidValue, ProfileError
 from remat.manual.blocks import find_blocks
 from remat.measure import step as _step
 from remat.measure.attribution import assemble, phase_times
+from remat.measure.compiled import add_options, check_budgets, measure_compiled, without_compiled
 from remat.measure.handovers import note_handover_uses, note_returned
 from remat.measure.heads import add_heads, measure_heads
 from remat.measure.runner import StepRunner, every_block
@@ -65,6 +66,7 @@ def profile(
     repeats: int = 3,
     world_size: int = 1,
     fsdp: bool = False,
+    compile_budgets: Sequence[float] = (),
 ) -> Profile:
     """Measure (or estimate) what each block costs under each option.
 
@@ -84,11 +86,15 @@ def profile(
         world_size, fsdp: the profile of one rank of a ``world_size``-rank data-parallel job (DDP,
             or FSDP2 with ``fsdp``), whose per-rank batch is ``batch``; see
             ``remat.plan.sharding.per_rank_profile``.
+        compile_budgets: activation budgets in (0, 1] at which to measure every block compiled, as
+            options ``compiled:<budget>`` (NOTE [ Compiled blocks ] in ``remat.manual.compiled``;
+            measured mode only, a compile per budget).
     """
     if repeats < 1:
         raise InvalidValue(f"repeats must be >= 1, got {repeats}")
     _step.check_grad_mode("remat.profile")
     loss_fn = _step.resolve_loss_fn(loss_fn)
+    compiled = check_budgets(compile_budgets)
     if device is None or (isinstance(device, str) and device.split(":")[0] in ("cuda",)):
         if not isinstance(model, nn.Module):
             raise InvalidType(
@@ -98,8 +104,11 @@ def profile(
         _step.check_trainable(model, "remat.profile")
         check_layerdrop(model)  # NOTE [ layerdrop ] in remat.models.hf: before any step
         with without_cache(model):  # NOTE [ No K/V cache in a planned training step ]
-            result = _measured(model, batch, loss_fn, optimizer, blocks, repeats)
+            result = _measured(model, batch, loss_fn, optimizer, blocks, repeats, compiled)
     else:
+        if compiled:
+            raise InvalidValue("compile_budgets needs a measured profile (a real model, device=None): "
+                               "a compiled graph's memory and speed cannot be estimated from fake tensors")
         result = _estimated(model, batch, loss_fn, optimizer, blocks, get_device(device))
     if world_size != 1 or fsdp:
         result = per_rank_profile(result, world_size=world_size, fsdp=fsdp)
@@ -240,6 +249,7 @@ def _measured(
     optimizer: Any,
     blocks: Any,
     repeats: int,
+    compiled: tuple[str, ...] = (),
 ) -> Profile:
     named = find_blocks(model, blocks)
     device = _step.batch_device(model, batch)
@@ -270,7 +280,8 @@ def _measured(
         times.update(zip(("keep", "selective"), timed))
         # NOTE [ The head's options ] in remat.records; NOTE [ The tiled MLP ] in remat.manual.tiled
         heads, tiles = measure_heads(model, named, runner), measure_tiles(named, runner)
-    return _with_skips(hooks_of(traces["keep"][1]), add_tiles(add_heads(assemble(
+        extra = measure_compiled(named, runner, compiled, side_inputs=len(sides))  # NOTE [ Compiled blocks ]
+    return without_compiled(add_options(_with_skips(hooks_of(traces["keep"][1]), add_tiles(add_heads(assemble(
         model=model,
         named=named,
         traces=traces,
@@ -287,7 +298,7 @@ def _measured(
         optimizer_bytes=opt_bytes,
         batch_bytes=_step.batch_bytes(batch),
         device_memory_bytes=torch.cuda.get_device_properties(device).total_memory if cuda else None,
-    ), heads), tiles))
+    ), heads), tiles)), extra))
 
 
 def _sides(model: nn.Module, named: list[tuple[str, nn.Module]], batch: Any, loss_fn: Any,

@@ -163,6 +163,7 @@ def profile_table(profile: Profile) -> Table:
     blocks are rows of their own; their kept bytes do not depend on the option.
     """
     options = [o for o in OPTIONS if any(o in b.options for b in profile.blocks)]
+    options += sorted({o for b in profile.blocks for o in b.options} - set(OPTIONS), reverse=True)  # compiled:<b>
     sizes = [profile.pre.kept_bytes, profile.post.kept_bytes]
     for b in profile.blocks:
         sizes += [b.param_bytes, b.input_bytes, *(c.kept_bytes for c in b.options.values())]
