@@ -113,9 +113,12 @@ class CompiledForward:
             return type(module).forward(module, *args, **kwargs)
         import torch._functorch.config as functorch_config
 
-        budget = self.budget
-        with functorch_config.patch(activation_memory_budget=budget):
+        budget, before = self.budget, functorch_config.activation_memory_budget
+        functorch_config.activation_memory_budget = budget  # read if this call compiles
+        try:
             return _function(type(module), budget)(module, *args, **kwargs)
+        finally:
+            functorch_config.activation_memory_budget = before
 
 
 def compile_block(module: nn.Module, budget: float) -> None:
