@@ -184,6 +184,98 @@ def compiled_options(control: bool) -> None:
     _grads_close(model, ref, batch, None)
 
 
+def _exact_plans(prof: Any, model: Any, batch: Any, loss_fn: Any, opt: Any, count: int) -> None:
+    """Random plans of every option but tiled, and every block on each compiled option: each
+    measures its predicted peak to the byte."""
+    import random
+
+    import remat
+    from remat.measure.tracer import measure_step
+    from remat.plan.segments import estimate_segments
+
+    names = [b.name for b in prof.blocks]
+    options = [o for o in prof.options if o != "tiled"]
+    rng = random.Random(0)
+    mixes = [tuple(rng.choice(options) for _ in names) for _ in range(count)]
+    mixes += [(o,) * len(names) for o in options if o.startswith("compiled:")]
+    base = remat.solve(prof, prof.plain_peak_bytes)
+    for mix in mixes:
+        choices = dict(zip(names, mix))
+        remat.apply(model, dataclasses.replace(base, choices=choices, segments=[]))
+        measured = measure_step(model, batch, loss_fn=loss_fn, optimizer=opt).peak_bytes
+        remat.remove(model)
+        predicted = estimate_segments(prof, choices, []).peak_bytes
+        assert measured == predicted, (mix, measured, predicted)
+
+
+def compiled_side_inputs(control: bool) -> None:
+    """Compiled options where side inputs cross the blocks: transformers' Llama passes its rotary
+    tables to every layer, and a compiled layer saves them as the kept one does, so the options
+    are offered and mixed plans measure their prediction; a pure-torch loop whose blocks add a
+    side input before a sine, which the eager block does not save and a compiled one may (its
+    partitioner can keep the graph's inputs and recompute the sum): there the option is left out
+    with a warning that says so, or, where the partitioner saves as eager does, offered and exact."""
+    import warnings
+
+    import torch
+    from torch import nn
+
+    import remat
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                                   num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
+                                   max_position_embeddings=64, use_cache=False, attn_implementation="sdpa")
+    model = transformers.LlamaForCausalLM(cfg).train()
+    ids = torch.randint(256, (4, 64))
+    batch = {"input_ids": ids, "labels": ids}
+    if control:
+        _plain_compiled_step(model, batch, None)
+        return
+    opt = torch.optim.AdamW(model.parameters())
+    prof = remat.profile(model, batch, optimizer=opt, repeats=1, compile_budgets=(0.5, 0.2))
+    assert prof.side_inputs and prof.options[-2:] == ("compiled:0.5", "compiled:0.2"), prof.options
+    _exact_plans(prof, model, batch, None, opt, 6)
+
+    class SineBlock(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(64, 64)
+
+        def forward(self, x: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+            return torch.sin(self.lin(x) + s)
+
+    class Loop(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.s = nn.Parameter(torch.randn(64, 64))
+            self.layers = nn.ModuleList([SineBlock() for _ in range(3)])
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            s = self.s * 2  # made in the forward: a side input of every block
+            for layer in self.layers:
+                x = layer(x, s)
+            return x
+
+    loop = Loop()
+    x = torch.randn(8, 64, 64)
+    loss = lambda out, _: out.square().mean()  # noqa: E731
+    opt = torch.optim.AdamW(loop.parameters())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        prof = remat.profile(loop, x, loss_fn=loss, optimizer=opt, repeats=1, compile_budgets=(0.2,))
+    assert prof.side_inputs
+    left_out = [str(w.message) for w in caught if "is left out of this profile" in str(w.message)]
+    assert bool(left_out) == ("compiled:0.2" not in prof.options), (left_out, prof.options)
+    assert all("compiled:0.2" in m and "saved by" in m for m in left_out), left_out
+    _exact_plans(prof, loop, x, loss, opt, 6)
+    print("sine loop:", "left out" if left_out else "offered", left_out[:1])
+
+
 def aborts(control: bool) -> None:
     """The harness's own check: a process that dies as Inductor's code did (SIGABRT)."""
     sys.stderr.write("free(): invalid next size (normal)\n")
@@ -199,7 +291,7 @@ def aborts_with_remat_only(control: bool) -> None:
 
 CASES: dict[str, Callable[[bool], None]] = {
     f.__name__: f
-    for f in (fullgraph_gpt, transformers_gpt2, batchnorm_convnet, compiled_options, aborts,
+    for f in (fullgraph_gpt, transformers_gpt2, batchnorm_convnet, compiled_options, compiled_side_inputs, aborts,
               aborts_with_remat_only)
 }
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import copy
 import pickle
-import warnings
 from pathlib import Path
 
 import pytest
@@ -113,16 +112,27 @@ def test_profile_checks_the_budgets_before_running() -> None:
                       device="h100", optimizer=lambda ps: torch.optim.AdamW(ps), compile_budgets=(0.5,))
 
 
-def test_side_inputs_leave_them_out_with_a_warning() -> None:
-    torch.manual_seed(0)
-    model = models.build_model(models.BiasLMConfig(n_layer=2, dim=32, n_head=2, max_seq=16, vocab_size=64))
-    batch = models.make_batch(model, batch_size=2, seq_len=16)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        prof = remat.profile(model, batch, repeats=1, compile_budgets=(0.5,))  # nothing compiles
-    assert prof.side_inputs
-    assert not any(o.startswith("compiled") for b in prof.blocks for o in b.options)
-    assert any("compiled options are left out" in str(w.message) for w in caught)
+def test_handovers_leave_them_out_with_a_warning() -> None:
+    import dataclasses
+
+    from remat.measure.compiled import without_compiled
+    from remat.records import Handover
+
+    p = _with_compiled(_tables_profile(), 0.5)
+    assert without_compiled(p) is p  # nothing crosses the blocks: offered
+    held = dataclasses.replace(p, handovers=[Handover(size_bytes=64, made_by=p.blocks[0].name,
+                                                      dies_after=p.blocks[1].name, kept_by=["keep"])])
+    with pytest.warns(UserWarning, match=r"option compiled:0\.5 is left out.*handovers"):
+        out = without_compiled(held)
+    assert all("compiled:0.5" not in b.options for b in out.blocks)
+    assert all("compiled:0.5" in b.options for b in held.blocks)  # the profile given is not changed
+
+
+def _tables_profile() -> Profile:
+    from _tables import block, cost, profile
+
+    return profile([block(f"layers.{i}", keep=cost(10, fwd=4, bwd=6), recompute=cost(2, fwd=4, bwd=14, ms=5.0))
+                    for i in range(3)])
 
 
 # --- the solver with options that may be faster than keep --------------------------------------
@@ -163,3 +173,7 @@ def test_solve_with_compiled_options_equals_brute_force(p: Profile, data: st.Dat
 
 def test_measured_compiled_options_predict_mixed_plans_to_the_byte() -> None:
     check("compiled_options")
+
+
+def test_compiled_options_with_side_inputs_are_offered_only_where_they_save_as_kept() -> None:
+    check("compiled_side_inputs")

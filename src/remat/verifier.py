@@ -33,6 +33,7 @@ from remat.applier import applied_plan, apply, remove
 from remat.errors import InvalidType, InvalidValue
 from remat.measure import step as _step
 from remat.measure.tracer import StepMemory, measure_step
+from remat.models.hf import without_cache
 from remat.records import Plan
 
 __all__ = ["Report", "verify", "verify_many"]
@@ -154,22 +155,26 @@ def verify_many(
         if plan.head != "keep" or plan.segments or any(o != "keep" for o in plan.choices.values()):
             unique.setdefault(_key(plan), plan)
     previous = applied_plan(model)
-    try:
-        remove(model)
-        plain_mem = measure_step(model, batch, loss_fn=loss_fn, optimizer=optimizer, repeats=0)
-        plain_grads = _grads(model, batch, loss_fn, optimizer, seed)
-        measured: dict[tuple[tuple[str, str], ...], tuple[StepMemory, list[torch.Tensor]]] = {}
-        for key, plan in unique.items():
-            apply(model, plan)
-            mem = measure_step(model, batch, loss_fn=loss_fn, optimizer=optimizer, repeats=0)
-            measured[key] = (mem, _grads(model, batch, loss_fn, optimizer, seed))
+    # The plain step as remat profiles it, without a K/V cache (NOTE [ No K/V cache in a planned
+    # training step ]): with one, transformers' attention multiplies a concatenated key rather than
+    # a view of it, which on some CPUs (an AMD EPYC's MKL) sums in another order, 1e-8 apart.
+    with without_cache(model):
+        try:
             remove(model)
-        configs: list[Plan | None] = [None, *unique.values(), None]
-        times = _times_in_turns(model, configs, batch, loss_fn, optimizer, repeats)
-    finally:
-        remove(model)
-        if previous is not None:
-            apply(model, previous)
+            plain_mem = measure_step(model, batch, loss_fn=loss_fn, optimizer=optimizer, repeats=0)
+            plain_grads = _grads(model, batch, loss_fn, optimizer, seed)
+            measured: dict[tuple[tuple[str, str], ...], tuple[StepMemory, list[torch.Tensor]]] = {}
+            for key, plan in unique.items():
+                apply(model, plan)
+                mem = measure_step(model, batch, loss_fn=loss_fn, optimizer=optimizer, repeats=0)
+                measured[key] = (mem, _grads(model, batch, loss_fn, optimizer, seed))
+                remove(model)
+            configs: list[Plan | None] = [None, *unique.values(), None]
+            times = _times_in_turns(model, configs, batch, loss_fn, optimizer, repeats)
+        finally:
+            remove(model)
+            if previous is not None:
+                apply(model, previous)
     plain_ms = statistics.median(times[0])
     plan_ms = {key: statistics.median(t) for key, t in zip(unique, times[1:-1])}
     spreads = [statistics.median(t) / min(t) - 1.0 for t in times]

@@ -27,6 +27,20 @@ next block receives rather than its own output. Along a single chain nothing run
 those of the blocks alone. The phases then tile the step, and the parts' kept bytes add up to what
 the forward leaves live, for every option run.
 
+# NOTE [ The last block's input ]
+A loop ``x = block(x)`` holds a block's input until the block returns and ``x`` is rebound: after
+the block's forward-end mark. For every block but the last that moment falls in its own forward
+phase (which runs to the next block's start), but the last block's phase ends at its own end, so
+an input the kept block does not save (its first op saves nothing of it: ``lin(sin(x + s))``)
+dies in the head's forward. A checkpoint saves its inputs, so under recompute it lives to the
+backward instead, and numbers read as they fall would charge that death to the head under every
+option: a pure-torch loop measured its recompute plans up to 240 KiB over their prediction. So
+the kept step's numbers are restated as if the last block freed it: its kept and gradient bytes
+lose the input's bytes, and the head's kept, gradient and forward-peak bytes gain them (its
+level is lower by them); another option's run loses them from the last block's kept bytes only
+where that run freed the input in the head too (``run_numbers``). Equal totals, and every plan's
+phases as measured.
+
 # NOTE [ Gradients live as long as the plain step's ]
 A profile has one ``grad_bytes`` per block, read from the step with every block kept. The moment
 autograd frees the gradient flowing into a block moves with the option: on the ResNet with
@@ -43,6 +57,7 @@ that run's measured peak, and side-input frees are not counted twice.
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 from collections import defaultdict
 from collections.abc import Mapping
@@ -54,12 +69,13 @@ from remat.errors import ProfileError
 from remat.manual.blocks import fingerprint
 from remat.measure import step as _step
 from remat.measure.handovers import handovers
+from remat.measure.sides import head_frees_last_input, hooks_of
 from remat.measure.tracer import Trace
 from remat.plan.schedule import Phase, step_phases
 from remat.plan.sides import SideGroups
 from remat.records import BlockProfile, OptionCost, Profile, Segment, SideInput
 
-__all__ = ["Boundaries", "assemble", "attribute", "attribute_over_keep", "median_times", "phase_times", "span"]
+__all__ = ["Boundaries", "assemble", "attribute", "attribute_over_keep", "median_times", "phase_times", "run_numbers", "span"]
 
 
 class Boundaries(Protocol):
@@ -131,14 +147,29 @@ def attribute(
     return pre, post, [parts[i] for i in range(n)], optimizer_peak
 
 
+def run_numbers(run: tuple[Trace, Boundaries], keep: Boundaries, n: int,
+                numbers: list[dict[str, int]] | None = None) -> list[dict[str, int]]:
+    """The block numbers of one option's run (``numbers``, when already read), its last block's
+    kept bytes restated where both that run and the kept one freed its input in the head's
+    forward (NOTE [ The last block's input ])."""
+    numbers = attribute(*run, n)[2] if numbers is None else numbers
+    if (freed := head_frees_last_input(hooks_of(keep))) and head_frees_last_input(hooks_of(run[1])):
+        numbers[run[1].order[-1]]["kept"] -= freed
+    return numbers
+
+
 def attribute_over_keep(run: tuple[Trace, Boundaries], keep: tuple[Trace, Boundaries],
-                        named: list[tuple[str, nn.Module]]) -> list[dict[str, int]]:
+                        named: list[tuple[str, nn.Module]], sides: list[SideInput]) -> list[dict[str, int]]:
     """The block numbers of one option's run (every block on it), its backward peaks restated
     over the level the cost model replays, as ``assemble`` does for the runs it is given (NOTE
-    [ Gradients live as long as the plain step's ]); for a profile without side inputs."""
+    [ Gradients live as long as the plain step's ]), for an option that saves and frees the side
+    inputs as ``keep`` does (``remat.plan.sides.saves_as_kept``)."""
     pre, post, keep_blocks, _ = attribute(*keep, len(named))
-    numbers = attribute(*run, len(named))[2]
-    _peaks_over_model_level(numbers, keep_blocks, pre, post, keep[1].order, named, [])
+    if freed := head_frees_last_input(hooks_of(keep[1])):  # as assemble restates the kept step
+        keep_blocks[keep[1].order[-1]]["grad"] -= freed
+        post = dataclasses.replace(post, grad_bytes=post.grad_bytes + freed)
+    numbers = run_numbers(run, keep[1], len(named))
+    _peaks_over_model_level(numbers, keep_blocks, pre, post, keep[1].order, named, sides, "keep")
     return numbers
 
 
@@ -195,8 +226,14 @@ def assemble(
     order = hooks_keep.order
     _check_every_block_ran(named, order)
     pre, post, keep_blocks, optimizer_peak = attribute(trace_keep, hooks_keep, len(named))
+    if freed := head_frees_last_input(hooks_of(hooks_keep)):  # NOTE [ The last block's input ]
+        keep_blocks[order[-1]]["kept"] -= freed
+        keep_blocks[order[-1]]["grad"] -= freed
+        post = dataclasses.replace(post, kept_bytes=post.kept_bytes + freed, grad_bytes=post.grad_bytes + freed,
+                                   fwd_peak_bytes=post.fwd_peak_bytes + freed)
     runs = {o: attribute(*traces[o], len(named)) for o in ("selective", "recompute") if o in traces}
-    per_option = {"keep": keep_blocks} | {option: run[2] for option, run in runs.items()}
+    per_option = {"keep": keep_blocks} | {o: run_numbers(traces[o], hooks_keep, len(named), run[2])
+                                          for o, run in runs.items()}
     index = {name: i for i, (name, _) in enumerate(named)}
     for numbers in per_option.values():
         if numbers is not keep_blocks:
@@ -251,7 +288,7 @@ def assemble(
 
 def _peaks_over_model_level(
     numbers: list[dict[str, int]], keep: list[dict[str, int]], pre: Segment, post: Segment,
-    order: list[int], named: list[tuple[str, nn.Module]], sides: list[SideInput],
+    order: list[int], named: list[tuple[str, nn.Module]], sides: list[SideInput], held_as: str = "recompute",
 ) -> None:
     """Restate the backward peaks of one option's run (every block checkpointed the same way)
     over the live level the cost model replays for that plan, not the level of the run itself
@@ -266,7 +303,7 @@ def _peaks_over_model_level(
     level = pre.kept_bytes + sum(numbers[i]["kept"] for i in order) + post.grad_bytes
     held, so_far = [], 0  # the groups held at each block's backward, as the cost model replays
     for k in range(len(order)):
-        so_far |= groups.holds(k, "recompute")
+        so_far |= groups.holds(k, held_as)
         held.append(so_far)
     for k in range(len(order) - 1, -1, -1):
         own = numbers[order[k]]

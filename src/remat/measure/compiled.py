@@ -8,10 +8,13 @@ compiled at each budget, give each block's extra time: its compiled forward and 
 kept ones. Blocks of one kind and size share the median. The extra time may be negative (generated
 code can be faster than the eager block's), and is kept as measured.
 
-Only where nothing crosses blocks but the hidden state: with side inputs or handovers the cost
-model reads what each option saves of them from the eager runs (NOTE [ Side inputs ] and NOTE
-[ Handovers ] in ``remat.records``), which a compiled graph's partitioner may not match, so there
-the options are left out with a warning rather than offered with numbers that could under-predict.
+Side inputs (NOTE [ Side inputs ] in ``remat.records``): the cost model reads what a block saves of
+them from the kept step, so a compiled option is offered only when a step with every block on it
+saves and frees each side input where the kept step does (a saved-tensors hook notes what each
+compiled graph saves; Llama's rotary tables pass); its numbers are then read as the kept run's
+(``remat.plan.sides.saves_as_kept``). Otherwise, and on a profile with handovers (NOTE
+[ Handovers ]; what a compiled block saves of them is not measured), the option is left out with
+a warning that says why, rather than offered with numbers that could under-predict.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import statistics
 import warnings
 from collections import defaultdict
 from collections.abc import Sequence
+from typing import Any
 
 from torch import nn
 
@@ -28,7 +32,8 @@ from remat.errors import InvalidType, InvalidValue
 from remat.manual.compiled import PREFIX, compiled_option
 from remat.measure.attribution import attribute_over_keep
 from remat.measure.runner import StepRunner, every_block
-from remat.records import OptionCost, Profile
+from remat.measure.sides import hooks_of, side_inputs
+from remat.records import OptionCost, Profile, SideInput
 
 __all__ = ["add_options", "check_budgets", "measure_compiled", "without_compiled"]
 
@@ -43,13 +48,10 @@ def check_budgets(budgets: Sequence[float] | None) -> tuple[str, ...]:
 
 
 def measure_compiled(named: Sequence[tuple[str, nn.Module]], runner: StepRunner, options: Sequence[str],
-                     *, side_inputs: int = 0) -> dict[str, dict[str, OptionCost]]:
-    """Block name -> option -> its cost, for each compiled option (the module's docstring);
-    nothing, with a warning, when ``side_inputs`` (their number) cross the blocks."""
+                     sides: list[SideInput]) -> dict[str, dict[str, OptionCost]]:
+    """Block name -> option -> its cost, for each compiled option (the module's docstring).
+    ``sides``: the profile's side inputs, as the kept step saves and frees them."""
     if not options:
-        return {}
-    if side_inputs:
-        _warn(f"{side_inputs} side input(s)")
         return {}
     if runner.estimated:
         raise InvalidValue("compile_budgets needs a measured profile (a real model on a real device): "
@@ -61,7 +63,13 @@ def measure_compiled(named: Sequence[tuple[str, nn.Module]], runner: StepRunner,
         with every_block(named, option):
             runner.marked(lambda _: None)  # compiles
             run, run_hooks, _ = runner.traced()
-        numbers[option] = attribute_over_keep((run, run_hooks), (trace, hooks), list(named))
+            saved: dict[Any, set[int]] = {}
+            saving = runner.marked(lambda _: None, saved=saved) if sides else run_hooks
+        if sides and (mine := side_inputs(hooks_of(run_hooks), hooks_of(saving), saved, [n for n, _ in named])) != sides:
+            _warn(option, _difference(sides, mine))
+            continue
+        numbers[option] = attribute_over_keep((run, run_hooks), (trace, hooks), list(named), sides)
+    options = list(numbers)
     configs = [lambda o=o: every_block(named, o) for o in ("keep", *options)]
     keep, *timed = runner.times(configs)
     out: dict[str, dict[str, OptionCost]] = {name: {} for name, _ in named}
@@ -90,19 +98,27 @@ def without_compiled(profile: Profile) -> Profile:
     module's docstring), with a warning that says why; else ``profile`` itself."""
     if not any(o.startswith(PREFIX) for b in profile.blocks for o in b.options):
         return profile
-    what = [f"{len(profile.side_inputs)} side input(s)"] if profile.side_inputs else []
-    what += [f"{len(profile.handovers)} handover(s)"] if profile.handovers else []
-    if not what:
+    if not profile.handovers:
         return profile
-    _warn(" and ".join(what))
+    for option in sorted({o for b in profile.blocks for o in b.options if o.startswith(PREFIX)}, reverse=True):
+        _warn(option, f"{len(profile.handovers)} tensor(s) the blocks return are held past the next block "
+                      "(handovers), and what a compiled block saves of them is not measured")
     blocks = [dataclasses.replace(b, options={k: v for k, v in b.options.items() if not k.startswith(PREFIX)})
               for b in profile.blocks]
     return dataclasses.replace(profile, blocks=blocks)
 
 
-def _warn(what: str) -> None:
+def _difference(kept: list[SideInput], compiled: list[SideInput]) -> str:
+    if len(kept) != len(compiled):
+        return f"{len(compiled)} side inputs where the kept step has {len(kept)}"
+    k, c = next((k, c) for k, c in zip(kept, compiled) if k != c)
+    return (f"a side input of {k.size_bytes} B into {k.consumers[0]}.. is saved by {c.saved_by} and freed in "
+            f"{c.dies_after or 'the head'}, where the kept step has {k.saved_by} and {k.dies_after or 'the head'}")
+
+
+def _warn(option: str, why: str) -> None:
     warnings.warn(
-        f"the compiled options are left out of this profile: tensors other than the hidden state "
-        f"cross its blocks ({what}), and what a compiled graph saves of them is not measured; the "
-        "eager options are planned as usual", stacklevel=4,
+        f"option {option} is left out of this profile: {why}. The cost model reads the side inputs "
+        "and handovers as the kept step saves them, so a compiled block must save the same ones "
+        "(NOTE [ Compiled blocks ]); the other options are planned as usual", stacklevel=4,
     )

@@ -1,7 +1,7 @@
 """Extra traced and timed steps for options measured after the blocks' own runs (the head's
 options, the tiled MLP): the same marked step as the profiler's, on the same clock.
 
-``StepRunner`` wraps the profiler's marked step (``marked(mark) -> the block hooks``): ``traced()``
+``StepRunner`` wraps the profiler's marked step (``marked(mark, saved=None) -> the block hooks``): ``traced()``
 runs one step under the memory tracer (``MemoryTracer`` on a real device, ``FakeMeter`` in
 estimated mode) and returns its trace, hooks and mark times; ``times(configs)`` runs ``repeats``
 timed steps of each configuration in turns (NOTE [ CPU time on a shared CPU ] in
@@ -33,7 +33,7 @@ class StepRunner:
 
     def __init__(
         self,
-        marked: Callable[[Callable[[str], None]], Boundaries],
+        marked: Callable[..., Boundaries],
         model: nn.Module,
         *,
         device: torch.device | None = None,

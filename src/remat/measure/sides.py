@@ -74,6 +74,7 @@ def note_sides(hooks: SeenSides, i: int, x: torch.Tensor | None, inputs: Any) ->
         hooks.firsts.add(storage_key(x))
         seen.add(storage_key(x))
         _keys(hooks, "_first_keys")[i] = storage_key(x)
+        weakref.finalize(x.untyped_storage(), _first_died, hooks, i)  # NOTE [ The last block's input ]
         live = _keys(hooks, "_output_keys")  # NOTE [ Storage keys are reused ]
         _keys(hooks, "_first_of")[i] = next((j for j, key in live.items() if key == storage_key(x)), -1)
     hooks.sides[i] = []
@@ -85,6 +86,32 @@ def note_sides(hooks: SeenSides, i: int, x: torch.Tensor | None, inputs: Any) ->
                 _noted(hooks, "_skips_in").add((i, storage_key(t)))
             if storage_key(t) not in hooks.deaths:
                 weakref.finalize(t.untyped_storage(), _died, hooks, storage_key(t))
+
+
+def _first_died(hooks: SeenSides, i: int) -> None:
+    if (at := death_point(hooks)) is not None:
+        _first_deaths(hooks)[i] = at
+
+
+def _first_deaths(hooks: SeenSides, name: str = "_first_deaths") -> dict[int, tuple[int, bool]]:
+    """Block -> where its first input died in the forward (``death_point``), on the hooks object."""
+    found = getattr(hooks, name, None)
+    if found is None:
+        found = {}
+        setattr(hooks, name, found)
+    return found  # type: ignore[no-any-return]
+
+
+def head_frees_last_input(hooks: SeenSides) -> int:
+    """The bytes of the last block's first input when the step freed it in the head's forward,
+    after that block ended (NOTE [ The last block's input ] in ``remat.measure.attribution``);
+    else 0."""
+    if not hooks.order:
+        return 0
+    last = hooks.order[-1]
+    if _first_deaths(hooks).get(last) != (len(hooks.order) - 1, True):
+        return 0
+    return int(getattr(hooks, "in_bytes", {}).get(last, 0))
 
 
 def _died(hooks: SeenSides, key: int) -> None:

@@ -38,10 +38,16 @@ from remat.records import Profile
 Rows: TypeAlias = Sequence[Sequence[int]]
 Table: TypeAlias = tuple[tuple[int, ...], ...]
 
-__all__ = ["HOLDING", "SideGroups", "side_groups"]
+__all__ = ["HOLDING", "SideGroups", "saves_as_kept", "side_groups"]
 
 #: The options whose block holds every input until its backward (a checkpoint's inputs).
 HOLDING = frozenset({"recompute", "selective"})
+
+
+def saves_as_kept(option: str) -> bool:
+    """Whether a block on ``option`` saves the side inputs its kept forward saves: ``keep``,
+    ``tiled`` (only its MLP differs), and a compiled block (measured so: ``remat.measure.compiled``)."""
+    return option in ("keep", "tiled") or option.startswith("compiled:")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -84,7 +90,7 @@ class SideGroups:
         """The groups ``option`` at ``block`` holds until the block's backward, as a mask."""
         mask = 0
         for g, (users, savers) in enumerate(zip(self.consumers, self.savers)):
-            if (option in HOLDING and block in users) or (option == "keep" and block in savers):
+            if (option in HOLDING and block in users) or (block in savers and saves_as_kept(option)):
                 mask |= 1 << g
         return mask
 

@@ -162,7 +162,7 @@ def profile_table(profile: Profile) -> Table:
     (named in the caption) so the columns compare at a glance. The parts before and after the
     blocks are rows of their own; their kept bytes do not depend on the option.
     """
-    options = [o for o in OPTIONS if any(o in b.options for b in profile.blocks)]
+    options: list[str] = [o for o in OPTIONS if any(o in b.options for b in profile.blocks)]
     options += sorted({o for b in profile.blocks for o in b.options} - set(OPTIONS), reverse=True)  # compiled:<b>
     sizes = [profile.pre.kept_bytes, profile.post.kept_bytes]
     for b in profile.blocks:
