@@ -512,6 +512,11 @@ def _compile_why(peer_row: dict[str, Any], prof: Profile, rows: dict[str, dict[s
                  f"+{med('selective', 'extra_ms'):.1f} ms, recompute "
                  f"{format_bytes(med('recompute', 'kept_bytes'))} for "
                  f"+{med('recompute', 'extra_ms'):.1f} ms")
+        own = f"compiled:{peer_row['activation_memory_budget']:g}"
+        if all(own in b.options for b in blocks):  # remat's own compiled option at that budget
+            text += (f", {own} {format_bytes(med(own, 'kept_bytes'))} for "
+                     f"{med(own, 'extra_ms'):+.1f} ms (timing noise between equal configurations "
+                     "is this machine's)")
     return text
 
 

@@ -182,6 +182,12 @@ def compiled_options(control: bool) -> None:
     remat.remove(model)
     assert all("forward" not in b.__dict__ for b in model.blocks)
     _grads_close(model, ref, batch, None)
+    # auto with compiled options (compiled functions are reused: nothing compiles again), verified
+    target = remat.estimate(prof, dict(zip(names, ("compiled:0.2",) * 3))).peak_bytes
+    plan, report = remat.auto(model, batch, target, optimizer=opt, compile_budgets=(0.5, 0.2), verify=True, repeats=1)
+    assert report.fits and report.grads_equal, report
+    assert report.measured_peak_bytes == report.predicted_peak_bytes, report
+    remat.remove(model)
 
 
 def _exact_plans(prof: Any, model: Any, batch: Any, loss_fn: Any, opt: Any, count: int) -> None:

@@ -187,6 +187,22 @@ def test_budget_that_does_not_parse_is_a_usage_error(budget: str, message: str) 
     assert message in result.stderr
 
 
+@pytest.mark.parametrize("budgets", ["2", "0.5,half", "0", ","])
+def test_compile_budgets_that_do_not_parse_are_a_usage_error(budgets: str) -> None:
+    for command in ("profile", "plan"):
+        args = ("--budget", "60%") if command == "plan" else ()
+        result = run(command, "--model", "gpt-tiny", "--compile-budgets", budgets, *args, code=2)
+        assert "Invalid value for '--compile-budgets'" in result.stderr
+        assert "comma-separated numbers in (0, 1]" in result.stderr
+
+
+def test_compile_budgets_describe_a_model_to_profile(tmp_path: Path) -> None:
+    profile = tmp_path / "p.json"
+    profile.write_text("{}")
+    result = run("plan", "--profile", profile, "--compile-budgets", "0.5", "--budget", "60%", code=2)
+    assert "--compile-budgets" in result.stderr and "--profile reuses a saved profile" in result.stderr
+
+
 def test_unknown_device_is_a_usage_error() -> None:
     result = run("plan", "--model", "gpt-tiny", "--device", "h10", "--budget", "1GiB", code=2)
     assert "unknown device 'h10'" in result.stderr and "Did you mean h100" in result.stderr

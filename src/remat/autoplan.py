@@ -46,7 +46,7 @@ log = logging.getLogger(__name__)
 def auto(
     model: nn.Module, batch: Any, budget: int | str, *, loss_fn: Any = ..., optimizer: Any = ...,
     blocks: Sequence[str] | Sequence[nn.Module] | None = ..., method: str = ...,
-    verify: Literal[False] = ..., repeats: int = ...,
+    verify: Literal[False] = ..., repeats: int = ..., compile_budgets: Sequence[float] = ...,
 ) -> Plan: ...
 
 
@@ -54,7 +54,7 @@ def auto(
 def auto(
     model: nn.Module, batch: Any, budget: int | str, *, loss_fn: Any = ..., optimizer: Any = ...,
     blocks: Sequence[str] | Sequence[nn.Module] | None = ..., method: str = ...,
-    verify: Literal[True], repeats: int = ...,
+    verify: Literal[True], repeats: int = ..., compile_budgets: Sequence[float] = ...,
 ) -> tuple[Plan, Report]: ...
 
 
@@ -69,6 +69,7 @@ def auto(
     method: str = "optimal",
     verify: bool = False,
     repeats: int = 3,
+    compile_budgets: Sequence[float] = (),
 ) -> Plan | tuple[Plan, Report]:
     """Make one training step of ``model`` on ``batch`` fit ``budget`` at the least extra time.
 
@@ -76,7 +77,8 @@ def auto(
     or a share of the plain step's peak, ``"60%"``. The model is changed in place (see
     ``remat.apply``); applying again replaces the previous plan. Returns the plan, and with
     ``verify=True`` also the ``Report`` of real steps measured with it. ``repeats``: timed steps
-    per option while profiling, and of each kind while verifying.
+    per option while profiling, and of each kind while verifying. ``compile_budgets``: also plan
+    with blocks compiled at these activation budgets (``remat.profile``'s; a compile per budget).
 
     Raises ``remat.InfeasibleBudget`` (naming the smallest budget that can be met) when no plan
     fits; the model is then left as it was. With ``verify=True`` the returned plan's measured peak
@@ -91,7 +93,8 @@ def auto(
     if budget is not None:
         check_budget(budget)
     remove(model)  # profile the model as the user wrote it
-    prof = profile(model, batch, loss_fn=loss_fn, optimizer=optimizer, blocks=blocks, repeats=repeats)
+    prof = profile(model, batch, loss_fn=loss_fn, optimizer=optimizer, blocks=blocks, repeats=repeats,
+                   compile_budgets=compile_budgets)  # NOTE [ Compiled blocks ] in remat.manual.compiled
     try:
         plan = solve(prof, budget, method=method)
     except InfeasibleBudget as e:
