@@ -69,7 +69,7 @@ from remat.errors import ProfileError
 from remat.manual.blocks import fingerprint
 from remat.measure import step as _step
 from remat.measure.handovers import handovers
-from remat.measure.sides import head_frees_last_input, hooks_of
+from remat.measure.sides import head_frees_last_input, hooks_of, replay_holds_output
 from remat.measure.tracer import Trace
 from remat.plan.schedule import Phase, step_phases
 from remat.plan.sides import SideGroups
@@ -241,6 +241,10 @@ def assemble(
                 if side.dies_after is not None:
                     numbers[index[side.dies_after]]["kept"] -= side.size_bytes
             _peaks_over_model_level(numbers, keep_blocks, pre, post, order, named, sides or [])
+    if "selective" in per_option and "recompute" in traces:  # NOTE [ A replay's cache holds the block's output ] in sides
+        selective, recompute = (hooks_of(traces[o][1]) for o in ("selective", "recompute"))
+        for i in replay_holds_output(selective, recompute, hooks_of(hooks_keep)):
+            per_option["selective"][i]["kept"] += hooks_keep.out_bytes[i]
     # The head's forward with the side inputs still held: every block recomputed holds them.
     held = runs["recompute"][1].fwd_peak_bytes if sides and "recompute" in runs else post.fwd_peak_bytes
     handed = handovers([n for n, _ in named], {o: h for o, (_, h) in traces.items()})  # NOTE [ Handovers ]

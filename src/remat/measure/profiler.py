@@ -31,8 +31,8 @@ from remat.measure.compiled import add_options, check_budgets, measure_compiled,
 from remat.measure.handovers import note_handover_uses, note_returned
 from remat.measure.heads import add_heads, measure_heads
 from remat.measure.runner import StepRunner, every_block
-from remat.measure.sides import first_tensor as _first_tensor
 from remat.measure.sides import (
+    backward_mark,
     hooks_of,
     note_output,
     note_sides,
@@ -40,6 +40,7 @@ from remat.measure.sides import (
     noting_saved,
     side_inputs,
 )
+from remat.measure.sides import first_tensor as _first_tensor
 from remat.measure.sides import storage_key as _storage_key
 from remat.measure.sides import with_skips as _with_skips
 from remat.measure.tiles import add_tiles, measure_tiles
@@ -172,7 +173,7 @@ class _Hooks:
             note_returned(self, i, output, y)
             self.out_bytes[i] = y.untyped_storage().nbytes() if y is not None else 0
             if y is not None and y.requires_grad:
-                y.register_hook(lambda g: self.mark(f"bs{i}"))
+                y.register_hook(backward_mark(self, i, self.mark))
 
         return hook
 

@@ -175,6 +175,37 @@ def _output_died(hooks: SeenSides, i: int, key: int) -> None:
     live = _keys(hooks, "_output_keys")
     if live.get(i) == key:
         del live[i]
+    if i in _noted(hooks, "_began"):  # NOTE [ A replay's cache holds the block's output ]
+        _noted(hooks, "_outlived").add(i)
+
+
+def backward_mark(hooks: SeenSides, i: int, mark: Callable[[str], None]) -> Callable[[Any], None]:
+    """The hook on block i's output: marks ``bs{i}`` and notes that block i's backward began."""
+    def hook(grad: Any) -> None:
+        _noted(hooks, "_began").add(i)
+        mark(f"bs{i}")
+
+    return hook
+
+
+# NOTE [ A replay's cache holds the block's output ]
+# ``selective`` keeps the outputs of a block's matmuls in its replay's cache until the block's
+# backward; when the block's last op is a matmul, that is the block's output. Its numbers charge the
+# output to the next block, which under every option measured holds it (a checkpoint saves its
+# inputs) or, kept, lets it go in its forward when it saves nothing of it (``lin(sin(x + s))``):
+# there a selective block before a kept one held 128 KiB more than its plan's prediction. So where
+# the selective run's output outlived the start of its own backward (and the recompute run's did
+# not), and the kept next block let it go, the selective option keeps the output's bytes too: exact
+# before a kept block, an over-estimate by the output's bytes before a checkpointed one.
+
+
+def replay_holds_output(selective: SeenSides, recompute: SeenSides, keep: SeenSides) -> list[int]:
+    """The blocks whose output outlived the start of their own backward with every block on
+    ``selective`` (a replay's cache held it) but not on ``recompute``, and whose next block, kept,
+    let it go in the forward (NOTE [ A replay's cache holds the block's output ])."""
+    held = _noted(selective, "_outlived") - _noted(recompute, "_outlived")
+    deaths, first_of = _first_deaths(keep), _keys(keep, "_first_of")
+    return sorted(i for i in held if any(first_of.get(j) == i and j in deaths for j in first_of))
 
 
 @contextmanager
