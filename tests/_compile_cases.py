@@ -224,7 +224,6 @@ def compiled_side_inputs(control: bool) -> None:
     import warnings
 
     import torch
-    from torch import nn
 
     import remat
 
@@ -247,29 +246,11 @@ def compiled_side_inputs(control: bool) -> None:
     assert prof.side_inputs and prof.options[-2:] == ("compiled:0.5", "compiled:0.2"), prof.options
     _exact_plans(prof, model, batch, None, opt, 6)
 
-    class SineBlock(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.lin = nn.Linear(64, 64)
+    from test_loops import LinearFirst, Loop, _loss  # the same loop, in this case's own process
 
-        def forward(self, x: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-            return torch.sin(self.lin(x) + s)
-
-    class Loop(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.s = nn.Parameter(torch.randn(64, 64))
-            self.layers = nn.ModuleList([SineBlock() for _ in range(3)])
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            s = self.s * 2  # made in the forward: a side input of every block
-            for layer in self.layers:
-                x = layer(x, s)
-            return x
-
-    loop = Loop()
+    loop = Loop(LinearFirst)
     x = torch.randn(8, 64, 64)
-    loss = lambda out, _: out.square().mean()  # noqa: E731
+    loss = _loss
     opt = torch.optim.AdamW(loop.parameters())
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

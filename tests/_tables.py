@@ -108,6 +108,12 @@ class Brute:
         return front
 
 
+def budget_near(data: st.DataObject, brute: Brute) -> int:
+    """A budget drawn from just below the lowest peak to just above the highest."""
+    low, high = int(brute.peak_bytes.min()), int(brute.peak_bytes.max())
+    return max(1, data.draw(st.integers(low - 2, high + 2)))
+
+
 def brute_force(p: Profile) -> Brute:
     """All assignments, vectorised; the peak comes from the prefix-sum form, which
     test_costmodel checks against ``estimate``."""

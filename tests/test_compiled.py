@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _tables import Brute, brute_force, chains
+from _tables import brute_force, budget_near, chains
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_compile import check
@@ -140,16 +140,11 @@ def _tables_profile() -> Profile:
 _CHAINS = chains(max_blocks=4, max_blocks_3=6, compiled=True)
 
 
-def _budget(data: st.DataObject, brute: Brute) -> int:
-    low, high = int(brute.peak_bytes.min()), int(brute.peak_bytes.max())
-    return max(1, data.draw(st.integers(low - 2, high + 2)))
-
-
 @settings(max_examples=150, deadline=None)
 @given(p=_CHAINS, data=st.data())
 def test_solve_with_compiled_options_equals_brute_force(p: Profile, data: st.DataObject) -> None:
     brute = brute_force(p)
-    budget = _budget(data, brute)
+    budget = budget_near(data, brute)
     best = brute.fastest_within(budget)
     try:
         plan = solve(p, budget)

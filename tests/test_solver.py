@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 import pytest
-from _tables import Brute, block, brute_force, chains, cost, profile, segment
+from _tables import block, brute_force, budget_near, chains, cost, profile, segment
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -353,16 +353,11 @@ _PROPERTY = settings(max_examples=200, deadline=None)
 _CHAINS = chains(max_blocks=6, max_blocks_3=8)
 
 
-def _budget(data: st.DataObject, brute: Brute) -> int:
-    low, high = int(brute.peak_bytes.min()), int(brute.peak_bytes.max())
-    return max(1, data.draw(st.integers(low - 2, high + 2)))
-
-
 @_PROPERTY
 @given(p=_CHAINS, data=st.data())
 def test_optimal_equals_brute_force(p: Profile, data: st.DataObject) -> None:
     brute = brute_force(p)
-    budget = _budget(data, brute)
+    budget = budget_near(data, brute)
     best = brute.fastest_within(budget)
     if best is None:
         try:  # segments (tests/test_segments_plan.py) can go below every per-block plan
@@ -387,7 +382,7 @@ def test_optimal_equals_brute_force(p: Profile, data: st.DataObject) -> None:
 def test_bounded_search_equals_brute_force(p: Profile, data: st.DataObject) -> None:
     # NOTE [ Bounding the search ]: the path long varied chains take, forced on small ones.
     brute = brute_force(p)
-    budget = _budget(data, brute)
+    budget = budget_near(data, brute)
     best = brute.fastest_within(budget)
     chain = chain_constraints(p)
     picks = solver.optimal_picks(chain, budget, plain_limit=0)
@@ -407,7 +402,7 @@ _SIDE_CHAINS = chains(max_blocks=4, max_blocks_3=6, sides=True)
 def test_optimal_with_side_inputs_equals_brute_force(p: Profile, data: st.DataObject) -> None:
     # NOTE [ A side input's extra life ]: the search carries the held state, plain and bounded.
     brute = brute_force(p)
-    budget = _budget(data, brute)
+    budget = budget_near(data, brute)
     best = brute.fastest_within(budget)
     chain = chain_constraints(p)
     for limit in (512, 0):
@@ -447,7 +442,7 @@ def test_a_larger_budget_is_never_slower(p: Profile, data: st.DataObject) -> Non
 @_PROPERTY
 @given(p=_CHAINS, data=st.data())
 def test_optimal_is_never_slower_than_a_baseline_that_fits(p: Profile, data: st.DataObject) -> None:
-    budget = _budget(data, brute_force(p))
+    budget = budget_near(data, brute_force(p))
     low, _ = smallest_feasible(p)
     if budget < low:
         return

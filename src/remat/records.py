@@ -73,6 +73,7 @@ __all__ = [
     "RecordError",
     "Segment",
     "SideInput",
+    "in_option_order",
     "load_record",
 ]
 
@@ -108,6 +109,11 @@ OPTIONS: tuple[Option, ...] = get_args(Option)
 CheckpointOption: TypeAlias = Literal["recompute", "selective", "offload", "recompute_offload"]
 CHECKPOINT_OPTIONS: tuple[CheckpointOption, ...] = get_args(CheckpointOption)
 assert set(CHECKPOINT_OPTIONS) == set(OPTIONS) - {"keep", "tiled"}
+
+
+def in_option_order(names: set[str]) -> tuple[str, ...]:
+    """``names`` in ``OPTIONS`` order, then the others (``compiled:<budget>``) by name, descending."""
+    return tuple(o for o in OPTIONS if o in names) + tuple(sorted(names - set(OPTIONS), reverse=True))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -287,10 +293,10 @@ class Profile:
     @property
     def options(self) -> tuple[str, ...]:
         """The options every block offers on this device."""
-        common = set(self.blocks[0].options) if self.blocks else set(OPTIONS)
+        common: set[str] = set(self.blocks[0].options) if self.blocks else set(OPTIONS)
         for block in self.blocks:
             common &= set(block.options)
-        return tuple(o for o in OPTIONS if o in common) + tuple(sorted(common - set(OPTIONS), reverse=True))
+        return in_option_order(common)
 
     def to_json(self) -> str:
         return dump_record(self, "profile")

@@ -149,25 +149,31 @@ def attribute(
 
 def run_numbers(run: tuple[Trace, Boundaries], keep: Boundaries, n: int,
                 numbers: list[dict[str, int]] | None = None) -> list[dict[str, int]]:
-    """The block numbers of one option's run (``numbers``, when already read), its last block's
-    kept bytes restated where both that run and the kept one freed its input in the head's
-    forward (NOTE [ The last block's input ])."""
+    """One option's run's block numbers (``numbers``, if read already), the last block's kept
+    bytes restated where that run and the kept one freed its input in the head (NOTE [ The last block's input ])."""
     numbers = attribute(*run, n)[2] if numbers is None else numbers
     if (freed := head_frees_last_input(hooks_of(keep))) and head_frees_last_input(hooks_of(run[1])):
         numbers[run[1].order[-1]]["kept"] -= freed
     return numbers
 
 
+def _last_input_restated(post: Segment, keep_blocks: list[dict[str, int]], hooks: Boundaries) -> Segment:
+    """The kept step's head (its last block's numbers in place) restated: NOTE [ The last block's input ]."""
+    if freed := head_frees_last_input(hooks_of(hooks)):
+        for key in ("kept", "grad"):
+            keep_blocks[hooks.order[-1]][key] -= freed
+        post = dataclasses.replace(post, kept_bytes=post.kept_bytes + freed, grad_bytes=post.grad_bytes + freed,
+                                   fwd_peak_bytes=post.fwd_peak_bytes + freed)
+    return post
+
+
 def attribute_over_keep(run: tuple[Trace, Boundaries], keep: tuple[Trace, Boundaries],
                         named: list[tuple[str, nn.Module]], sides: list[SideInput]) -> list[dict[str, int]]:
-    """The block numbers of one option's run (every block on it), its backward peaks restated
-    over the level the cost model replays, as ``assemble`` does for the runs it is given (NOTE
-    [ Gradients live as long as the plain step's ]), for an option that saves and frees the side
-    inputs as ``keep`` does (``remat.plan.sides.saves_as_kept``)."""
+    """One option's run's block numbers, backward peaks over the cost model's level as ``assemble``
+    restates its runs (NOTE [ Gradients live as long as the plain step's ]), for an option that
+    holds side inputs as ``keep`` does (``remat.plan.sides.saves_as_kept``)."""
     pre, post, keep_blocks, _ = attribute(*keep, len(named))
-    if freed := head_frees_last_input(hooks_of(keep[1])):  # as assemble restates the kept step
-        keep_blocks[keep[1].order[-1]]["grad"] -= freed
-        post = dataclasses.replace(post, grad_bytes=post.grad_bytes + freed)
+    post = _last_input_restated(post, keep_blocks, keep[1])  # as assemble restates the kept step
     numbers = run_numbers(run, keep[1], len(named))
     _peaks_over_model_level(numbers, keep_blocks, pre, post, keep[1].order, named, sides, "keep")
     return numbers
@@ -226,11 +232,7 @@ def assemble(
     order = hooks_keep.order
     _check_every_block_ran(named, order)
     pre, post, keep_blocks, optimizer_peak = attribute(trace_keep, hooks_keep, len(named))
-    if freed := head_frees_last_input(hooks_of(hooks_keep)):  # NOTE [ The last block's input ]
-        keep_blocks[order[-1]]["kept"] -= freed
-        keep_blocks[order[-1]]["grad"] -= freed
-        post = dataclasses.replace(post, kept_bytes=post.kept_bytes + freed, grad_bytes=post.grad_bytes + freed,
-                                   fwd_peak_bytes=post.fwd_peak_bytes + freed)
+    post = _last_input_restated(post, keep_blocks, hooks_keep)  # NOTE [ The last block's input ]
     runs = {o: attribute(*traces[o], len(named)) for o in ("selective", "recompute") if o in traces}
     per_option = {"keep": keep_blocks} | {o: run_numbers(traces[o], hooks_keep, len(named), run[2])
                                           for o, run in runs.items()}

@@ -3,7 +3,7 @@
 
 Per budget: one untimed step with every block compiled at that budget (it compiles; compile-time
 memory and time stay out of the numbers), then one traced step, read along the step's schedule as
-every option's is (``attribute``). Then steps timed in turns, every block kept and every block
+every option's is (``attribute``), against the profile's own kept step. Then steps timed in turns, every block kept and every block
 compiled at each budget, give each block's extra time: its compiled forward and backward minus its
 kept ones. Blocks of one kind and size share the median. The extra time may be negative (generated
 code can be faster than the eager block's), and is kept as measured.
@@ -30,9 +30,10 @@ from torch import nn
 
 from remat.errors import InvalidType, InvalidValue
 from remat.manual.compiled import PREFIX, compiled_option
-from remat.measure.attribution import attribute_over_keep
+from remat.measure.attribution import Boundaries, attribute_over_keep
 from remat.measure.runner import StepRunner, every_block
 from remat.measure.sides import hooks_of, side_inputs
+from remat.measure.tracer import Trace
 from remat.records import OptionCost, Profile, SideInput
 
 __all__ = ["add_options", "check_budgets", "measure_compiled", "without_compiled"]
@@ -48,16 +49,15 @@ def check_budgets(budgets: Sequence[float] | None) -> tuple[str, ...]:
 
 
 def measure_compiled(named: Sequence[tuple[str, nn.Module]], runner: StepRunner, options: Sequence[str],
-                     sides: list[SideInput]) -> dict[str, dict[str, OptionCost]]:
+                     sides: list[SideInput], kept: tuple[Trace, Boundaries]) -> dict[str, dict[str, OptionCost]]:
     """Block name -> option -> its cost, for each compiled option (the module's docstring).
-    ``sides``: the profile's side inputs, as the kept step saves and frees them."""
+    ``sides``: the profile's side inputs, as the kept step saves and frees them; ``kept``: the
+    profile's traced step with every block kept, and its hooks."""
     if not options:
         return {}
     if runner.estimated:
         raise InvalidValue("compile_budgets needs a measured profile (a real model on a real device): "
                            "a compiled graph's memory and speed cannot be estimated from fake tensors")
-    with every_block(named, "keep"):
-        trace, hooks, _ = runner.traced()
     numbers = {}
     for option in options:
         with every_block(named, option):
@@ -68,7 +68,7 @@ def measure_compiled(named: Sequence[tuple[str, nn.Module]], runner: StepRunner,
         if sides and (mine := side_inputs(hooks_of(run_hooks), hooks_of(saving), saved, [n for n, _ in named])) != sides:
             _warn(option, _difference(sides, mine))
             continue
-        numbers[option] = attribute_over_keep((run, run_hooks), (trace, hooks), list(named), sides)
+        numbers[option] = attribute_over_keep((run, run_hooks), kept, list(named), sides)
     options = list(numbers)
     configs = [lambda o=o: every_block(named, o) for o in ("keep", *options)]
     keep, *timed = runner.times(configs)

@@ -281,7 +281,7 @@ def _measured(
         times.update(zip(("keep", "selective"), timed))
         # NOTE [ The head's options ] in remat.records; NOTE [ The tiled MLP ] in remat.manual.tiled
         heads, tiles = measure_heads(model, named, runner), measure_tiles(named, runner)
-        extra = measure_compiled(named, runner, compiled, sides)  # NOTE [ Compiled blocks ]
+        extra = measure_compiled(named, runner, compiled, sides, traces["keep"])  # NOTE [ Compiled blocks ]
     return without_compiled(add_options(_with_skips(hooks_of(traces["keep"][1]), add_tiles(add_heads(assemble(
         model=model,
         named=named,

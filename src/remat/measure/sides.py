@@ -93,13 +93,9 @@ def _first_died(hooks: SeenSides, i: int) -> None:
         _first_deaths(hooks)[i] = at
 
 
-def _first_deaths(hooks: SeenSides, name: str = "_first_deaths") -> dict[int, tuple[int, bool]]:
+def _first_deaths(hooks: SeenSides) -> dict[int, tuple[int, bool]]:
     """Block -> where its first input died in the forward (``death_point``), on the hooks object."""
-    found = getattr(hooks, name, None)
-    if found is None:
-        found = {}
-        setattr(hooks, name, found)
-    return found  # type: ignore[no-any-return]
+    return noted_dict(hooks, "_first_deaths")
 
 
 def head_frees_last_input(hooks: SeenSides) -> int:

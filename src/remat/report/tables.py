@@ -20,7 +20,7 @@ from rich.text import Text
 from remat.errors import InvalidValue
 from remat.plan.handovers import handed_over
 from remat.plan.head import head_extra_ms
-from remat.records import OPTIONS, Plan, Profile, Segment
+from remat.records import Plan, Profile, Segment, in_option_order
 from remat.units import axis_unit, format_bytes
 
 if TYPE_CHECKING:
@@ -162,8 +162,7 @@ def profile_table(profile: Profile) -> Table:
     (named in the caption) so the columns compare at a glance. The parts before and after the
     blocks are rows of their own; their kept bytes do not depend on the option.
     """
-    options: list[str] = [o for o in OPTIONS if any(o in b.options for b in profile.blocks)]
-    options += sorted({o for b in profile.blocks for o in b.options} - set(OPTIONS), reverse=True)  # compiled:<b>
+    options = in_option_order({o for b in profile.blocks for o in b.options})
     sizes = [profile.pre.kept_bytes, profile.post.kept_bytes]
     for b in profile.blocks:
         sizes += [b.param_bytes, b.input_bytes, *(c.kept_bytes for c in b.options.values())]
