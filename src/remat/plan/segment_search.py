@@ -73,7 +73,6 @@ checks it equal, tree by tree). A segment's tree is made only for the plan found
 
 from __future__ import annotations
 
-import functools
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -134,9 +133,10 @@ def segment_search(
         floors = _floors(chain, fronts, states)  # [position, state]
     limit = _NO_TICKS if below_ticks is None else below_ticks
     recompute = np.concatenate([[0], np.cumsum([max(0, t) for t in model.tr])]).astype(np.int64)
-    pending: list[list[tuple[np.ndarray, ...]]] = [[] for _ in range(n + 1)]
-    zero = np.zeros(1, dtype=np.int64)
-    pending[0].append((zero, zero, np.full(1, chain.fixed_bytes, dtype=np.int64), zero, zero - 1, zero, zero))
+    # Per position, the partial plans that reach it, in chunks [7, m]: kept bytes, ticks, peak,
+    # side-input state, and where each came from (position, index there, move).
+    pending: list[list[np.ndarray]] = [[] for _ in range(n + 1)]
+    pending[0].append(np.array([[0], [0], [chain.fixed_bytes], [0], [-1], [0], [0]], dtype=np.int64))
     saved: list[tuple[np.ndarray, ...]] = []
     moves: list[list[tuple[int, _MoveSet]]] = []  # per position: (first move's index, its set)
     for q in range(n + 1):
@@ -146,20 +146,20 @@ def segment_search(
             saved.append((np.zeros(0, dtype=np.int64),) * 3)
             moves.append([])
             continue  # no plan stops here (segments jump over it)
-        K, T, P, H, src, idx, mv = (np.concatenate(c) for c in zip(*pending[q]))
+        K, T, P, H, src, idx, mv = pending[q][0] if len(pending[q]) == 1 else np.concatenate(pending[q], axis=1)
         pending[q] = []
         if q == n:
             break
         # Some finish fits and could win: checked for every move as it is made (below), so here
         # only for the first state.
-        hope = np.ones(K.size, dtype=bool)
+        hope = None
         if q == 0:
-            hope = (K + floors[q, H] <= budget_bytes) & (limit > T)
+            hope = (K + floors[q, H] <= budget_bytes) & (limit > T) & (budget_bytes >= P)
             if floor is not None:
                 hope &= limit > T + floor.bound(q, K)
         alive = _front(K, T, P, H, objective, hope, None if exact else MAX_STATES)
-        K, T, P, H, src, idx, mv = (a[alive] for a in (K, T, P, H, src, idx, mv))
-        saved.append((src, idx, mv))
+        K, T, P, H = K[alive], T[alive], P[alive], H[alive]
+        saved.append((src[alive], idx[alive], mv[alive]))
         table: list[tuple[int, _MoveSet]] = []
         moves.append(table)
         for h in (np.unique(H).tolist() if chain.holds else [0]):  # every move from q, all at once
@@ -179,25 +179,17 @@ def segment_search(
                 chain, fronts, q, int(h), ticks[q].tolist(), live)
             first_move = sum(m.width + len(m.trees) for _, m in table)
             table.append((first_move, move_set))
-            Ks, Ts, Ps = K[sel][:, None], T[sel][:, None], P[sel][:, None]
-            cK, cT = Ks + m_kept, Ts + m_ticks
-            cP = np.maximum(Ps, Ks + m_need)
-            room = floors[m_target, m_held]
-            ok = (cP <= budget_bytes) & (cT < limit) & (cK + room <= budget_bytes)
-            if floor is not None:
-                ok &= cT + floor.bound(m_target[None, :], cK) < limit
-            c, r = np.nonzero(ok.T)  # by move (so by target), then by state
-            if not r.size:
+            found = _made(K[sel], T[sel], P[sel], (m_need, m_kept, m_ticks, m_target, m_held),
+                          budget_bytes - floors[m_target, m_held], budget_bytes, limit,
+                          objective == "time", floor)
+            if found is None:
                 continue
-            at = r * ok.shape[1] + c
+            c, r, made = found
             goes = m_target[c]
-            fK, fT, fP = cK.ravel()[at], cT.ravel()[at], cP.ravel()[at]
-            fH, fi, fm = m_held[c], sel[r], first_move + c
-            fq = np.full(r.size, q, dtype=np.int64)
+            made[3], made[4], made[5], made[6] = m_held[c], q, sel[r], first_move + c
             cuts = [0, *(np.flatnonzero(goes[1:] != goes[:-1]) + 1).tolist(), r.size]
             for lo, hi in itertools.pairwise(cuts):
-                pending[int(goes[lo])].append((fK[lo:hi], fT[lo:hi], fP[lo:hi], fH[lo:hi], fq[lo:hi],
-                                               fi[lo:hi], fm[lo:hi]))
+                pending[int(goes[lo])].append(made[:, lo:hi])
     final = np.maximum(P, K + tails[H] if chain.holds else K + tails[0])
     fits = np.flatnonzero(final <= budget_bytes)
     if not fits.size:
@@ -248,6 +240,43 @@ def _moves(chain: ChainConstraints, fronts: Fronts, q: int, h: int, ticks: list[
     return (_MoveSet(width, seg.trees), *columns)
 
 
+def _made(K: np.ndarray, T: np.ndarray, P: np.ndarray, move: tuple[np.ndarray, ...], room: np.ndarray,
+          budget: int, limit: int, fastest_last: bool, floor: Table | None
+          ) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """The partial plans made from the states (K, T, P) of one position and side-input state,
+    sorted by K, by ``move``'s columns (need, kept, ticks, target, state after): those that fit
+    (their peak, and the least a finish adds, ``room`` per move: the budget less it) and could
+    still end below ``limit``. (move index, state index, [7, m] rows of which this fills the
+    first three), by move, then state; None when none. The states' peaks fit already, so a move
+    fits from a prefix of them, and with ``fastest_last`` (T falls along K, as on a front by time)
+    only a suffix of those is fast enough: only those cells are made."""
+    need, kept, ticks, target, _ = move
+    hi = np.searchsorted(K, np.minimum(budget - need, room - kept), side="right")
+    lo = np.searchsorted(-T, ticks - limit, side="right") if fastest_last else np.zeros_like(hi)
+    counts = np.maximum(hi - lo, 0)
+    total = int(counts.sum())
+    if not total:
+        return None
+    c = np.repeat(np.arange(counts.size), counts)
+    r = np.arange(total) - np.repeat(np.cumsum(counts) - counts - lo, counts)
+    Kr = K[r]
+    cK, cT = Kr + kept[c], T[r] + ticks[c]
+    ok = None if fastest_last else cT < limit
+    if floor is not None:
+        fast = cT + floor.bound(target[c], cK) < limit
+        ok = fast if ok is None else ok & fast
+    if ok is not None:
+        at = np.flatnonzero(ok)
+        if not at.size:
+            return None
+        if at.size < total:
+            c, r, Kr, cK, cT = c[at], r[at], Kr[at], cK[at], cT[at]
+    made = np.empty((7, r.size), dtype=np.int64)
+    made[0], made[1] = cK, cT
+    np.maximum(P[r], Kr + need[c], out=made[2])
+    return c, r, made
+
+
 def _floors(chain: ChainConstraints, fronts: Fronts, states: int) -> np.ndarray:
     """[q][state]: the lowest peak blocks q.. and the head reach with nothing kept before q, with
     segments (as ``ChainConstraints.suffix_floors`` without them): a partial plan keeping K before
@@ -267,30 +296,25 @@ def _floors(chain: ChainConstraints, fronts: Fronts, states: int) -> np.ndarray:
     return floors
 
 
-def _front(K: np.ndarray, T: np.ndarray, P: np.ndarray, H: np.ndarray, objective: str, hope: np.ndarray,
+def _front(K: np.ndarray, T: np.ndarray, P: np.ndarray, H: np.ndarray, objective: str, hope: np.ndarray | None,
            cap: int | None) -> np.ndarray:
-    """Indices of the hopeful partial plans no other with the same state H dominates (NOTE [
-    Searching segments ]); at most ``cap`` per state, spread over the front."""
-    out = [np.zeros(0, dtype=np.int64)]
-    one = bool(H.size) and int(H.min()) == int(H.max())  # one side-input state: no split
-    every = bool(hope.all())
-    for h in [int(H[0])] if one else np.unique(H[hope]).tolist():
-        if one:
-            part = np.arange(H.size) if every else np.flatnonzero(hope)
-        else:
-            part = np.flatnonzero((h == H) & hope)
-        if not part.size:
-            continue
-        k, t, p = K[part], T[part], P[part]
-        first, second = (t, p) if objective == "time" else (p, t)
-        chosen = undominated(k, pair_rank(first, second))
-        if cap is not None and chosen.size > cap:  # sorted by K: a spread from both ends
-            chosen = chosen[_spread(chosen.size, cap)]
-        out.append(part[chosen])
-    return np.concatenate(out)
+    """Indices of the hopeful partial plans (``hope``; None: all) no other with the same state H
+    dominates (NOTE [ Searching segments ]), by state, then K; at most ``cap`` per state, spread
+    over the front."""
+    if hope is not None and not hope.all():
+        part = np.flatnonzero(hope)
+        return part[_front(K[part], T[part], P[part], H[part], objective, None, cap)] if part.size else part
+    if H.size and int(H.min()) != int(H.max()):
+        parts = [np.flatnonzero(h == H) for h in np.unique(H).tolist()]
+        return np.concatenate([p[_front(K[p], T[p], P[p], H[p], objective, None, cap)] for p in parts])
+    first, second = (T, P) if objective == "time" else (P, T)
+    chosen = undominated(K, pair_rank(first, second))
+    if cap is not None and chosen.size > cap:  # sorted by K: a spread from both ends
+        chosen = chosen[_spread(chosen.size, cap)]
+    return chosen
 
 
-@functools.lru_cache(maxsize=4096)
 def _spread(size: int, cap: int) -> np.ndarray:
-    """``cap`` indices spread evenly over 0..size-1, both ends included."""
-    return np.unique(np.linspace(0, size - 1, cap).round().astype(np.int64))
+    """``cap`` (> 1) indices spread evenly over 0..size-1 (size > cap), both ends included: steps
+    over 1, so no two the same."""
+    return np.rint(np.arange(cap) * ((size - 1) / (cap - 1))).astype(np.int64)
