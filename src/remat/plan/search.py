@@ -266,8 +266,7 @@ class Table:
         that freed a side input, NOTE [ Where a side input dies ]) read 0; past the end, the last
         cell (monotone in K; such a prefix is over the room anyway)."""
         assert self.rest is not None
-        cells = self.rest.shape[1]
-        cell = np.minimum(kept // self.cell_bytes, cells - 1)
+        cell = np.minimum(kept // self.cell_bytes, (cells := self.rest.shape[1]) - 1)
         low = self.rest.ravel()[np.asarray(i) * cells + np.maximum(cell, 0)].astype(np.int64)
         return np.where(cell < 0, 0, np.where(low >= _UNSET32, _NO_LIMIT_TICKS, low * self.rest_unit))
 
