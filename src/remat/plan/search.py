@@ -321,31 +321,32 @@ def _search(
 
     ``bound_ticks`` drops partial plans that ``table.rest`` says cannot end within it; ``width``
     keeps only that many per block, the most promising by ``rest``: fast, not always the best."""
-    K = np.zeros(1, dtype=np.int64)
-    T = np.zeros(1, dtype=np.int64)
+    K, T = np.zeros(1, dtype=np.int64), np.zeros(1, dtype=np.int64)
     P = np.full(1, table.fixed_bytes, dtype=np.int64)
-    H = np.zeros(1, dtype=np.int64)  # side-input groups held so far
+    H = None if table.sides is None else np.zeros(1, dtype=np.int64)  # side-input groups held so far
     parents: list[np.ndarray] = []
     chosen: list[np.ndarray] = []
     for i, (cols, kept, need, ticks) in enumerate(table.columns):
         cK = (K[:, None] + kept).ravel()
         cT = (T[:, None] + ticks).ravel()
-        if table.sides is None:
-            cH = np.repeat(H, cols.size)
+        if table.sides is None or H is None:  # one side-input state: no H
+            cH = None
             cP = np.maximum(P[:, None], K[:, None] + need).ravel()
+            drop = (cP > table.budget_bytes) | (cK > table.room[i + 1, 0])
         else:
             holds, fwd, bwd, delta, fwd_delta = table.sides[i]
             now = H[:, None] | holds
             term = np.maximum(fwd + fwd_delta[now], bwd + delta[now])
             cH, cP = now.ravel(), np.maximum(P[:, None], K[:, None] + term).ravel()
-        drop = (cP > table.budget_bytes) | (cK > table.room[i + 1, cH])
+            drop = (cP > table.budget_bytes) | (cK > table.room[i + 1, cH])
         hope = None
         if table.rest is not None:
             hope = cT + table.bound(i + 1, cK)
             if bound_ticks is not None:
                 drop |= hope > bound_ticks
         live = np.flatnonzero(~drop)  # the front of the rest is the same; fewer to sort
-        alive = live[_front(cK[live], cT[live], cP[live], drop[live], cH[live])] if live.size else live
+        lH = None if cH is None else cH[live]
+        alive = live[_front(cK[live], cT[live], cP[live], drop[live], lH)] if live.size else live
         if none_left and not alive.size:
             raise _NoneLeft
         assert alive.size, "room and rest only drop partial plans that cannot fit or win"
@@ -356,9 +357,9 @@ def _search(
             return None
         parents.append(alive // cols.size)
         chosen.append(cols[alive % cols.size])
-        K, T, P, H = cK[alive], cT[alive], cP[alive], cH[alive]
+        K, T, P, H = cK[alive], cT[alive], cP[alive], None if cH is None else cH[alive]
 
-    tail = table.tail_bytes if table.tails is None else table.tails[H]
+    tail = table.tail_bytes if table.tails is None or H is None else table.tails[H]
     final = np.maximum(P, K + tail)
     at = int(np.lexsort((K, final, T))[0])
     ticks_total = int(T[at])
@@ -388,12 +389,11 @@ def _undominated(
     return np.logical_not(beaten.any(axis=1))
 
 
-def _front(K: np.ndarray, T: np.ndarray, P: np.ndarray, drop: np.ndarray, H: np.ndarray) -> np.ndarray:
-    """Indices of the states that are not dropped and that no other with the same side-input
-    state H dominates (NOTE [ Pareto DP over prefix kept bytes ]), ordered by H, then K."""
-    states = np.unique(H) if H.size and int(H.min()) != int(H.max()) else H[:1]
-    if states.size > 1:
-        parts = [np.flatnonzero(h == H) for h in states]
+def _front(K: np.ndarray, T: np.ndarray, P: np.ndarray, drop: np.ndarray, H: np.ndarray | None) -> np.ndarray:
+    """Indices of the states not dropped that none with the same side-input state H (None: one)
+    dominates (NOTE [ Pareto DP over prefix kept bytes ]), ordered by H, then K."""
+    if H is not None and H.size and int(H.min()) != int(H.max()):
+        parts = [np.flatnonzero(h == H) for h in np.unique(H)]
         return np.concatenate([p[_front(K[p], T[p], P[p], drop[p], H[p])] for p in parts])
     rank = pair_rank(T, P)
     rank[drop] = DROPPED

@@ -65,7 +65,11 @@ itself, so on chains that reach ``MAX_STATES`` other states compete for the cap)
 the exact per-block search runs under the segment plan's ticks (where it is quick), and a
 per-block plan that fast wins; when it does not, the exact per-block search runs in full.
 For the solve time, every position's moves are arrays: block q's options and the segments from
-q in one matrix against the partial plans there, and the flat and two-level segments of every
+q against the partial plans there, sorted by K (so by falling time): a move is made only from
+the prefix it fits and the suffix fast enough, and a later point of one span's front (as many
+bytes kept, more ticks, less need) only from the states where the point before it does not fit
+(from the others that point beats it: same plans, a third fewer to sort on varied 128-block
+chains); and the flat and two-level segments of every
 span computed for every start at once (``remat.plan.segment_fronts``: the arithmetic of
 ``SegmentModel.replay``, as running sums and maxima along the span; tests/test_segment_fronts.py
 checks it equal, tree by tree). A segment's tree is made only for the plan found.
@@ -181,7 +185,7 @@ def segment_search(
             table.append((first_move, move_set))
             found = _made(K[sel], T[sel], P[sel], (m_need, m_kept, m_ticks, m_target, m_held),
                           budget_bytes - floors[m_target, m_held], budget_bytes, limit,
-                          objective == "time", floor)
+                          move_set.width if objective == "time" else None, floor)
             if found is None:
                 continue
             c, r, made = found
@@ -241,18 +245,29 @@ def _moves(chain: ChainConstraints, fronts: Fronts, q: int, h: int, ticks: list[
 
 
 def _made(K: np.ndarray, T: np.ndarray, P: np.ndarray, move: tuple[np.ndarray, ...], room: np.ndarray,
-          budget: int, limit: int, fastest_last: bool, floor: Table | None
+          budget: int, limit: int, segments_from: int | None, floor: Table | None
           ) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
     """The partial plans made from the states (K, T, P) of one position and side-input state,
     sorted by K, by ``move``'s columns (need, kept, ticks, target, state after): those that fit
     (their peak, and the least a finish adds, ``room`` per move: the budget less it) and could
     still end below ``limit``. (move index, state index, [7, m] rows of which this fills the
     first three), by move, then state; None when none. The states' peaks fit already, so a move
-    fits from a prefix of them, and with ``fastest_last`` (T falls along K, as on a front by time)
-    only a suffix of those is fast enough: only those cells are made."""
+    fits from a prefix of them. ``segments_from`` (the time objective: the states' T falls along
+    K, as on a front by time; the index of the first segment move): only a suffix of those is
+    fast enough, and a later point of one span's front (the same end: the same bytes kept, more
+    ticks, less need) is made only from the states where the point before it does not fit, for
+    from the others that point beats it. Only those cells are made."""
     need, kept, ticks, target, _ = move
     hi = np.searchsorted(K, np.minimum(budget - need, room - kept), side="right")
-    lo = np.searchsorted(-T, ticks - limit, side="right") if fastest_last else np.zeros_like(hi)
+    if segments_from is None:
+        lo = np.zeros_like(hi)
+    else:
+        lo = np.searchsorted(-T, ticks - limit, side="right")
+        later = np.zeros(need.size, dtype=bool)
+        later[segments_from + 1 :] = target[segments_from + 1 :] == target[segments_from:-1]
+        if later.any():
+            at = np.flatnonzero(later)
+            lo[at] = np.maximum(lo[at], np.searchsorted(K, budget - need[at - 1], side="right"))
     counts = np.maximum(hi - lo, 0)
     total = int(counts.sum())
     if not total:
@@ -261,7 +276,7 @@ def _made(K: np.ndarray, T: np.ndarray, P: np.ndarray, move: tuple[np.ndarray, .
     r = np.arange(total) - np.repeat(np.cumsum(counts) - counts - lo, counts)
     Kr = K[r]
     cK, cT = Kr + kept[c], T[r] + ticks[c]
-    ok = None if fastest_last else cT < limit
+    ok = None if segments_from is not None else cT < limit
     if floor is not None:
         fast = cT + floor.bound(target[c], cK) < limit
         ok = fast if ok is None else ok & fast

@@ -267,6 +267,7 @@ def _optimal(
     model = SegmentModel(profile, chain) if segments and _segments_run(profile, chain) else None
     relaxed: Table | None = None
     floor_ticks = beam_ticks = None
+    plain = True  # whether the per-block search begins without bounds (NOTE [ Bounding the search ])
     if model is not None and not chain.holds:
         relaxed = relaxed_table(chain, budget, model.free_option())
         # A block in a segment is bounded by one more per-block option: the relaxation's fastest
@@ -285,7 +286,8 @@ def _optimal(
             if -1 not in picks:
                 return picks, []
             relaxed = search.table
-    per_block = PerBlock.start(chain, budget)
+        plain = search.exact  # a chain whose relaxed search needs bounds likely needs them too
+    per_block = PerBlock.start(chain, budget) if plain else PerBlock.start(chain, budget, plain_limit=0)
     # ``upper``: the per-block optimum's ticks, or on a varied chain an upper bound on them.
     upper = None if per_block is None else per_block.ticks
     if model is not None and upper != 0:
