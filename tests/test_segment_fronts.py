@@ -75,7 +75,7 @@ def test_the_front_is_the_sort_and_scan(points: list[tuple[int, int, bool]]) -> 
 
 
 @settings(max_examples=30, deadline=None)
-@given(st.integers(0, 2**32 - 1), st.sampled_from([3, 40, 10**6]), st.integers(1000, 5000), st.booleans())
+@given(st.integers(0, 2**32 - 1), st.sampled_from([3, 40, 10**6]), st.integers(200, 5000), st.booleans())
 def test_the_front_of_many_points_is_the_sort_and_scan(seed: int, spread: int, size: int, low_out: bool) -> None:
     """Past the size where ``undominated`` turns to one stable sort: runs sorted by k (as the
     search's pending plans come), many ties, some dropped (``low_out``: every point of the
