@@ -266,9 +266,10 @@ class Table:
         that freed a side input, NOTE [ Where a side input dies ]) read 0; past the end, the last
         cell (monotone in K; such a prefix is over the room anyway)."""
         assert self.rest is not None
-        cell = np.minimum(kept // self.cell_bytes, (cells := self.rest.shape[1]) - 1)
-        low = self.rest.ravel()[np.asarray(i) * cells + np.maximum(cell, 0)].astype(np.int64)
-        return np.where(cell < 0, 0, np.where(low >= _UNSET32, _NO_LIMIT_TICKS, low * self.rest_unit))
+        at = np.clip(cell := kept // self.cell_bytes, 0, (cells := self.rest.shape[1]) - 1)
+        low = self.rest[i][at] if isinstance(i, int) else self.rest.ravel()[np.asarray(i) * cells + at]
+        out = np.where(low >= _UNSET32, _NO_LIMIT_TICKS, low.astype(np.int64) * self.rest_unit)
+        return np.where(cell < 0, 0, out) if cell.size and int(cell.min()) < 0 else out
 
     def bounded(self, cells: int | None = None) -> Table:
         """This table with ``rest`` filled in, backward from the head: from the low end of cell c
@@ -339,11 +340,9 @@ def _search(
             term = np.maximum(fwd + fwd_delta[now], bwd + delta[now])
             cH, cP = now.ravel(), np.maximum(P[:, None], K[:, None] + term).ravel()
             drop = (cP > table.budget_bytes) | (cK > table.room[i + 1, cH])
-        hope = None
-        if table.rest is not None:
-            hope = cT + table.bound(i + 1, cK)
-            if bound_ticks is not None:
-                drop |= hope > bound_ticks
+        hope = None if table.rest is None else cT + table.bound(i + 1, cK)
+        if hope is not None and bound_ticks is not None:
+            drop |= hope > bound_ticks
         live = np.flatnonzero(~drop)  # the front of the rest is the same; fewer to sort
         lH = None if cH is None else cH[live]
         alive = live[_front(cK[live], cT[live], cP[live], drop[live], lH)] if live.size else live
