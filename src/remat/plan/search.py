@@ -266,7 +266,7 @@ class Table:
         that freed a side input, NOTE [ Where a side input dies ]) read 0; past the end, the last
         cell (monotone in K; such a prefix is over the room anyway)."""
         assert self.rest is not None
-        at = np.clip(cell := kept // self.cell_bytes, 0, (cells := self.rest.shape[1]) - 1)
+        at = np.maximum(np.minimum(cell := kept // self.cell_bytes, (cells := self.rest.shape[1]) - 1), 0)
         low = self.rest[i][at] if isinstance(i, int) else self.rest.ravel()[np.asarray(i) * cells + at]
         out = np.where(low >= _UNSET32, _NO_LIMIT_TICKS, low.astype(np.int64) * self.rest_unit)
         return np.where(cell < 0, 0, out) if cell.size and int(cell.min()) < 0 else out
