@@ -3,10 +3,11 @@
 
 Per budget: one untimed step with every block compiled at that budget (it compiles; compile-time
 memory and time stay out of the numbers), then one traced step, read along the step's schedule as
-every option's is (``attribute``), against the profile's own kept step. Then steps timed in turns, every block kept and every block
-compiled at each budget, give each block's extra time: its compiled forward and backward minus its
-kept ones. Blocks of one kind and size share the median. The extra time may be negative (generated
-code can be faster than the eager block's), and is kept as measured.
+every option's is (``attribute``), against the profile's own kept step. Then steps timed in
+turns, every block kept and every block compiled at each budget, give each block's extra time:
+its compiled forward and backward minus its kept ones. Blocks of one kind and size share the
+median. The extra time may be negative (generated code can be faster than the eager block's),
+and is kept as measured.
 
 Side inputs (NOTE [ Side inputs ] in ``remat.records``): the cost model reads what a block saves of
 them from the kept step, so a compiled option is offered only when a step with every block on it

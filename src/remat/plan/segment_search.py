@@ -65,11 +65,11 @@ itself, so on chains that reach ``MAX_STATES`` other states compete for the cap)
 the exact per-block search runs under the segment plan's ticks (where it is quick), and a
 per-block plan that fast wins; when it does not, the exact per-block search runs in full.
 For the solve time, every position's moves are arrays: block q's options and the segments from
-q against the partial plans there, sorted by K (and by falling time, the time objective): a move is made only from
-the prefix it fits and the suffix fast enough, and a later point of one span's front (as many
-bytes kept, more ticks, less need) only from the states where the point before it does not fit
-(from the others that point beats it: the same plans from 22-33% fewer partial plans on the
-128-block solve-time chains); and the flat and two-level segments of every
+q against the partial plans there, sorted by K (and by falling time, the time objective): a
+move is made only from the prefix it fits and the suffix fast enough, and a later point of one
+span's front (as many bytes kept, more ticks, less need) only from the states where the point
+before it does not fit (from the others that point beats it: the same plans from 22-33% fewer
+partial plans on the 128-block solve-time chains); and the flat and two-level segments of every
 span computed for every start at once (``remat.plan.segment_fronts``: the arithmetic of
 ``SegmentModel.replay``, as running sums and maxima along the span; tests/test_segment_fronts.py
 checks it equal, tree by tree). A segment's tree is made only for the plan found.
@@ -188,9 +188,9 @@ def segment_search(
                           move_set.width if objective == "time" else None, floor)
             if found is None:
                 continue
-            c, r, made = found
+            c, r, cK, cT, cP = found
             goes = m_target[c]
-            made[3], made[4], made[5], made[6] = m_held[c], q, sel[r], first_move + c
+            made = np.stack([cK, cT, cP, m_held[c], np.full(c.size, q), sel[r], first_move + c])
             cuts = [0, *(np.flatnonzero(goes[1:] != goes[:-1]) + 1).tolist(), r.size]
             for lo, hi in itertools.pairwise(cuts):
                 pending[int(goes[lo])].append(made[:, lo:hi])
@@ -246,12 +246,12 @@ def _moves(chain: ChainConstraints, fronts: Fronts, q: int, h: int, ticks: list[
 
 def _made(K: np.ndarray, T: np.ndarray, P: np.ndarray, move: tuple[np.ndarray, ...], room: np.ndarray,
           budget: int, limit: int, segments_from: int | None, floor: Table | None
-          ) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+          ) -> tuple[np.ndarray, ...] | None:
     """The partial plans made from the states (K, T, P) of one position and side-input state,
     sorted by K, by ``move``'s columns (need, kept, ticks, target, state after): those that fit
     (their peak, and the least a finish adds, ``room`` per move: the budget less it) and could
-    still end below ``limit``. (move index, state index, [7, m] rows of which this fills the
-    first three), by move, then state; None when none. The states' peaks fit already, so a move
+    still end below ``limit``. Per plan, by move, then state: its move and state indices, kept
+    bytes, ticks and peak; None when none. The states' peaks fit already, so a move
     fits from a prefix of them. ``segments_from`` (the time objective: the states' T falls along
     K, as on a front by time; the index of the first segment move): only a suffix of those is
     fast enough, and a later point of one span's front (the same end: the same bytes kept, more
@@ -286,10 +286,7 @@ def _made(K: np.ndarray, T: np.ndarray, P: np.ndarray, move: tuple[np.ndarray, .
             return None
         if at.size < total:
             c, r, Kr, cK, cT = c[at], r[at], Kr[at], cK[at], cT[at]
-    made = np.empty((7, r.size), dtype=np.int64)
-    made[0], made[1] = cK, cT
-    np.maximum(P[r], Kr + need[c], out=made[2])
-    return c, r, made
+    return c, r, cK, cT, np.maximum(P[r], Kr + need[c])
 
 
 def _floors(chain: ChainConstraints, fronts: Fronts, states: int) -> np.ndarray:
