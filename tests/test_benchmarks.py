@@ -68,6 +68,31 @@ def test_quick_frontier_writes_tables_json_and_plot(tmp_path: Path) -> None:
         if b["remat"] is not None:
             assert b["remat_peak_bytes"] == configs[b["remat"]]["peak_bytes"]
             assert b["fits"] == (b["remat_peak_bytes"] <= b["budget_bytes"])
+        if b.get("rerun"):  # judged on the rerun's median, inside its interval (NOTE [ Judging a pair ])
+            low, high = b["rerun"]["interval"]
+            assert low <= b["difference"] == b["rerun"]["difference"] <= high, b["rerun"]
+            assert b["rerun"]["rounds"] in (2, 4, 6, 8), b["rerun"]["rounds"]  # batches of 2 x 1 round
 
     table = (out / "README-table.md").read_text()
     assert "| gpt" in table and "remat plan" in table
+
+
+def test_median_interval_covers_the_median_about_95_percent_of_the_time() -> None:
+    """The rerun's stopping rule rests on this interval: too narrow would call noise a result,
+    too wide would rerun every pair to the cap."""
+    import random
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        from frontier import median_interval
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    rng = random.Random(0)
+    for n in (10, 20, 40, 80):
+        draws = [[rng.lognormvariate(0, 0.5) for _ in range(n)] for _ in range(2000)]
+        covered = sum(lo <= 1.0 <= hi for lo, hi in map(median_interval, draws)) / len(draws)
+        assert 0.94 <= covered <= 0.995, (n, covered)  # the median of lognormal(0, s) is 1
+        lo, hi = median_interval(sorted(draws[0]))
+        assert lo <= hi
+        if n >= 40:  # not the whole range: the extremes are outside it
+            assert min(draws[0]) < lo and hi < max(draws[0])
