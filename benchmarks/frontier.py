@@ -473,17 +473,17 @@ def check_pair(case: Case, args: argparse.Namespace, clock: Clock, prof: Profile
             batch, _ = time_interleaved(case, [peer, remat], 2 * args.repeats, clock)
             for name, ts in batch.items():
                 again[name] += ts
-            # Paired: each round's two steps ran back to back, so drift cancels in their ratio;
-            # the ratio becomes overhead points at the peer's overhead of the main run.
-            points = [(t / u - 1) * (1 + p["overhead"])
-                      for t, u in zip(again[remat.name], again[peer.name])]
-            low, high = median_interval(points)
+            # Paired: each round's two steps ran back to back, so drift cancels in their ratio.
+            ratios = [t / u for t, u in zip(again[remat.name], again[peer.name])]
+            # A ratio becomes overhead points at the peer's overhead of the main run.
+            low, high = ((x - 1) * (1 + p["overhead"]) for x in median_interval(ratios))
             if low > NOISE or high <= NOISE:
                 break
-        diff = statistics.median(points)
-        entry["rerun"] = {"ratio": diff / (1 + p["overhead"]) + 1, "difference": diff,
-                          "interval": [low, high], "rounds": len(points),
-                          "peer_ms_all": again[peer.name], "remat_ms_all": again[remat.name]}
+        ratio = statistics.median(ratios)
+        diff = (ratio - 1) * (1 + p["overhead"])
+        entry["rerun"] = {"ratio": ratio, "difference": diff, "interval": [low, high],
+                          "rounds": len(ratios), "peer_ms_all": again[peer.name],
+                          "remat_ms_all": again[remat.name]}
     faster = diff <= NOISE
     entry.update(difference=diff, no_slower=faster, passed=fits and faster)
     reasons: list[str] = []
