@@ -172,11 +172,11 @@ def _side_loss(out: torch.Tensor, batch: tuple[torch.Tensor, ...]) -> torch.Tens
 def test_verified_auto_solves_again_until_the_plan_measures_within_budget(
     caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from remat.measure import profiler
+    from remat.measure import marked
     from remat.measure.tracer import measure_step
 
     # A profile blind to side inputs (as before NOTE [ Side inputs ]) mispredicts this model.
-    monkeypatch.setattr(profiler, "side_inputs", lambda *args: [])
+    monkeypatch.setattr(marked, "side_inputs", lambda *args: [])
     torch.manual_seed(0)
     model, batch = SideInput(), (torch.randint(0, 64, (8, 128)),)
     plain = measure_step(model, batch, loss_fn=_side_loss, repeats=0).peak_bytes

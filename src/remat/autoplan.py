@@ -93,8 +93,10 @@ def auto(
     if budget is not None:
         check_budget(budget)
     remove(model)  # profile the model as the user wrote it
+    # No step runs above the budget, the profiler's included (NOTE [ Planning what does not fit ]
+    # in remat.measure.lean); NOTE [ Compiled blocks ] in remat.manual.compiled
     prof = profile(model, batch, loss_fn=loss_fn, optimizer=optimizer, blocks=blocks, repeats=repeats,
-                   compile_budgets=compile_budgets)  # NOTE [ Compiled blocks ] in remat.manual.compiled
+                   compile_budgets=compile_budgets, budget=budget)
     try:
         plan = solve(prof, budget, method=method)
     except InfeasibleBudget as e:

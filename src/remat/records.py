@@ -259,6 +259,10 @@ class Profile:
     """Peak bytes of the plain step (every block kept), measured or estimated."""
     plain_step_ms: float
     """Time of the plain step, milliseconds (median)."""
+    plain_ran: bool = True
+    """Whether the plain step ran while profiling. False when it was predicted over the budget:
+    every byte comes from the step on fake tensors, and ``plain_peak_bytes`` and ``plain_step_ms``
+    are predicted (NOTE [ Planning what does not fit ] in ``remat.measure.lean``)."""
     gather_bytes: int = 0
     """Under FSDP: bytes the cost model adds to every block's forward and backward for gathered
     parameters (the running block's and one all-gather buffer: twice the largest block's

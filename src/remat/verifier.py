@@ -20,6 +20,8 @@ numbers, overhead 0 by construction.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import json
 import statistics
 from collections.abc import Sequence
@@ -32,6 +34,8 @@ from torch import nn
 from remat.applier import applied_plan, apply, remove
 from remat.errors import InvalidType, InvalidValue
 from remat.measure import step as _step
+from remat.measure.estimated import plain_peak
+from remat.measure.lean import lean_spec
 from remat.measure.tracer import StepMemory, measure_step
 from remat.models.hf import without_cache
 from remat.records import Plan
@@ -77,6 +81,15 @@ class Report:
     step_ms_spread: float | None = None
     """The largest of the median over the fastest of the plain step's and this plan's step
     times, minus one: how much the machine disturbed the steps (0.02 on a quiet CPU)."""
+    plain_ran: bool = True
+    """Whether the plain step ran. False when it is predicted over the budget (NOTE [ Verifying
+    without the plain step ]): ``plain_peak_bytes`` and ``plain_step_ms`` are then predicted, the
+    overhead is against the predicted plain time, and gradients are compared with ``reference``."""
+    reference: str = "the plain step"
+    """The step whose loss and gradients this plan's are compared with."""
+    reserved_peak_bytes: int | None = None
+    """On CUDA: the most the caching allocator reserved in the plan's step (``max_memory_reserved``),
+    which is what the device must hold; ``measured_peak_bytes`` counts allocated bytes only."""
     schema_version: int = REPORT_SCHEMA
     """The record's schema version."""
     plain: StepMemory | None = field(default=None, compare=False, repr=False)
@@ -155,6 +168,16 @@ def verify_many(
         if plan.head != "keep" or plan.segments or any(o != "keep" for o in plan.choices.values()):
             unique.setdefault(_key(plan), plan)
     previous = applied_plan(model)
+    budgets = [p.budget_bytes for p in plans if p.budget_bytes is not None]
+    if budgets:
+        remove(model)
+        try:
+            lean = _lean(model, batch, loss_fn, optimizer, plans, min(budgets))
+        finally:
+            if previous is not None:
+                apply(model, previous)
+        if lean is not None:
+            return _verify_lean(model, batch, plans, loss_fn, optimizer, repeats, seed, lean)
     # The plain step as remat profiles it, without a K/V cache (NOTE [ No K/V cache in a planned
     # training step ]): with one, transformers' attention multiplies a concatenated key rather than
     # a view of it, which on some CPUs (an AMD EPYC's MKL) sums in another order, 1e-8 apart.
@@ -207,6 +230,101 @@ def verify_many(
             planned=mem,
         ))  # fmt: skip
     return reports
+
+
+# NOTE [ Verifying without the plain step ]
+# When the plain step is predicted over a plan's budget (from fake tensors, as the profiler
+# predicts it: NOTE [ Planning what does not fit ] in remat.measure.lean), verify does not run it.
+# Gradients are compared with a reference step that fits: every block recomputed gives the plain
+# step's gradients bit for bit in eager, and with the plan's chunked head to round-off; when
+# neither is predicted within the budget there is no reference, and the gradients do not count as
+# equal. The overhead is against the plain step time the plan predicts. The report says which
+# (``plain_ran``, ``reference``).
+
+
+@dataclass(frozen=True)
+class _Lean:
+    plain_peak_bytes: int
+    reference: Plan | None
+    name: str
+
+
+def _lean(model: nn.Module, batch: Any, loss_fn: Any, optimizer: Any, plans: Sequence[Plan],
+          budget_bytes: int) -> _Lean | None:
+    """None when the plain step is predicted within ``budget_bytes``; else the prediction and the
+    reference step (NOTE [ Verifying without the plain step ])."""
+    spec = lean_spec(_step.batch_device(model, batch))
+    with without_cache(model):
+        plain = plain_peak(model, batch, loss_fn, optimizer, spec)
+        if plain <= budget_bytes:
+            return None
+        plan = plans[0]
+        recomputed = {name: "recompute" for name in plan.choices}
+        candidates = [("every block recomputed", dataclasses.replace(
+            plan, choices=recomputed, head="keep", segments=[], method="reference"))]
+        if plan.head != "keep":
+            candidates.append((f"every block recomputed, the head {plan.head}", dataclasses.replace(
+                plan, choices=recomputed, segments=[], method="reference")))
+        for name, ref in candidates:
+            if plain_peak(model, batch, loss_fn, optimizer, spec, configure=functools.partial(apply, plan=ref)) <= budget_bytes:
+                return _Lean(plain, ref, name)
+    return _Lean(plain, None, "none: no reference step is predicted within the budget")
+
+
+def _verify_lean(model: nn.Module, batch: Any, plans: Sequence[Plan], loss_fn: Any,
+                 optimizer: Any, repeats: int, seed: int, lean: _Lean) -> list[Report]:
+    """``verify_many`` without the plain step (NOTE [ Verifying without the plain step ])."""
+    previous = applied_plan(model)
+    measured: dict[tuple[tuple[str, str], ...], tuple[StepMemory, list[torch.Tensor], int | None]] = {}
+    with without_cache(model):
+        try:
+            ref_grads: list[torch.Tensor] = []
+            if lean.reference is not None:
+                apply(model, lean.reference)
+                ref_grads = _grads(model, batch, loss_fn, optimizer, seed)
+            for plan in plans:
+                if _key(plan) not in measured:
+                    apply(model, plan)
+                    reserved = _reserved(model, batch, loss_fn, optimizer)
+                    mem = measure_step(model, batch, loss_fn=loss_fn, optimizer=optimizer, repeats=0)
+                    measured[_key(plan)] = (mem, _grads(model, batch, loss_fn, optimizer, seed), reserved)
+            keys = list(measured)
+            by_key = {_key(p): p for p in plans}
+            times = _times_in_turns(model, [by_key[k] for k in keys], batch, loss_fn, optimizer, repeats)
+        finally:
+            remove(model)
+            if previous is not None:
+                apply(model, previous)
+    plan_ms = {key: statistics.median(t) for key, t in zip(keys, times)}
+    spread = {key: statistics.median(t) / min(t) - 1.0 for key, t in zip(keys, times)}
+    reports = []
+    for plan in plans:
+        key = _key(plan)
+        mem, grads, reserved = measured[key]
+        plain_ms = plan.estimate.step_ms / (1.0 + plan.estimate.overhead)  # predicted
+        exact = plan.head == "keep" and lean.reference is not None and lean.reference.head == "keep" and not any(
+            o == "tiled" or o.startswith("compiled:") for o in plan.choices.values())
+        diff, equal = _compare(ref_grads, grads, exact=exact) if ref_grads else (float("nan"), False)
+        reports.append(Report(
+            method=plan.method, budget_bytes=plan.budget_bytes, predicted_peak_bytes=plan.estimate.peak_bytes,
+            measured_peak_bytes=mem.peak_bytes, plain_peak_bytes=lean.plain_peak_bytes,
+            predicted_overhead=plan.estimate.overhead, measured_overhead=plan_ms[key] / plain_ms - 1.0,
+            plain_step_ms=plain_ms, step_ms=plan_ms[key], grads_equal=equal, max_grad_diff=diff,
+            repeats=repeats, step_ms_spread=spread[key], plain_ran=False, reference=lean.name,
+            reserved_peak_bytes=reserved, planned=mem,
+        ))  # fmt: skip
+    return reports
+
+
+def _reserved(model: nn.Module, batch: Any, loss_fn: Any, optimizer: Any) -> int | None:
+    """The caching allocator's most reserved bytes in one step, on CUDA (None elsewhere)."""
+    device = _step.batch_device(model, batch)
+    if device.type != "cuda":
+        return None
+    with _step.preserved(model, optimizer):
+        torch.cuda.reset_peak_memory_stats(device)
+        _step.train_step(model, batch, loss_fn, optimizer)
+        return int(torch.cuda.max_memory_reserved(device))
 
 
 def _key(plan: Plan) -> tuple[tuple[str, str], ...]:

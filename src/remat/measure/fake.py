@@ -149,6 +149,30 @@ class FakeMeter(TorchDispatchMode):
         )
         self._peak_since = self.live
 
+    def __enter__(self) -> FakeMeter:
+        if self.spec.name == "cpu":  # NOTE [ RNG states on the CPU ]
+            self._get_rng_state = torch.get_rng_state
+            torch.get_rng_state = self._counted_rng_state
+        return super().__enter__()  # type: ignore[no-any-return]
+
+    def __exit__(self, *exc: Any) -> None:
+        super().__exit__(*exc)
+        if self.spec.name == "cpu":
+            torch.get_rng_state = self._get_rng_state
+
+    def _counted_rng_state(self) -> torch.Tensor:
+        """``torch.get_rng_state``, its tensor counted while it lives.
+
+        # NOTE [ RNG states on the CPU ]
+        A checkpoint stashes the CPU RNG state (5056 bytes) for its recompute, and a segment frame
+        one per block; ``torch.get_rng_state`` makes that tensor outside the dispatcher, so the
+        meter would not see it, and on the CPU device it is device memory: each checkpointed block
+        measured 5056 bytes over its fake prediction. The meter counts it while it is in use (on
+        a GPU it is host memory and stays uncounted)."""
+        state = self._get_rng_state()
+        self._track(state)
+        return state
+
     @property
     def trace(self) -> Trace:
         points = [(m.t_ms, m.live_bytes) for m in self.marks]

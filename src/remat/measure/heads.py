@@ -33,7 +33,7 @@ from remat.measure.attribution import attribute
 from remat.measure.runner import StepRunner, every_block
 from remat.records import Profile, Segment
 
-__all__ = ["HeadMeasures", "add_heads", "chunk_sizes", "measure_heads"]
+__all__ = ["HeadMeasures", "add_heads", "chunk_sizes", "head_option", "measure_heads"]
 
 log = logging.getLogger(__name__)
 
@@ -77,13 +77,13 @@ def measure_heads(model: nn.Module, named: Sequence[tuple[str, nn.Module]], runn
     options = [head_option_name(s) for s in sizes]
 
     def config(option: str) -> Callable[[], contextlib.AbstractContextManager[Any]]:
-        return lambda: _head(model, name, option, causal_lm)
+        return lambda: head_option(model, name, option, causal_lm)
 
     segments: dict[str, Segment] = {}
     times: list[dict[str, float]] = [{}]  # estimated mode: the traced steps' roofline times
     with every_block(named, "keep"):
         for option in options:
-            with _head(model, name, option, causal_lm):
+            with head_option(model, name, option, causal_lm):
                 trace, hooks, roofline = runner.traced()
             segments[option] = attribute(trace, hooks, len(named))[1]
             times.append(roofline)
@@ -121,7 +121,7 @@ def _find(model: nn.Module, runner: StepRunner) -> tuple[str, bool, int] | None:
     names = {id(m): n for n, m in model.named_modules()}
     with noting_heads() as seen:
         if lm_head is not None:  # one chunk of every token: the call is made when labels are given
-            with _head(model, lm_head, head_option_name(2**40), True):
+            with head_option(model, lm_head, head_option_name(2**40), True):
                 runner.marked(lambda _: None)
         else:
             runner.marked(lambda _: None)
@@ -138,7 +138,7 @@ def _find(model: nn.Module, runner: StepRunner) -> tuple[str, bool, int] | None:
 
 
 @contextlib.contextmanager
-def _head(model: nn.Module, name: str, option: str, causal_lm: bool) -> Iterator[None]:
+def head_option(model: nn.Module, name: str, option: str, causal_lm: bool) -> Iterator[None]:
     """The head with ``option`` while the block runs; then as it was (a plan applied keeps its)."""
     before, routed = head_option_of(model, name)
     set_head(model, name, option, causal_lm=causal_lm)

@@ -70,7 +70,8 @@ def solve(
     if k is not None and method != "every_k":
         raise InvalidValue(f"k={k!r} applies to method='every_k' only, not to method={method!r}")
     budget_bytes = (
-        None if budget is None else parse_budget(budget, plain_peak_bytes=profile.plain_peak_bytes)
+        None if budget is None else parse_budget(budget, plain_peak_bytes=profile.plain_peak_bytes,
+                                                 device_memory_bytes=profile.device_memory_bytes)
     )
     if profile.head_options and method in _BUDGET_METHODS and budget_bytes is not None:
         # NOTE [ The head's options ] in remat.records: the blocks solved once per head option.

@@ -14,8 +14,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from remat.errors import InvalidValue
+from remat.errors import InfeasibleBudget
 from remat.measure import step as _step
+from remat.measure.estimated import plain_peak
+from remat.measure.lean import lean_spec
 from remat.measure.profiler import profile
 from remat.plan.accumulation import (
     AccumulationPlan,
@@ -71,41 +73,45 @@ def plan_accumulation(
         return AccumulationPlan(micro_batch=m, plan=None, candidates=[row], budget_bytes=None)
 
     device = torch.device(device)
+    if isinstance(budget, str) and budget.strip().endswith("%"):
+        # a share of the plain step's peak with the whole global batch: predicted, never run
+        whole = _batch(global_batch, seq_len, device)
+        with autocast() if autocast is not None else contextlib.nullcontext():
+            plain = plain_peak(model, whole, loss_fn, make_optimizer(model.parameters()), lean_spec(device))
+        budget_bytes = parse_budget(budget, plain_peak_bytes=plain)
+    else:
+        budget_bytes = parse_budget(budget)
     profiles: dict[int, Profile | None] = {}
 
     def get(m: int) -> Profile | None:
         if m not in profiles:
             profiles[m] = _profile(model, m, seq_len=seq_len, loss_fn=loss_fn,
                                    make_optimizer=make_optimizer, autocast=autocast,
-                                   device=device, repeats=repeats)
+                                   device=device, repeats=repeats, budget_bytes=budget_bytes)
         return profiles[m]
 
-    if isinstance(budget, str) and budget.strip().endswith("%"):
-        whole = get(global_batch)
-        if whole is None:
-            raise InvalidValue(f"budget {budget!r} is a share of the plain step's peak with the whole "
-                             f"global batch of {global_batch}, which ran out of memory while "
-                             "profiling; give the budget in bytes, e.g. '8GiB'")
-        budget_bytes = parse_budget(budget, plain_peak_bytes=whole.plain_peak_bytes)
-    else:
-        budget_bytes = parse_budget(budget)
     return choose(sizes, get, budget_bytes=budget_bytes, global_batch=global_batch, seq_len=seq_len,
                   grad_bytes=_step.trainable_bytes(model),
                   opt_ms=_optimizer_ms(model, make_optimizer, device))
 
 
-def _profile(model: nn.Module, m: int, *, seq_len: int, loss_fn: Any, make_optimizer: Any,
-             autocast: Any, device: torch.device, repeats: int) -> Profile | None:
+def _batch(m: int, seq_len: int, device: torch.device) -> tuple[torch.Tensor]:
     # Token values do not change bytes or times; a private generator leaves the global RNG alone.
     gen = torch.Generator().manual_seed(m)
-    batch = (torch.randint(VOCAB_SIZE, (m, seq_len), generator=gen).to(device),)
+    return (torch.randint(VOCAB_SIZE, (m, seq_len), generator=gen).to(device),)
+
+
+def _profile(model: nn.Module, m: int, *, seq_len: int, loss_fn: Any, make_optimizer: Any,
+             autocast: Any, device: torch.device, repeats: int, budget_bytes: int) -> Profile | None:
+    """The profile at micro-batch ``m``, no step of it above the budget (NOTE [ Planning what does
+    not fit ] in remat.measure.lean); None when no plan of it fits."""
+    batch = _batch(m, seq_len, device)
     try:
         with autocast() if autocast is not None else contextlib.nullcontext():
-            return profile(model, batch, loss_fn=loss_fn, optimizer=make_optimizer, repeats=repeats)
-    except torch.OutOfMemoryError:
-        log.info("micro-batch %d ran out of memory while profiling", m)
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+            return profile(model, batch, loss_fn=loss_fn, optimizer=make_optimizer, repeats=repeats,
+                           budget=budget_bytes)
+    except InfeasibleBudget as e:
+        log.info("micro-batch %d: %s", m, e)
         return None
 
 

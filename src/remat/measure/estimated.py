@@ -1,0 +1,224 @@
+"""The step on fake tensors: every byte of a ``Profile`` without allocating one, and roofline times.
+
+``fake_run`` runs the profiler's marked steps (every block kept, selective, recomputed; the head's
+and the tiled MLP's options) inside ``FakeTensorMode`` and keeps what it saw as a ``FakeRun``;
+``FakeRun.profile`` assembles the ``Profile`` from it, with the roofline's times (estimated mode)
+or with times measured on the real device (a lean profile, NOTE [ Planning what does not fit ] in
+``remat.measure.lean``). The model is either built in the fake mode by the user's factory, or is
+a fake copy of the user's own model (``fake_copy``), which is how remat plans a step that does not
+fit: the copy's tensors cost nothing, its modules are the user's.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from remat.devices import ROOFLINE_EFFICIENCY, DeviceSpec
+from remat.errors import InvalidType, InvalidValue
+from remat.manual.blocks import find_blocks
+from remat.measure import step as _step
+from remat.measure.attribution import assemble, phase_times
+from remat.measure.heads import HeadMeasures, add_heads, measure_heads
+from remat.measure.marked import Hooks, base_keys, dtype_name, marked_step, running, sides_of
+from remat.measure.runner import StepRunner, every_block
+from remat.measure.sides import hooks_of, with_skips
+from remat.measure.tiles import add_tiles, measure_tiles
+from remat.measure.tracer import Trace
+from remat.models.hf import cache_off, check_layerdrop
+from remat.records import OptionCost, Profile, SideInput
+
+__all__ = ["FakeRun", "fake_copy", "fake_optimizer", "fake_run", "plain_peak"]
+
+_RUN_OPTIONS = ("keep", "selective", "recompute")
+
+
+@dataclasses.dataclass(kw_only=True)
+class FakeRun:
+    """What the marked steps on fake tensors saw: all of a ``Profile`` but its measured times."""
+
+    model: nn.Module
+    """The fake model (the user's copy, or what the factory built)."""
+    named: list[tuple[str, nn.Module]]
+    """Its blocks that run, in the order ``find_blocks`` gives them."""
+    traces: dict[str, tuple[Trace, Hooks]]
+    """Option -> the traced step with every block under it."""
+    times: dict[str, dict[str, float]]
+    """Option -> the roofline's phase times of that step (``phase_times``'s keys)."""
+    sides: list[SideInput]
+    heads: HeadMeasures | None
+    """The head's chunked options (bytes, and the roofline's times), when the loss has a head."""
+    tiles: dict[str, OptionCost]
+    """Block name -> its ``tiled`` option, for the blocks that offer it."""
+    fixed: dict[str, Any]
+    """``assemble``'s fields from the step's setup (device, mode, dtype, base bytes, ...)."""
+    host_link_bytes_per_s: float | None
+    fake_mode: Any
+    """The fake mode the model lives in: enter it to run more steps of it."""
+    runner: StepRunner
+    """Traced steps of the fake model (``runner.traced()``, inside ``fake_mode``)."""
+
+    def profile(self, times: dict[str, dict[str, float]] | None = None, *, smooth: bool = False,
+                heads: HeadMeasures | None = None, tiles: dict[str, OptionCost] | None = None,
+                **fixed: Any) -> Profile:
+        """The ``Profile``: these bytes, with ``times`` (default: the roofline's), ``heads`` and
+        ``tiles`` (default: the fake run's), and ``fixed`` over the run's own fields."""
+        prof = assemble(model=self.model, named=self.named, traces=self.traces, times=times or self.times,
+                        host_link_bytes_per_s=self.host_link_bytes_per_s, smooth=smooth, sides=self.sides,
+                        **(self.fixed | fixed))  # fmt: skip
+        prof = add_tiles(add_heads(prof, heads if heads is not None else self.heads),
+                         tiles if tiles is not None else self.tiles)
+        return with_skips(hooks_of(self.traces["keep"][1]), prof)
+
+
+def fake_run(make_model: Callable[[Any], nn.Module], batch: Any, loss_fn: Any,
+             make_optimizer: Callable[[nn.Module], torch.optim.Optimizer] | None, blocks: Any,
+             spec: DeviceSpec) -> FakeRun:
+    """The profiler's steps on fake tensors. ``make_model(fake_mode)`` makes the model inside the
+    fake mode; ``make_optimizer(model)`` its optimizer; ``batch`` real (made fake here) or a
+    factory called inside the mode."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from remat.measure.fake import FakeMeter, to_fake
+
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    traces: dict[str, tuple[Trace, Hooks]] = {}
+    times: dict[str, dict[str, float]] = {}
+    with fake_mode:
+        model = make_model(fake_mode)
+        fake_batch = batch() if callable(batch) else to_fake(fake_mode, batch)
+        opt = make_optimizer(model) if make_optimizer is not None else None
+        named = find_blocks(model, blocks)
+        check_layerdrop(model)
+        cache_off(model)  # on a fake model, thrown away after: nothing to remove
+        _create_state(model, opt)
+        named = running(named, blocks is not None, lambda: _step.train_step(model, fake_batch, loss_fn, opt))
+        keys = base_keys(model, opt, fake_batch)
+        for option in _RUN_OPTIONS:
+            with every_block(named, option):
+                model.zero_grad(set_to_none=True)
+                meter = FakeMeter(spec)
+                with meter:
+                    hooks = marked_step(model, named, fake_batch, loss_fn, opt, meter.mark, keys,
+                                        saves=option == "keep")
+                traces[option] = (meter.trace, hooks)
+                times[option] = phase_times({m.label: m.t_ms for m in meter.marks}, hooks.order)
+        sides = sides_of(model, named, fake_batch, loss_fn, opt, keys, traces["keep"][1])
+        param_bytes = _step.param_bytes(model)
+        opt_bytes = _step.optimizer_bytes(opt)
+        data = _step.batch_bytes(fake_batch)
+        buffers = _step.storage_bytes(list(model.buffers()))
+        marked = functools.partial(marked_step, model, named, fake_batch, loss_fn, opt, base_keys=keys)
+        runner = StepRunner(marked, model, spec=spec)
+        heads, tiles = measure_heads(model, named, runner), measure_tiles(named, runner, times["keep"])
+    return FakeRun(
+        model=model, named=named, traces=traces, times=times, sides=sides, heads=heads, tiles=tiles,
+        fake_mode=fake_mode, runner=runner,
+        host_link_bytes_per_s=spec.host_link_bytes_per_s * ROOFLINE_EFFICIENCY["host_link"]
+        if spec.name != "cpu" else None,
+        fixed=dict(
+            device=spec.name, mode="estimated", dtype=dtype_name(model), batch_shape=_step.batch_shape(fake_batch),
+            base_bytes=param_bytes + buffers + opt_bytes + data, param_bytes=param_bytes,
+            optimizer_bytes=opt_bytes, batch_bytes=data, device_memory_bytes=spec.memory_bytes,
+        ),
+    )  # fmt: skip
+
+
+def plain_peak(model: nn.Module, batch: Any, loss_fn: Any, optimizer: torch.optim.Optimizer | None,
+               spec: DeviceSpec, configure: Callable[[nn.Module], Any] | None = None) -> int:
+    """The plain step's peak bytes (the batch, parameters, gradients and optimizer state
+    included), from one step of a fake copy of ``model``: nothing is allocated. ``configure``:
+    called on the copy first (to apply a plan to it), for that step's peak instead."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from remat.measure.fake import FakeMeter, to_fake
+
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with fake_mode:
+        fake = fake_copy(model, fake_mode)
+        fake_batch = to_fake(fake_mode, batch)
+        opt = fake_optimizer(optimizer, model)(fake) if optimizer is not None else None
+        cache_off(fake)
+        if configure is not None:
+            configure(fake)
+        _create_state(fake, opt)
+        fake.zero_grad(set_to_none=True)
+        _step.train_step(fake, fake_batch, loss_fn, opt)  # lazy state, as the profiler's warm-up
+        fake.zero_grad(set_to_none=True)
+        meter = FakeMeter(spec)
+        with meter:
+            _step.train_step(fake, fake_batch, loss_fn, opt)
+        base = (_step.param_bytes(fake) + _step.storage_bytes(list(fake.buffers()))
+                + _step.optimizer_bytes(opt) + _step.batch_bytes(fake_batch))
+    return base + meter.peak
+
+
+def _create_state(model: nn.Module, opt: torch.optim.Optimizer | None) -> None:
+    """The optimizer's state, made as its first step makes it: a step on zero gradients (fake
+    tensors: nothing is computed anyway)."""
+    if opt is None:
+        return
+    for p in model.parameters():
+        if p.requires_grad:
+            p.grad = torch.zeros_like(p)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def fake_copy(model: nn.Module, fake_mode: Any) -> nn.Module:
+    """A deep copy of ``model`` whose parameters and buffers are fake tensors of the same shapes,
+    dtypes, devices and ``requires_grad`` (tied ones stay tied): the user's own modules, at no
+    memory. Other tensors the modules hold as plain attributes are copied (made fake on use)."""
+    memo: dict[int, Any] = {}
+    for t in (*model.parameters(), *model.buffers()):
+        fake = fake_mode.from_tensor(t)
+        memo[id(t)] = nn.Parameter(fake, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else fake
+    try:
+        return copy.deepcopy(model, memo)
+    except Exception as e:
+        raise InvalidType(
+            f"remat plans a step that does not fit on a copy of the model whose tensors are fake, "
+            f"and {type(model).__name__} could not be copied ({type(e).__name__}: {e}); make it "
+            "copyable with copy.deepcopy, or give a budget the plain step fits"
+        ) from e
+
+
+def fake_optimizer(optimizer: torch.optim.Optimizer,
+                   model: nn.Module) -> Callable[[nn.Module], torch.optim.Optimizer]:
+    """A factory of ``optimizer``'s twin over a fake copy of ``model``: the same class, parameter
+    groups and hyperparameters."""
+
+    def make(fake: nn.Module) -> torch.optim.Optimizer:
+        index = {id(p): q for p, q in zip(model.parameters(), fake.parameters())}
+        groups = [{**g, "params": [index[id(p)] for p in g["params"] if id(p) in index]}
+                  for g in optimizer.param_groups]
+        try:
+            return type(optimizer)([g for g in groups if g["params"]])  # type: ignore[call-arg]
+        except Exception as e:
+            raise InvalidValue(
+                f"remat plans a step that does not fit with a twin of the optimizer over fake tensors, "
+                f"and {type(optimizer).__name__}(param_groups) failed ({type(e).__name__}: {e}); pass "
+                "the optimizer as a factory, optimizer=lambda params: MyOptimizer(params, ...)"
+            ) from e
+
+    return make
+
+
+def check_factory(factory: Any, optimizer: Any) -> None:
+    """Estimated mode's arguments: a model factory, and an optimizer factory when any."""
+    if isinstance(factory, nn.Module):
+        raise InvalidType(
+            "estimated mode builds the model inside FakeTensorMode, so it needs a factory: "
+            "pass model=lambda: MyModel(config) instead of a built module"
+        )
+    if isinstance(optimizer, torch.optim.Optimizer):
+        raise InvalidType(
+            "estimated mode needs the optimizer as a factory, e.g. "
+            "optimizer=lambda params: torch.optim.AdamW(params)"
+        )

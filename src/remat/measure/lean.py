@@ -1,0 +1,351 @@
+"""Profiling a step that does not fit: bytes from fake tensors, times from steps that fit.
+
+# NOTE [ Planning what does not fit ]
+The user who needs remat is the one whose plain step does not fit, so with a budget no step the
+profiler runs may peak above it. The rules, in order:
+1. The plain step runs first on fake tensors (a copy of the user's model whose parameters and
+   buffers are fake, the batch and the optimizer likewise: ``remat.measure.estimated``). Nothing
+   is allocated, and on the CPU its bytes are the real step's to the byte (the meter counts every
+   storage, the RNG states checkpoints stash included: NOTE [ RNG states on the CPU ]).
+2. Within the budget, the profile is measured as without one: every step it runs peaks at or
+   below the plain step.
+3. Over it, every byte of the profile comes from the profiler's steps on fake tensors (each block
+   kept, selective, recomputed; the head's and the tiled MLP's options), and ``solve`` on it raises
+   ``InfeasibleBudget`` when not even the floor fits, before a single real step.
+4. Times come from real steps, and a step runs only when the cost model predicts its peak within
+   the budget from those bytes: every block recomputed with the leanest head (the lean step), and
+   steps with one block of each kind kept, then selective, then tiled, among recomputed blocks, as
+   many kinds a step as the budget allows (a 32-block model of one kind: one step per option). A
+   block of a kind that fits no such step gets the lean step's numbers: keep's backward is the
+   recomputed backward less its forward, and selective and tiled cost what recompute costs. A head
+   option that fits no lean step is left out; the head as written, when it does not fit, is
+   timed as the leanest head.
+5. The plain step's peak and time are predicted (``Profile.plain_ran`` is False): the peak from the
+   fake step, the time as the lean step's less each recompute.
+Why no step exceeds the budget: every real step is a configuration whose peak the cost model
+predicts from bytes that are the step's own, and it runs only when that prediction is within the
+budget. What can still differ is what no tensor holds (a CPU kernel's scratch space, the caching
+allocator's reserve on CUDA): ``verify`` measures it, and ``auto(verify=True)`` re-solves for it.
+When not even the lean step fits (only nested segments do), the times stay the roofline's, and a
+warning says so.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import logging
+from collections import defaultdict
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from remat.devices import DeviceSpec, get_device
+from remat.manual.lm_head import HEAD_KEEP
+from remat.measure import step as _step
+from remat.measure.attribution import attribute
+from remat.measure.estimated import FakeRun, fake_copy, fake_optimizer, fake_run, plain_peak
+from remat.measure.heads import HeadMeasures, head_option
+from remat.measure.marked import base_keys, marked_step
+from remat.measure.runner import StepRunner, every_block
+from remat.measure.tracer import host_link_bytes_per_s
+from remat.plan.head import estimate_with_head
+from remat.plan.solver import solve
+from remat.records import OptionCost, Profile
+from remat.units import format_bytes, parse_budget
+
+__all__ = ["Lean", "lean_profile", "lean_spec", "resolve_budget"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Lean:
+    """A budget the plain step is predicted not to fit."""
+
+    budget_bytes: int
+    plain_peak_bytes: int
+    """The plain step's peak, predicted from fake tensors."""
+    spec: DeviceSpec
+    """The spec the fake steps run under (the CPU's, or the CUDA device's memory)."""
+
+
+def resolve_budget(model: nn.Module, batch: Any, loss_fn: Any, optimizer: torch.optim.Optimizer | None,
+                   budget: int | str) -> Lean | None:
+    """None when the plain step is predicted within ``budget``; else what a lean profile needs."""
+    device = _step.batch_device(model, batch)
+    spec = lean_spec(device)
+    plain = plain_peak(model, batch, loss_fn, optimizer, spec)
+    budget_bytes = parse_budget(budget, plain_peak_bytes=plain,
+                                device_memory_bytes=spec.memory_bytes if device.type == "cuda" else None)
+    if plain <= budget_bytes:
+        return None
+    log.info("remat: the plain step is predicted at %s, over the budget of %s: profiling it lean",
+             format_bytes(plain), format_bytes(budget_bytes))
+    return Lean(budget_bytes=budget_bytes, plain_peak_bytes=plain, spec=spec)
+
+
+def lean_spec(device: torch.device) -> DeviceSpec:
+    """The spec fake steps of ``device`` run under: the CPU's (the same kernels, so the same
+    bytes), with a CUDA device's name and memory."""
+    spec = get_device("cpu")
+    if device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+        spec = dataclasses.replace(spec, name="cuda", memory_bytes=total)
+    return spec
+
+
+def lean_profile(model: nn.Module, batch: Any, loss_fn: Any, optimizer: torch.optim.Optimizer | None,
+                 blocks: Any, repeats: int, lean: Lean) -> Profile:
+    """The profile of a step the plain step does not fit (NOTE [ Planning what does not fit ])."""
+    device = _step.batch_device(model, batch)
+    make_opt = fake_optimizer(optimizer, model) if optimizer is not None else None
+    run = fake_run(functools.partial(fake_copy, model), batch, loss_fn, make_opt, blocks, lean.spec)
+    cuda = device.type == "cuda"
+    if cuda:
+        run.host_link_bytes_per_s = host_link_bytes_per_s(device)
+    fixed: dict[str, Any] = dict(device=str(device), mode="measured", plain_ran=False,
+                                 device_memory_bytes=lean.spec.memory_bytes if cuda else None)
+    fake = run.profile(**fixed)
+    solve(fake, lean.budget_bytes)  # InfeasibleBudget before any real step (rule 3)
+    modules = dict(model.named_modules())
+    named = [(name, modules[name]) for name, _ in run.named]
+    with _step.preserved(model, optimizer):
+        keys = base_keys(model, optimizer, batch)
+        marked = functools.partial(marked_step, model, named, batch, loss_fn, optimizer, base_keys=keys)
+        runner = StepRunner(marked, model, device=device, repeats=repeats)
+        measured = _Timing(runner, named, fake, run, lean.budget_bytes).run_steps()
+    if measured is None:
+        return dataclasses.replace(fake, mode="estimated")
+    prof = run.profile(measured.times, smooth=True, heads=measured.heads, tiles=measured.tiles, **fixed)
+    return _with_scratch(prof, measured)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Measured:
+    """What the real steps of a lean profile measured."""
+
+    times: dict[str, dict[str, float]]
+    """``assemble``'s times: ``keep`` (the plain step's phases) and ``selective``."""
+    heads: HeadMeasures | None
+    """The head's options that a lean step fits, with their measured times."""
+    tiles: dict[str, OptionCost]
+    """The tiled options, with their measured extra times."""
+    scratch: dict[str, dict[str, dict[str, int]]]
+    """Option -> block name -> phase (``fwd_peak``, ``bwd_peak``, ``stop_peak``) -> bytes the real
+    step peaked above its fake twin (NOTE [ What no tensor holds ])."""
+    parts: dict[str, int]
+    """The same for the parts around the blocks, with the head as written (``pre_fwd``,
+    ``pre_bwd``, ``post_fwd``, ``post_bwd``, ``optimizer``)."""
+    head_parts: dict[str, dict[str, int]]
+    """The same for each chunked head option."""
+
+
+def _with_scratch(prof: Profile, m: Measured) -> Profile:
+    """``prof`` (bytes from fake tensors) with what no tensor holds added to every phase peak.
+
+    # NOTE [ What no tensor holds ]
+    A kernel's scratch space is no tensor, so fake tensors never see it: on the CPU a convolution's
+    backward allocates its own buffers (the pure-torch UNet's down.0: 301,248 bytes in every
+    option's backward, none in its forward), and the plans of a lean profile measured up to 24 KiB
+    over their prediction. The lean steps measure it: each runs once more under the memory
+    tracer and once on fake tensors, and the difference, phase by phase, is what no tensor holds:
+    every block recomputed in the lean step, each option of a kind in the step that ran it, and
+    each head option in its own. A phase's scratch is the same whatever runs around it, so it is
+    added to the profile's peaks; an option no lean step ran takes recompute's (its backward runs
+    the same kernels, and more). Every real step after the lean one is checked against the budget
+    with the lean step's largest scratch added to its prediction.
+    """
+    recompute = m.scratch["recompute"]
+    own = {"offload": "keep", "recompute_offload": "recompute"}
+
+    def peaks(cost: Any, d: dict[str, int]) -> Any:
+        return dataclasses.replace(cost, fwd_peak_bytes=cost.fwd_peak_bytes + d.get("fwd_peak", 0),
+                                   bwd_peak_bytes=cost.bwd_peak_bytes + d.get("bwd_peak", 0))
+
+    blocks = []
+    for b in prof.blocks:
+        found = {o: m.scratch.get(own.get(o, o), {}).get(b.name, recompute[b.name]) for o in b.options}
+        stop = b.stop_peak_bytes
+        if stop is not None:
+            stop += found["keep"].get("stop_peak", found["keep"].get("fwd_peak", 0))
+        blocks.append(dataclasses.replace(
+            b, options={o: peaks(c, found[o]) for o, c in b.options.items()}, stop_peak_bytes=stop))
+
+    def part(seg: Any, d: dict[str, int], name: str) -> Any:
+        return peaks(seg, {"fwd_peak": d[f"{name}_fwd"], "bwd_peak": d[f"{name}_bwd"]})
+
+    return dataclasses.replace(
+        prof, blocks=blocks, pre=part(prof.pre, m.parts, "pre"), post=part(prof.post, m.parts, "post"),
+        post_fwd_peak_held_bytes=prof.post_fwd_peak_held_bytes + m.parts["post_fwd"],
+        optimizer_peak_bytes=prof.optimizer_peak_bytes + m.parts["optimizer"],
+        head_options={h: part(seg, m.head_parts.get(h, m.parts), "post") for h, seg in prof.head_options.items()},
+    )  # fmt: skip
+
+
+_Scratch = dict[str, int]
+"""Bytes a real step peaked above its fake twin in one phase (NOTE [ What no tensor holds ])."""
+
+
+class _Timing:
+    """The real steps of rule 4, each predicted within the budget, and what they give: times, and
+    what no tensor holds (NOTE [ What no tensor holds ])."""
+
+    def __init__(self, runner: StepRunner, named: list[tuple[str, nn.Module]], fake: Profile,
+                 run: FakeRun, budget_bytes: int) -> None:
+        self.runner, self.named, self.fake, self.run, self.budget = runner, named, fake, run, budget_bytes
+        self.names = [n for n, _ in named]
+        self.lean = ["recompute"] * len(named)
+        self.margin = 0
+        """The most the lean step peaked above its fake twin in any phase: what every later
+        step's prediction is checked with."""
+        heads = [HEAD_KEEP, *(run.heads.segments if run.heads else {})]
+        self.head = min(heads, key=lambda h: self.peak(self.lean, h))  # the first of the leanest
+        self.all_heads = heads
+        by_name = {b.name: b for b in fake.blocks}
+        kinds: dict[tuple[Any, ...], list[int]] = defaultdict(list)
+        for i, name in enumerate(self.names):
+            b = by_name[name]
+            kinds[(b.kind, b.param_bytes, b.input_bytes, b.options["keep"].kept_bytes)].append(i)
+        self.kinds = list(kinds.values())
+        """Blocks of one kind and size; the first of each is run for all of them."""
+
+    def peak(self, options: Sequence[str], head: str) -> int:
+        return estimate_with_head(self.fake, dict(zip(self.names, options)), head).peak_bytes
+
+    def fits(self, options: Sequence[str], head: str) -> bool:
+        return self.peak(options, head) + self.margin <= self.budget
+
+    def _with(self, option: str, firsts: Sequence[int]) -> list[str]:
+        return [option if i in firsts else o for i, o in enumerate(self.lean)]
+
+    def _groups(self, option: str, offered: Callable[[int], bool]) -> list[list[int]]:
+        """The first block of each kind that offers ``option``, packed into steps that fit."""
+        groups: list[list[int]] = []
+        current: list[int] = []
+        for first in (kind[0] for kind in self.kinds if offered(kind[0])):
+            if self.fits(self._with(option, [*current, first]), self.head):
+                current.append(first)
+            elif self.fits(self._with(option, [first]), self.head):
+                groups.append(current)
+                current = [first]
+        return [g for g in [*groups, current] if g]
+
+    @contextlib.contextmanager
+    def _config(self, model: nn.Module, named: Sequence[tuple[str, nn.Module]], options: Sequence[str],
+                head: str) -> Iterator[None]:
+        with every_block(named, options), contextlib.ExitStack() as stack:
+            if self.run.heads is not None:
+                stack.enter_context(head_option(model, self.run.heads.name, head, self.run.heads.causal_lm))
+            yield
+
+    def _real(self, options: Sequence[str], head: str) -> Callable[[], contextlib.AbstractContextManager[Any]]:
+        return functools.partial(self._config, self.runner.model, self.named, options, head)
+
+    def _scratch(self, options: Sequence[str], head: str) -> tuple[list[_Scratch], _Scratch]:
+        """Per block, and for the parts around them, what the real step of this configuration
+        peaked above its fake twin (NOTE [ What no tensor holds ])."""
+        n = len(self.names)
+        with self._config(self.runner.model, self.named, options, head):
+            real = attribute(*self.runner.traced()[:2], n)
+        with self.run.fake_mode, self._config(self.run.model, self.run.named, options, head):
+            fake = attribute(*self.run.runner.traced()[:2], n)
+        blocks: list[_Scratch] = [{k: r[k] - f[k] for k in ("fwd_peak", "bwd_peak", "stop_peak") if k in r and k in f}
+                  for r, f in zip(real[2], fake[2])]
+        parts = {"pre_fwd": real[0].fwd_peak_bytes - fake[0].fwd_peak_bytes,
+                 "pre_bwd": real[0].bwd_peak_bytes - fake[0].bwd_peak_bytes,
+                 "post_fwd": real[1].fwd_peak_bytes - fake[1].fwd_peak_bytes,
+                 "post_bwd": real[1].bwd_peak_bytes - fake[1].bwd_peak_bytes,
+                 "optimizer": real[3] - fake[3]}
+        return blocks, parts
+
+    def run_steps(self) -> Measured | None:
+        if not self.fits(self.lean, self.head):
+            log.warning("remat: not even every block recomputed fits the budget of %s (only nested "
+                        "segments do): the profile's times are the roofline's, not measured",
+                        format_bytes(self.budget))
+            return None
+        with self._config(self.runner.model, self.named, self.lean, self.head):
+            self.runner.marked(lambda _: None)  # warm-up: lazy state, the allocator
+        lean_blocks, lean_parts = self._scratch(self.lean, self.head)
+        self.margin = max(0, *lean_parts.values(), *(v for b in lean_blocks for v in b.values()))
+        heads = [h for h in self.all_heads if h != self.head and self.fits(self.lean, h)]
+        tiled = self.run.tiles
+        groups = {
+            "keep": self._groups("keep", lambda i: True),
+            "selective": self._groups("selective", lambda i: True),
+            "tiled": self._groups("tiled", lambda i: self.names[i] in tiled),
+        }
+        scratch = {"recompute": {i: lean_blocks[i] for i in range(len(self.names))}}
+        for option, gs in groups.items():
+            scratch[option] = {}
+            for g in gs:
+                blocks = self._scratch(self._with(option, g), self.head)[0]
+                scratch[option].update({i: blocks[first] for i, first in self._members(g)})
+        post = {self.head: lean_parts} | {h: self._scratch(self.lean, h)[1] for h in heads}
+        configs = [(self.lean, self.head), *((self.lean, h) for h in heads)]
+        configs += [(self._with(o, g), self.head) for o, gs in groups.items() for g in gs]
+        measured = self.runner.times([self._real(*c) for c in configs])
+        lean = measured[0]
+        by_head = dict(zip([self.head, *heads], measured))
+        rest = iter(measured[1 + len(heads):])
+        timed = {o: [(g, next(rest)) for g in gs] for o, gs in groups.items()}
+        keep = self._keep(lean, timed["keep"], by_head.get(HEAD_KEEP))
+        return Measured(
+            times={"keep": keep, "selective": self._selective(keep, timed["selective"])},
+            heads=self._heads(by_head), tiles=self._tiles(keep, timed["tiled"]),
+            scratch={o: {self.names[i]: v for i, v in s.items()} for o, s in scratch.items()},
+            parts=post.get(HEAD_KEEP, lean_parts), head_parts={h: p for h, p in post.items() if h != HEAD_KEEP},
+        )  # fmt: skip
+
+    def _members(self, firsts: Sequence[int]) -> Iterator[tuple[int, int]]:
+        """(block, the first of its kind) for every block of the kinds ``firsts`` stand for."""
+        for first in firsts:
+            for i in next(k for k in self.kinds if k[0] == first):
+                yield i, first
+
+    def _each(self, steps: list[tuple[list[int], dict[str, float]]]) -> Iterator[tuple[int, int, dict[str, float]]]:
+        """(block, the first of its kind, that step's times) for every block whose kind was timed."""
+        for firsts, t in steps:
+            for i, first in self._members(firsts):
+                yield i, first, t
+
+    def _keep(self, lean: dict[str, float], steps: list[tuple[list[int], dict[str, float]]],
+              head_keep: dict[str, float] | None) -> dict[str, float]:
+        keep = dict(lean)
+        for i in range(len(self.names)):  # a recomputed backward runs the forward once more
+            keep[f"bwd{i}"] = max(lean[f"bwd{i}"] - lean[f"fwd{i}"], 0.0)
+        for i, first, t in self._each(steps):
+            keep[f"fwd{i}"], keep[f"bwd{i}"] = t[f"fwd{first}"], t[f"bwd{first}"]
+        if head_keep is not None:
+            keep["post_fwd"], keep["post_bwd"] = head_keep["post_fwd"], head_keep["post_bwd"]
+        keep["step"] = lean["step"] + sum(keep[k] - lean[k] for k in lean if k != "step")
+        return keep
+
+    def _selective(self, keep: dict[str, float], steps: list[tuple[list[int], dict[str, float]]]) -> dict[str, float]:
+        sel = {}
+        for i in range(len(self.names)):  # untimed: what a recompute costs
+            sel[f"fwd{i}"], sel[f"bwd{i}"] = keep[f"fwd{i}"], keep[f"bwd{i}"] + keep[f"fwd{i}"]
+        for i, first, t in self._each(steps):
+            sel[f"fwd{i}"], sel[f"bwd{i}"] = t[f"fwd{first}"], t[f"bwd{first}"]
+        return sel
+
+    def _tiles(self, keep: dict[str, float], steps: list[tuple[list[int], dict[str, float]]]) -> dict[str, OptionCost]:
+        extra = {self.names[i]: keep[f"fwd{i}"] for i in range(len(self.names))}  # untimed: recompute's
+        for i, first, t in self._each(steps):
+            fwd = keep[f"fwd{i}"]
+            extra[self.names[i]] = max(t[f"fwd{first}"] + t[f"bwd{first}"] - fwd - keep[f"bwd{i}"], fwd / 20)
+        return {name: dataclasses.replace(cost, extra_ms=extra[name]) for name, cost in self.run.tiles.items()}
+
+    def _heads(self, by_head: dict[str, dict[str, float]]) -> HeadMeasures | None:
+        heads = self.run.heads
+        if heads is None:
+            return None
+        segments = {o: dataclasses.replace(seg, fwd_ms=by_head[o]["post_fwd"], bwd_ms=by_head[o]["post_bwd"])
+                    for o, seg in heads.segments.items() if o in by_head}
+        keep = by_head.get(HEAD_KEEP)
+        return dataclasses.replace(heads, segments=segments, keep_fwd_ms=keep["post_fwd"] if keep else None,
+                                   keep_bwd_ms=keep["post_bwd"] if keep else None)

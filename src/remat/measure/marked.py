@@ -1,0 +1,166 @@
+"""The profiler's marked step: one training step with marks at each block's forward and backward
+boundaries (``_Hooks``), which blocks run (``running``), and what the step's fixed tensors are
+(``base_keys``). Measured, estimated and lean profiles all run it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from remat.errors import ProfileError
+from remat.measure import step as _step
+from remat.measure.handovers import note_handover_uses, note_returned
+from remat.measure.runner import every_block
+from remat.measure.sides import (
+    backward_mark,
+    hooks_of,
+    note_output,
+    note_sides,
+    noting_deaths,
+    noting_saved,
+    side_inputs,
+)
+from remat.measure.sides import first_tensor as _first_tensor
+from remat.measure.sides import storage_key as _storage_key
+from remat.records import SideInput
+
+__all__ = ["Hooks", "base_keys", "dtype_name", "marked_step", "running", "sides_of"]
+
+log = logging.getLogger(__name__)
+
+
+class Hooks:
+    """Marks at each block's forward start/end and backward start/end, and its boundary bytes."""
+
+    def __init__(self, named: list[tuple[str, nn.Module]], mark: Callable[[str], None]) -> None:
+        self.mark = mark
+        self.order: list[int] = []
+        self.in_bytes: dict[int, int] = {}
+        self.out_bytes: dict[int, int] = {}
+        self.base_keys: set[int] = set()
+        self.sides: dict[int, list[tuple[int, int]]] = {}  # block -> (storage key, bytes) of side inputs
+        self.firsts: set[int] = set()  # storages of the blocks' first inputs and outputs
+        self.running: list[int] = []
+        self.deaths: dict[int, tuple[int, bool]] = {}  # NOTE [ Where a side input dies ]
+        self.forward_done = False
+        self.handles = []
+        for i, (_, module) in enumerate(named):
+            self.handles.append(module.register_forward_pre_hook(self._pre(i), with_kwargs=True))
+            self.handles.append(module.register_forward_hook(self._post(i)))
+
+    def _pre(self, i: int) -> Callable[..., None]:
+        def hook(module: nn.Module, args: Any, kwargs: Any) -> None:
+            if not torch.is_grad_enabled():
+                return
+            if i in self.order:
+                raise ProfileError(
+                    f"block {i} ({type(module).__name__}) ran twice in one step; remat plans blocks "
+                    "that run once per step (name other blocks with blocks=)"
+                )
+            self.order.append(i)
+            self.running.append(i)
+            self.mark(f"fs{i}")
+            x = _first_tensor((args, kwargs))
+            note_sides(self, i, x, (args, kwargs))
+            note_handover_uses(self, i, (args, kwargs))
+            self.in_bytes[i] = 0
+            if x is not None:
+                if _storage_key(x) not in self.base_keys:
+                    self.in_bytes[i] = x.untyped_storage().nbytes()
+                if x.requires_grad:
+                    x.register_hook(lambda g: self.mark(f"be{i}"))
+
+        return hook
+
+    def _post(self, i: int) -> Callable[..., None]:
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            if not torch.is_grad_enabled():
+                return
+            self.mark(f"fe{i}")
+            self.running = [j for j in self.running if j != i]
+            y = _first_tensor(output)
+            note_output(self, i, y)
+            note_returned(self, i, output, y)
+            self.out_bytes[i] = y.untyped_storage().nbytes() if y is not None else 0
+            if y is not None and y.requires_grad:
+                y.register_hook(backward_mark(self, i, self.mark))
+
+        return hook
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+def marked_step(
+    model: nn.Module,
+    named: list[tuple[str, nn.Module]],
+    batch: Any,
+    loss_fn: Any,
+    optimizer: Any,
+    mark: Callable[[str], None],
+    base_keys: set[int] | None = None,
+    saved: dict[Any, set[int]] | None = None,
+    saves: bool = False,
+) -> Hooks:
+    """One training step with marks at the phases and block boundaries (and ``noting_saved``;
+    ``saves``: a mark at each tensor a block saves)."""
+    hooks = Hooks(named, mark)
+    hooks.base_keys = base_keys or set()
+    try:
+        with noting_saved(hooks, saved, mark if saves else None), noting_deaths(hooks, model):
+            _step.train_step(model, batch, loss_fn, optimizer, mark=mark)
+    finally:
+        hooks.remove()
+    if missing := [named[i][0] for i in range(len(named)) if i not in hooks.order]:
+        raise ProfileError(f"blocks {missing} did not run in this step; remat plans blocks that run in every "
+                           "step (turn off layerdrop or other random layer skips, or name them with blocks=)")
+    return hooks
+
+
+def running(named: list[tuple[str, nn.Module]], explicit: bool, run: Callable[[], Any]) -> list[tuple[str, nn.Module]]:
+    """The blocks that run in ``run()``, a warm-up step; a found stack that does not run is left out."""
+    ran: set[str] = set()
+    handles = [m.register_forward_pre_hook(lambda *_, n=n: ran.add(n) if torch.is_grad_enabled() else None)
+               for n, m in named]
+    try:
+        run()
+    finally:
+        for h in handles:
+            h.remove()
+    stacks = {n.rpartition(".")[0] for n in ran}
+    kept = [(n, m) for n, m in named if explicit or n.rpartition(".")[0] in stacks]
+    if missing := [n for n, _ in kept if n not in ran] or ([n for n, _ in named] if not ran else []):
+        raise ProfileError(f"blocks {missing} did not run in the training step; remat plans blocks that run "
+                           "once per step with gradients (check blocks=, and that the model trains)")
+    if len(kept) < len(named):
+        log.info("left out stacks that do not run in a training step: %s", sorted({n for n, _ in named} - ran))
+    return kept
+
+
+def base_keys(model: nn.Module, optimizer: Any, batch: Any) -> set[int]:
+    tensors = [*model.parameters(), *model.buffers(), *_step.tensors_in(batch)]
+    if optimizer is not None:
+        tensors += list(_step.tensors_in([dict(s) for s in optimizer.state.values()]))
+    return {_storage_key(t) for t in tensors}
+
+
+def dtype_name(model: nn.Module) -> str:
+    p = next(model.parameters(), None)
+    return str(p.dtype).removeprefix("torch.") if p is not None else "float32"
+
+
+def sides_of(model: nn.Module, named: list[tuple[str, nn.Module]], batch: Any, loss_fn: Any,
+           optimizer: Any, keys: set[int], traced: Hooks) -> list[SideInput]:
+    """The side inputs of the step ``traced`` saw, after a plain step that notes what each block
+    saves: which side inputs a kept block holds (NOTE [ Side inputs ])."""
+    saved: dict[Any, set[int]] = {}
+    with every_block(named, "keep"):
+        saving = marked_step(model, named, batch, loss_fn, optimizer, lambda _: None, keys, saved)
+    model.zero_grad(set_to_none=True)
+    return side_inputs(hooks_of(traced), hooks_of(saving), saved, [n for n, _ in named])
