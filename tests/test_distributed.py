@@ -412,8 +412,19 @@ def _fake_step_peak(kind: str, plan: Any, mesh: Any) -> int:
     base = {_key(x): x.untyped_storage() for t in state_tensors for x in _leaves(t)}
     base_bytes = sum(s.nbytes() for k, s in base.items() if k not in resizable)
     meter = _ShardedMeter(list(resizable.values()), set(base) | set(resizable))
-    with meter.mode:
-        step()
+    get_rng_state = torch.get_rng_state
+
+    def counted() -> torch.Tensor:  # as remat's meter: NOTE [ RNG states on the CPU ]
+        state = get_rng_state()
+        meter.track(state)
+        return state
+
+    torch.get_rng_state = counted
+    try:
+        with meter.mode:
+            step()
+    finally:
+        torch.get_rng_state = get_rng_state
     return base_bytes + meter.peak
 
 

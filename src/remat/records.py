@@ -359,6 +359,10 @@ class Plan:
     """The head module's qualified name (from the profile), "" for none."""
     head_causal_lm: bool = False
     """Whether the head is routed through a transformers causal LM's loss (from the profile)."""
+    plain_ran: bool = True
+    """Whether the profile ran the plain step (from the profile): False when the plain step was
+    predicted over the budget, and then ``verify`` does not run it either (NOTE [ Verifying
+    without the plain step ] in ``remat.verifier``)."""
     schema_version: int = PLAN_SCHEMA
     """The record's schema version; files of another version are refused."""
     notes: list[str] = field(default_factory=list)

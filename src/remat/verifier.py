@@ -169,7 +169,7 @@ def verify_many(
             unique.setdefault(_key(plan), plan)
     previous = applied_plan(model)
     budgets = [p.budget_bytes for p in plans if p.budget_bytes is not None]
-    if budgets:
+    if budgets and not all(p.plain_ran for p in plans):
         remove(model)
         try:
             lean = _lean(model, batch, loss_fn, optimizer, plans, min(budgets))
@@ -233,8 +233,10 @@ def verify_many(
 
 
 # NOTE [ Verifying without the plain step ]
-# When the plain step is predicted over a plan's budget (from fake tensors, as the profiler
-# predicts it: NOTE [ Planning what does not fit ] in remat.measure.lean), verify does not run it.
+# When the profile did not run the plain step (``Plan.plain_ran``: it was predicted over the budget
+# the profile was given) and it is predicted over a plan's budget (from fake tensors, as the
+# profiler predicts it: NOTE [ Planning what does not fit ] in remat.measure.lean), verify does
+# not run it either. A profile made without a budget (a sweep of budgets, as the demo's) ran it.
 # Gradients are compared with a reference step that fits: every block recomputed gives the plain
 # step's gradients bit for bit in eager, and with the plan's chunked head to round-off; when
 # neither is predicted within the budget there is no reference, and the gradients do not count as

@@ -366,6 +366,7 @@ def _plan(
         device=profile.device,
         dtype=profile.dtype,
         batch_shape=list(profile.batch_shape),
+        plain_ran=profile.plain_ran,
         notes=notes,
     )
 

@@ -1,0 +1,182 @@
+"""A process that cannot hold the plain step: the user's situation, on this CPU.
+
+``python tests/_capped.py capped MODEL HEADROOM_BYTES`` builds MODEL, warms up what every
+step needs (imports, kernels, the profiler's tracer, on a tiny model), then caps its own address
+space (``RLIMIT_AS``) at what it maps now plus HEADROOM_BYTES, and runs, in turn:
+- ``plain``: one plain training step (the control: it should run out of memory);
+- ``torch``: one step with torch's checkpoint on every block (the control: it should fit), its peak;
+- ``floor``: ``remat.auto`` at a budget of 1 byte, which must be refused before any large step;
+- ``every``, ``smallest``: ``remat.auto(verify=True)`` at torch's every-block peak and at the floor
+  the refusal named, then three training steps with the plan.
+``python tests/_capped.py train ZOO_MODEL HEADROOM_BYTES BUDGET OUT`` runs ``remat train`` so capped,
+and ``python tests/_capped.py reference MODEL`` prints the hash of the plain step's gradients (no cap).
+It prints one JSON line: what happened, the report's numbers, and how far the process's resident
+set grew past the moment of the cap (``grown_bytes``, from ``VmHWM``). glibc returns freed large
+blocks at once (``MALLOC_MMAP_THRESHOLD_``, set by the test that starts it), so what a step frees
+is free again for the next. The cap counts every byte the process maps, the tensors and all else.
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import sys
+import traceback
+from typing import Any
+
+import torch
+from torch import nn
+
+BLOCKS = {"gpt": "blocks", "unet": None, "hf-llama": "model.layers"}
+
+
+def _vm(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(field)
+
+
+def build(name: str) -> tuple[nn.Module, Any, Any]:
+    from remat import models
+
+    torch.manual_seed(0)
+    if name == "gpt":
+        model = models.build_model(models.GPTConfig(n_layer=6, n_embd=128, n_head=4, block_size=256, vocab_size=256))
+        return model, models.make_batch(model, batch_size=8, seq_len=256), models.loss_fn_for(model)
+    if name == "unet":
+        model = models.build_model(models.UNetConfig(image_size=64, channels=32))
+        return model, models.make_batch(model, batch_size=16), models.loss_fn_for(model)
+    if name == "hf-llama":  # a transformers model whose head's logits are the step's peak
+        import transformers
+
+        cfg = transformers.LlamaConfig(vocab_size=32000, hidden_size=128, intermediate_size=512, num_hidden_layers=6,
+                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+        model = transformers.LlamaForCausalLM(cfg)
+        ids = torch.randint(0, 32000, (4, 256))
+        return model, {"input_ids": ids, "labels": ids}, None
+    raise SystemExit(f"unknown model {name}")
+
+
+def _warm_up() -> None:
+    """What any step of any size needs mapped (code, kernels, the tracer), on a tiny model."""
+    import remat
+    from remat import models
+
+    tiny = models.build_model(models.GPTConfig(n_layer=2, n_embd=32, n_head=2, block_size=32, vocab_size=64))
+    batch = models.make_batch(tiny, batch_size=2, seq_len=32)
+    remat.auto(tiny, batch, "90%", loss_fn=models.loss_fn_for(tiny), repeats=1, verify=True)
+    remat.remove(tiny)
+    conv = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.GroupNorm(2, 8), nn.SiLU())
+    conv(torch.randn(2, 3, 16, 16, requires_grad=True)).sum().backward()
+
+
+def _torch_every_block(model: nn.Module) -> list[tuple[nn.Module, Any]]:
+    """torch's checkpoint on every block remat finds (the instance's forward; ``del`` undoes it)."""
+    from torch.utils.checkpoint import checkpoint
+
+    from remat.manual.blocks import find_blocks
+
+    done = []
+    for _, block in find_blocks(model, None):
+        forward = block.forward
+        block.forward = lambda *a, _f=forward, **k: checkpoint(_f, *a, use_reentrant=False, **k)
+        done.append((block, forward))
+    return done
+
+
+def digest(model: nn.Module, batch: Any, loss_fn: Any) -> str:
+    """A hash of one step's loss and gradients, bit for bit (the weights as they are)."""
+    import hashlib
+
+    from remat.measure import step as _step
+
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(1)
+    loss = _step.forward_loss(model, batch, _step.resolve_loss_fn(loss_fn))
+    loss.backward()
+    h = hashlib.sha256(loss.detach().numpy().tobytes())
+    for name, p in sorted(model.named_parameters()):
+        if p.grad is not None:
+            h.update(name.encode() + p.grad.numpy().tobytes())
+    model.zero_grad(set_to_none=True)
+    return h.hexdigest()
+
+
+def main() -> None:
+    mode, name = sys.argv[1], sys.argv[2]
+    torch.set_num_threads(1)
+    if mode == "reference":  # the plain step's gradients, in a process that holds it
+        print("RESULT " + json.dumps({"digest": digest(*build(name))}), flush=True)
+        return
+    headroom = int(sys.argv[3])
+    _warm_up()
+    model, batch, loss_fn = build(name) if mode == "capped" else (None, None, None)
+    initial = {k: v.clone() for k, v in model.state_dict().items()} if model is not None else {}
+    cap = _vm("VmSize") + headroom
+    resource.setrlimit(resource.RLIMIT_AS, (cap, resource.RLIM_INFINITY))
+    out: dict[str, Any] = {"model": name, "headroom": headroom}
+    for scenario in (("train",) if mode == "train" else ("plain", "torch", "floor", "every", "smallest")):
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # VmHWM from here: this scenario's own high-water mark
+        rss = _vm("VmRSS")
+        if model is not None:
+            model.load_state_dict(initial)
+        try:
+            out[scenario] = {"ok": True, **_run(scenario, model, batch, loss_fn, out)}
+        except Exception as e:  # the scenario's outcome, reported to the test
+            out[scenario] = {"ok": False, "error": type(e).__name__, "message": str(e)[:2000],
+                             "trace": traceback.format_exc()[-3000:]}
+        out[scenario]["grown_bytes"] = _vm("VmHWM") - rss
+    print("RESULT " + json.dumps(out), flush=True)
+
+
+def _run(scenario: str, model: Any, batch: Any, loss_fn: Any, done: dict[str, Any]) -> dict[str, Any]:
+    import remat
+    from remat.measure import step as _step
+    from remat.measure.tracer import measure_step
+
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3) if model is not None else None  # no state
+    if scenario == "plain":  # the control: the plain step does not fit
+        _step.train_step(model, batch, _step.resolve_loss_fn(loss_fn), opt)
+        return {}
+    if scenario == "torch":  # the control: torch's checkpoint on every block fits
+        forwards = _torch_every_block(model)
+        try:
+            return {"peak_bytes": measure_step(model, batch, loss_fn=loss_fn, optimizer=opt, repeats=0).peak_bytes}
+        finally:
+            for block, forward in forwards:
+                del block.forward
+    if scenario == "floor":  # a budget below the floor is refused before a large step runs
+        try:
+            remat.auto(model, batch, 1, loss_fn=loss_fn, optimizer=opt, repeats=1)
+        except remat.InfeasibleBudget as e:
+            return {"refused": True, "smallest_bytes": e.smallest_bytes, "text": str(e)}
+        return {"refused": False}
+    if scenario in ("every", "smallest"):
+        budget = done["torch"]["peak_bytes"] if scenario == "every" else done["floor"]["smallest_bytes"]
+        plan, report = remat.auto(model, batch, budget, loss_fn=loss_fn, optimizer=opt, repeats=1, verify=True)
+        grads = digest(model, batch, loss_fn)
+        fn = _step.resolve_loss_fn(loss_fn)
+        losses = [float(_step.train_step(model, batch, fn, opt)) for _ in range(3)]
+        remat.remove(model)
+        return {"budget": budget, "plan": plan.to_json(), "report": json.loads(report.to_json()), "losses": losses,
+                "digest": grads}
+    if scenario == "train":
+        from click.testing import CliRunner
+
+        from remat.cli.commands import main as cli
+
+        args = ["train", "--model", sys.argv[2], "--budget", sys.argv[4], "--steps", "3", "--global-batch", "16",
+                "--seq", "128", "--eval-every", "0", "--checkpoint-every", "0", "--device", "cpu",
+                "--out", sys.argv[5]]
+        result = CliRunner().invoke(cli, args, catch_exceptions=True)
+        if result.exception is not None and not isinstance(result.exception, SystemExit):
+            raise result.exception
+        return {"exit_code": result.exit_code, "output": result.output[-3000:]}
+    raise SystemExit(f"unknown scenario {scenario}")
+
+
+if __name__ == "__main__":
+    main()
