@@ -112,17 +112,21 @@ def main() -> None:
         return
     headroom = int(sys.argv[3])
     _warm_up()
-    model, batch, loss_fn = build(name) if mode == "capped" else (None, None, None)
-    initial = {k: v.clone() for k, v in model.state_dict().items()} if model is not None else {}
+    if mode == "capped":
+        model, batch, loss_fn = build(name)
+    else:  # the zoo model and global batch ``remat train`` will train, for the control
+        from remat.models.zoo import build as zoo_build
+
+        model, batch, loss_fn = zoo_build(name, batch_size=16, seq_len=128)
+    initial = {k: v.clone() for k, v in model.state_dict().items()}
     cap = _vm("VmSize") + headroom
     resource.setrlimit(resource.RLIMIT_AS, (cap, resource.RLIM_INFINITY))
     out: dict[str, Any] = {"model": name, "headroom": headroom}
-    for scenario in (("train",) if mode == "train" else ("plain", "torch", "floor", "every", "smallest")):
+    for scenario in (("plain", "train") if mode == "train" else ("plain", "torch", "floor", "every", "smallest")):
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")  # VmHWM from here: this scenario's own high-water mark
         rss = _vm("VmRSS")
-        if model is not None:
-            model.load_state_dict(initial)
+        model.load_state_dict(initial)
         try:
             out[scenario] = {"ok": True, **_run(scenario, model, batch, loss_fn, out)}
         except Exception as e:  # the scenario's outcome, reported to the test
@@ -137,7 +141,7 @@ def _run(scenario: str, model: Any, batch: Any, loss_fn: Any, done: dict[str, An
     from remat.measure import step as _step
     from remat.measure.tracer import measure_step
 
-    opt = torch.optim.SGD(model.parameters(), lr=1e-3) if model is not None else None  # no state
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)  # no state: the controls and plans alike
     if scenario == "plain":  # the control: the plain step does not fit
         _step.train_step(model, batch, _step.resolve_loss_fn(loss_fn), opt)
         return {}

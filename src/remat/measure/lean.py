@@ -45,6 +45,7 @@ from torch import nn
 
 from remat.devices import DeviceSpec, get_device
 from remat.manual.lm_head import HEAD_KEEP
+from remat.manual.segments import apply_segments, remove_segments
 from remat.measure import step as _step
 from remat.measure.attribution import attribute
 from remat.measure.estimated import FakeRun, fake_copy, fake_optimizer, fake_run, plain_peak
@@ -118,9 +119,10 @@ def lean_profile(model: nn.Module, batch: Any, loss_fn: Any, optimizer: torch.op
         marked = functools.partial(marked_step, model, named, batch, loss_fn, optimizer, base_keys=keys)
         runner = StepRunner(marked, model, device=device, repeats=repeats)
         measured = _Timing(runner, named, fake, run, lean.budget_bytes).run_steps()
-    if measured is None:
-        return dataclasses.replace(fake, mode="estimated")
-    prof = run.profile(measured.times, smooth=True, heads=measured.heads, tiles=measured.tiles, **fixed)
+    if measured.roofline:
+        fixed["mode"] = "estimated"
+    prof = run.profile(measured.times, smooth=not measured.roofline, heads=measured.heads, tiles=measured.tiles,
+                       **fixed)  # fmt: skip
     return _with_scratch(prof, measured)
 
 
@@ -142,6 +144,11 @@ class Measured:
     ``pre_bwd``, ``post_fwd``, ``post_bwd``, ``optimizer``)."""
     head_parts: dict[str, dict[str, int]]
     """The same for each chunked head option."""
+    margin: int
+    """The most any phase of the first step peaked above its fake twin: what an option no step
+    ran is charged in each phase."""
+    roofline: bool = False
+    """Whether the times are the roofline's (only nested segments fit: no lean step ran)."""
 
 
 def _with_scratch(prof: Profile, m: Measured) -> Profile:
@@ -154,12 +161,14 @@ def _with_scratch(prof: Profile, m: Measured) -> Profile:
     over their prediction. The lean steps measure it: each runs once more under the memory
     tracer and once on fake tensors, and the difference, phase by phase, is what no tensor holds:
     every block recomputed in the lean step, each option of a kind in the step that ran it, and
-    each head option in its own. A phase's scratch is the same whatever runs around it, so it is
-    added to the profile's peaks; an option no lean step ran takes recompute's (its backward runs
-    the same kernels, and more). Every real step after the lean one is checked against the budget
-    with the lean step's largest scratch added to its prediction.
+    each head option in its own (when only nested segments fit, the floor plan's step, for every
+    option). A phase's scratch is the same whatever runs around it, so it is added to the
+    profile's peaks; an option no step ran is charged the largest scratch the first step saw, in
+    every phase (over, never under: a kept up.4 of that UNet is 267,072 bytes in its backward, its
+    recompute 0). Every real step after the first is checked against the budget with that largest
+    scratch added to its prediction.
     """
-    recompute = m.scratch["recompute"]
+    unmeasured = {"fwd_peak": m.margin, "bwd_peak": m.margin, "stop_peak": m.margin}
     own = {"offload": "keep", "recompute_offload": "recompute"}
 
     def peaks(cost: Any, d: dict[str, int]) -> Any:
@@ -168,10 +177,11 @@ def _with_scratch(prof: Profile, m: Measured) -> Profile:
 
     blocks = []
     for b in prof.blocks:
-        found = {o: m.scratch.get(own.get(o, o), {}).get(b.name, recompute[b.name]) for o in b.options}
+        found = {o: m.scratch.get(own.get(o, o), {}).get(b.name, unmeasured) for o in b.options}
         stop = b.stop_peak_bytes
         if stop is not None:
-            stop += found["keep"].get("stop_peak", found["keep"].get("fwd_peak", 0))
+            # a replay runs the forward's kernels up to the last save: at most the forward's scratch
+            stop += max(found["keep"].get("stop_peak", 0), found["keep"].get("fwd_peak", 0))
         blocks.append(dataclasses.replace(
             b, options={o: peaks(c, found[o]) for o, c in b.options.items()}, stop_peak_bytes=stop))
 
@@ -236,23 +246,35 @@ class _Timing:
 
     @contextlib.contextmanager
     def _config(self, model: nn.Module, named: Sequence[tuple[str, nn.Module]], options: Sequence[str],
-                head: str) -> Iterator[None]:
+                head: str, segments: Sequence[Sequence[str]] = ()) -> Iterator[None]:
+        """The blocks of ``named`` with ``options``, the head with ``head``, and ``segments`` over
+        them (a plan's, as ``remat.apply`` sets them)."""
         with every_block(named, options), contextlib.ExitStack() as stack:
             if self.run.heads is not None:
                 stack.enter_context(head_option(model, self.run.heads.name, head, self.run.heads.causal_lm))
+            if segments:
+                order = [b.name for b in self.fake.blocks]
+                modules = dict(named)
+                blocks = [modules[name] for name in order]
+                apply_segments(blocks, [(order.index(a), order.index(b)) for a, b in segments], order)
+                stack.callback(remove_segments, blocks)
             yield
 
     def _real(self, options: Sequence[str], head: str) -> Callable[[], contextlib.AbstractContextManager[Any]]:
         return functools.partial(self._config, self.runner.model, self.named, options, head)
 
-    def _scratch(self, options: Sequence[str], head: str) -> tuple[list[_Scratch], _Scratch]:
+    def _scratch(self, options: Sequence[str], head: str,
+                 segments: Sequence[Sequence[str]] = ()) -> tuple[list[_Scratch], _Scratch]:
         """Per block, and for the parts around them, what the real step of this configuration
-        peaked above its fake twin (NOTE [ What no tensor holds ])."""
-        n = len(self.names)
-        with self._config(self.runner.model, self.named, options, head):
-            real = attribute(*self.runner.traced()[:2], n)
-        with self.run.fake_mode, self._config(self.run.model, self.run.named, options, head):
-            fake = attribute(*self.run.runner.traced()[:2], n)
+        peaked above its fake twin (NOTE [ What no tensor holds ]); marks at every save, for the
+        peak before a kept block's last save (``stop_peak``)."""
+        n, runner, twin = len(self.names), self.runner, self.run.runner
+        with self._config(runner.model, self.named, options, head, segments):
+            real = attribute(*StepRunner(functools.partial(runner.marked, saves=True), runner.model,
+                                         device=runner.device).traced()[:2], n)
+        with self.run.fake_mode, self._config(self.run.model, self.run.named, options, head, segments):
+            fake = attribute(*StepRunner(functools.partial(twin.marked, saves=True), twin.model,
+                                         spec=twin.spec).traced()[:2], n)
         blocks: list[_Scratch] = [{k: r[k] - f[k] for k in ("fwd_peak", "bwd_peak", "stop_peak") if k in r and k in f}
                   for r, f in zip(real[2], fake[2])]
         parts = {"pre_fwd": real[0].fwd_peak_bytes - fake[0].fwd_peak_bytes,
@@ -262,12 +284,9 @@ class _Timing:
                  "optimizer": real[3] - fake[3]}
         return blocks, parts
 
-    def run_steps(self) -> Measured | None:
+    def run_steps(self) -> Measured:
         if not self.fits(self.lean, self.head):
-            log.warning("remat: not even every block recomputed fits the budget of %s (only nested "
-                        "segments do): the profile's times are the roofline's, not measured",
-                        format_bytes(self.budget))
-            return None
+            return self._floor()
         with self._config(self.runner.model, self.named, self.lean, self.head):
             self.runner.marked(lambda _: None)  # warm-up: lazy state, the allocator
         lean_blocks, lean_parts = self._scratch(self.lean, self.head)
@@ -295,11 +314,26 @@ class _Timing:
         timed = {o: [(g, next(rest)) for g in gs] for o, gs in groups.items()}
         keep = self._keep(lean, timed["keep"], by_head.get(HEAD_KEEP))
         return Measured(
-            times={"keep": keep, "selective": self._selective(keep, timed["selective"])},
+            margin=self.margin, times={"keep": keep, "selective": self._selective(keep, timed["selective"])},
             heads=self._heads(by_head), tiles=self._tiles(keep, timed["tiled"]),
             scratch={o: {self.names[i]: v for i, v in s.items()} for o, s in scratch.items()},
             parts=post.get(HEAD_KEEP, lean_parts), head_parts={h: p for h, p in post.items() if h != HEAD_KEEP},
         )  # fmt: skip
+
+    def _floor(self) -> Measured:
+        """Only nested segments fit: the floor plan's step is the one real step; its scratch
+        stands for every option, and the times stay the roofline's."""
+        log.warning("remat: not even every block recomputed fits the budget of %s (only nested "
+                    "segments do): the profile's times are the roofline's, not measured",
+                    format_bytes(self.budget))
+        plan = solve(self.fake, self.budget)
+        options = [plan.choices[name] for name in self.names]
+        blocks, parts = self._scratch(options, plan.head, plan.segments)
+        every = {self.names[i]: b for i, b in enumerate(blocks)}
+        self.margin = max(0, *parts.values(), *(v for b in blocks for v in b.values()))
+        return Measured(margin=self.margin, times={o: self.run.times[o] for o in ("keep", "selective")}, heads=self.run.heads,
+                        tiles=self.run.tiles, scratch={"recompute": every, "keep": every}, parts=parts,
+                        head_parts={plan.head: parts}, roofline=True)
 
     def _members(self, firsts: Sequence[int]) -> Iterator[tuple[int, int]]:
         """(block, the first of its kind) for every block of the kinds ``firsts`` stand for."""

@@ -1,0 +1,81 @@
+"""remat where the plain step does not fit: in a process whose memory is capped below it.
+
+Each case runs ``tests/_capped.py`` in a child process whose address space is capped (after the
+model is built) at what it maps plus a headroom: a control shows that the plain step runs out of
+memory there and torch's checkpoint on every block does not; then, in the same capped process,
+``remat.auto`` at a budget of 1 byte is refused before any large step runs, and
+``remat.auto(verify=True)`` at torch's every-block peak and at the floor that refusal named plans,
+applies, verifies and trains (NOTE [ Planning what does not fit ] in ``remat.measure.lean``).
+The gradients of each plan are those of the plain step, bit for bit, as a process that holds it
+computes them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+HERE = Path(__file__).parent
+MiB = 2**20
+
+# Headroom over what the process maps once the model is built: below the plain step's need, above
+# torch's every-block checkpoint's (both measured by the controls in the same process).
+CASES = {
+    "gpt": 100 * MiB,  # plain step 266 MiB, every block 58 MiB
+    "unet": 200 * MiB,  # plain step 301 MiB, every block 127 MiB (not a chain: long skips)
+    "hf-llama": 440 * MiB,  # plain step 489 MiB, every block 419 MiB: the head's logits dominate
+}
+
+
+def _child(*args: str) -> dict[str, Any]:
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_ARENA_MAX": "1", "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, str(HERE / "_capped.py"), *args], capture_output=True, text=True,
+                          env=env, timeout=900)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    assert done.returncode == 0 and lines, f"exit {done.returncode}\n{done.stdout[-3000:]}\n{done.stderr[-5000:]}"
+    result: dict[str, Any] = json.loads(lines[-1].removeprefix("RESULT "))
+    return result
+
+
+def _ran(result: dict[str, Any], scenario: str) -> dict[str, Any]:
+    got: dict[str, Any] = result[scenario]
+    assert got["ok"], f"{scenario}: {got.get('error')}: {got.get('message')}\n{got.get('trace')}"
+    return got
+
+
+@pytest.mark.parametrize("model", list(CASES))
+def test_auto_plans_verifies_and_trains_where_the_plain_step_does_not_fit(model: str) -> None:
+    if model == "hf-llama":
+        pytest.importorskip("transformers")
+    result = _child("capped", model, str(CASES[model]))
+    plain = result["plain"]
+    assert not plain["ok"] and "can't allocate memory" in plain["message"], plain  # the control
+    every = _ran(result, "torch")["peak_bytes"]  # the other control: it fits
+    floor = _ran(result, "floor")
+    assert floor["refused"] and 0 < floor["smallest_bytes"] <= every, floor
+    reference = _child("reference", model)["digest"]
+    for scenario, budget in (("every", every), ("smallest", floor["smallest_bytes"])):
+        got = _ran(result, scenario)
+        report = got["report"]
+        assert got["budget"] == budget == report["budget_bytes"]
+        assert report["fits"] and report["measured_peak_bytes"] <= budget, report
+        assert not report["plain_ran"] and report["plain_peak_bytes"] > budget, report
+        assert got["digest"] == reference, f"{scenario}: the plan's gradients are not the plain step's"
+        if report["reference"] != "none: no reference step is predicted within the budget":
+            assert report["grads_equal"], report
+        assert got["losses"][-1] < got["losses"][0], got["losses"]  # it trains
+
+
+def test_remat_train_plans_and_trains_where_the_plain_step_does_not_fit(tmp_path: Path) -> None:
+    result = _child("train", "gpt-tiny", str(200 * MiB), "40%", str(tmp_path / "run"))
+    assert not result["plain"]["ok"] and "can't allocate memory" in result["plain"]["message"]
+    got = _ran(result, "train")
+    assert got["exit_code"] == 0, got["output"]
+    history = json.loads((tmp_path / "run" / "log.json").read_text())
+    assert history["measured_peak_bytes"] <= history["budget_bytes"], history
