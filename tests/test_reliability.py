@@ -398,6 +398,18 @@ def test_a_string_where_a_profile_or_model_belongs() -> None:
         remat.verify(mlp(), X, "plan.json")  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("verb", ["remove", "applied_plan", "apply", "measure_step", "option_of",
+                                  "checkpoint_module", "uncheckpoint_module"])
+def test_every_verb_that_takes_a_model_refuses_a_non_module_with_remats_error(verb: str) -> None:
+    fn = getattr(remat, verb)
+    args = (solve(chain_profile(), method="all"),) if verb == "apply" else (X,) if verb == "measure_step" else ()
+    for wrong, says in (("model", r"got str 'model'; a name or a path is not a module"),
+                        (nn.Linear, r"got the class Linear itself; pass an instance of it \(Linear\(\.\.\.\)\)"),
+                        (None, "got NoneType; pass the module object itself")):
+        with pytest.raises(remat.RematError, match=rf"{verb} expects (the model, )?an nn.Module; {says}"):
+            fn(wrong, *args)
+
+
 def test_a_budget_that_cannot_be_parsed_is_refused_before_profiling(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -41,6 +41,7 @@ from remat.manual.blocks import fingerprint
 from remat.manual.compiled import compile_budget
 from remat.manual.head import set_head_chunk
 from remat.manual.lm_head import chunk_of_option, clear_head, set_head
+from remat.manual.module_form import expect_module
 from remat.manual.options import clear_option, set_option
 from remat.manual.segments import apply_segments, remove_segments
 from remat.measure.step import check_compiled
@@ -95,8 +96,7 @@ def apply(model: nn.Module, plan: Plan, *, strict: bool = True) -> nn.Module:
     With ``strict`` (the default) the model's structure must be the one the plan was made for
     (same fingerprint); ``strict=False`` only requires the plan's block names to exist.
     """
-    if not isinstance(model, nn.Module):
-        raise InvalidType(f"apply expects an nn.Module, got {type(model).__name__}")
+    expect_module(model, "remat.apply")
     check_compiled(model, "remat.apply")
     if not isinstance(plan, Plan):
         raise InvalidType(f"apply expects a remat Plan, got {type(plan).__name__}; load one with Plan.load(path)")
@@ -138,6 +138,7 @@ def apply(model: nn.Module, plan: Plan, *, strict: bool = True) -> nn.Module:
 
 def remove(model: nn.Module) -> nn.Module:
     """Undo ``apply``: every block runs its own forward again. A no-op on a plain model."""
+    expect_module(model, "remat.remove")
     remove_segments(list(model.modules()))  # segments sit over the options: off first
     for module in model.modules():
         clear_option(module)
@@ -151,6 +152,7 @@ def remove(model: nn.Module) -> nn.Module:
 
 def applied_plan(model: nn.Module) -> Plan | None:
     """The plan applied to ``model`` (or to the module a DDP wrapper holds), or None."""
+    expect_module(model, "remat.applied_plan")
     inner = getattr(model, "module", None) if type(model).__name__ == "DistributedDataParallel" else None
     return model.__dict__.get(_PLAN_ATTR) or (inner.__dict__.get(_PLAN_ATTR) if inner is not None else None)
 
