@@ -45,7 +45,7 @@ from remat.manual.module_form import expect_module
 from remat.manual.options import clear_option, set_option
 from remat.manual.segments import apply_segments, remove_segments
 from remat.measure.step import check_compiled
-from remat.models.hf import cache_off
+from remat.models.hf import cache_off, layerdrop_blocks
 from remat.records import OPTIONS, Plan
 
 __all__ = ["PlanMismatch", "WrappingError", "applied_plan", "apply", "check_wrapping", "remove"]
@@ -123,6 +123,7 @@ def apply(model: nn.Module, plan: Plan, *, strict: bool = True) -> nn.Module:
         raise PlanMismatch(f"the plan chunks the head {plan.head_module!r}, which is not in this "
                            f"{type(model).__name__}{did_you_mean(plan.head_module, list(modules))}")
     spans = _spans(plan)
+    _check_layerdrop(model, plan)
     remove(model)
     for name, option in plan.choices.items():
         set_option(modules[name], option)
@@ -177,6 +178,22 @@ def _spans(plan: Plan) -> list[tuple[int, int]]:
             )
         spans.append((first, last))
     return spans
+
+
+def _check_layerdrop(model: nn.Module, plan: Plan) -> None:
+    """Refuse a segment over a layer that layerdrop may skip (NOTE [ layerdrop ] in remat.models.hf)."""
+    skipped = layerdrop_blocks(model) if any(a != b for a, b in plan.segments) else {}
+    names = list(plan.choices)
+    for a, b in plan.segments:
+        held = names[names.index(a) : names.index(b) + 1]
+        layer = next((n for n in held if n in skipped), None) if a != b else None
+        if layer is not None:
+            raise PlanMismatch(
+                f"the plan's segment {a}..{b} holds {layer}, a layer that layerdrop "
+                f"({skipped[layer]}) may skip in a training step, and a segment's blocks must all run. "
+                "Make the plan without segments (remat.solve(profile, budget, segments=False); "
+                "remat.auto does so for a model with layerdrop), or turn layerdrop off"
+            )
 
 
 def _summary(plan: Plan) -> str:

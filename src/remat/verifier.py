@@ -33,7 +33,7 @@ from remat.applier import applied_plan, apply, remove
 from remat.errors import InvalidType, InvalidValue
 from remat.measure import step as _step
 from remat.measure.tracer import StepMemory, measure_step
-from remat.models.hf import without_cache
+from remat.models.hf import every_layer, without_cache
 from remat.records import Plan
 
 __all__ = ["Report", "verify", "verify_many"]
@@ -158,7 +158,7 @@ def verify_many(
     # The plain step as remat profiles it, without a K/V cache (NOTE [ No K/V cache in a planned
     # training step ]): with one, transformers' attention multiplies a concatenated key rather than
     # a view of it, which on some CPUs (an AMD EPYC's MKL) sums in another order, 1e-8 apart.
-    with without_cache(model):
+    with without_cache(model), every_layer(model):  # NOTE [ layerdrop ] in remat.models.hf
         try:
             remove(model)
             plain_mem = measure_step(model, batch, loss_fn=loss_fn, optimizer=optimizer, repeats=0)

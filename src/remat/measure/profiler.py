@@ -45,7 +45,7 @@ from remat.measure.sides import storage_key as _storage_key
 from remat.measure.sides import with_skips as _with_skips
 from remat.measure.tiles import add_tiles, measure_tiles
 from remat.measure.tracer import MemoryTracer, Trace, base_bytes, host_link_bytes_per_s
-from remat.models.hf import cache_off, check_layerdrop, without_cache
+from remat.models.hf import cache_off, every_layer, layerdrop_off, without_cache
 from remat.plan.sharding import per_rank_profile
 from remat.records import Profile, SideInput
 
@@ -103,8 +103,8 @@ def profile(
                 "pass device='h100' (or another spec) to estimate from a factory"
             )
         _step.check_trainable(model, "remat.profile")
-        check_layerdrop(model)  # NOTE [ layerdrop ] in remat.models.hf: before any step
-        with without_cache(model):  # NOTE [ No K/V cache in a planned training step ]
+        # NOTE [ layerdrop ], NOTE [ No K/V cache in a planned training step ] in remat.models.hf
+        with every_layer(model), without_cache(model):
             result = _measured(model, batch, loss_fn, optimizer, blocks, repeats, compiled)
     else:
         if compiled:
@@ -346,7 +346,7 @@ def _estimated(
         fake_batch = batch() if callable(batch) else to_fake(fake_mode, batch)
         opt = optimizer(model.parameters()) if optimizer is not None else None
         named = find_blocks(model, blocks)
-        check_layerdrop(model)
+        layerdrop_off(model)  # a fake model, thrown away after: nothing to put back
         cache_off(model)  # on a fake model, thrown away after: nothing to remove
         if opt is not None:
             # The optimizer creates its state on its first step; a step on zero gradients does
