@@ -150,7 +150,7 @@ def _run(scenario: str, model: Any, batch: Any, loss_fn: Any, done: dict[str, An
         try:
             return {"peak_bytes": measure_step(model, batch, loss_fn=loss_fn, optimizer=opt, repeats=0).peak_bytes}
         finally:
-            for block, forward in forwards:
+            for block, _ in forwards:
                 del block.forward
     if scenario == "floor":  # a budget below the floor is refused before a large step runs
         try:

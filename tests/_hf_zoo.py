@@ -194,9 +194,10 @@ def whisper() -> Built:
     return _made("WhisperForConditionalGeneration", cfg, batch, ("model.encoder.layers", "model.decoder.layers"))
 
 
-def wav2vec2(layerdrop: float = 0.0) -> Built:
-    """Wav2Vec2 for CTC; its default layerdrop is 0.1, which remat refuses (see test_layerdrop)."""
-    cfg = _tf().Wav2Vec2Config(vocab_size=16, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+def wav2vec2(layerdrop: float = 0.0, layers: int = 2) -> Built:
+    """Wav2Vec2 for CTC; its default layerdrop is 0.1, off here (remat plans with it off: see the
+    layerdrop tests)."""
+    cfg = _tf().Wav2Vec2Config(vocab_size=16, hidden_size=32, num_hidden_layers=layers, num_attention_heads=4,
                                intermediate_size=64, conv_dim=(16, 16, 16), conv_kernel=(10, 3, 3),
                                conv_stride=(5, 4, 2), num_conv_pos_embeddings=8, num_conv_pos_embedding_groups=4,
                                mask_time_prob=0.0, mask_feature_prob=0.0, ctc_loss_reduction="mean",

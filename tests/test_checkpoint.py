@@ -368,7 +368,7 @@ def test_a_checkpointed_model_pickles(how: str) -> None:
     torch.manual_seed(0)
     m = nn.Sequential(Layer(), Layer(), nn.BatchNorm1d(16))
     checkpoint_module(m[0])
-    checkpoint_module(m[1], mode="selective", policy=[torch.ops.aten.addmm])
+    checkpoint_module(m[1], mode="selective", policy=[torch.ops.aten.addmm.default])
     if how == "pickle":
         c = pickle.loads(pickle.dumps(m))
     else:

@@ -13,6 +13,7 @@ table counts how often it had to.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 from collections.abc import Iterator
 from typing import Any
@@ -163,16 +164,103 @@ def test_training_steps_build_no_cache_while_planned_and_remove_gives_it_back(na
 # --- layerdrop (NOTE [ layerdrop ]) ----------------------------------------------------------------
 
 
-def test_layerdrop_is_refused_before_any_step() -> None:
-    model, batch, _ = _hf_zoo.wav2vec2(layerdrop=0.1)
-    calls: list[int] = []
-    model.register_forward_pre_hook(lambda *_: calls.append(1))
-    with pytest.raises(remat.RematError, match=r"layerdrop \(model.config.layerdrop = 0.1\).*"
-                                               r"model.config.layerdrop = 0.0"):
-        remat.auto(model, batch, "60%", verify=True, repeats=1)
-    assert not calls
-    model.config.layerdrop = 0.0  # the fix the error names
-    plan, report = remat.auto(model, batch, "80%", verify=True, repeats=1)
+class _Runs:
+    """Which encoder layers ran in which forward of the encoder (a recompute adds nothing)."""
+
+    def __init__(self, encoder: nn.Module) -> None:
+        self.forwards = 0
+        self.ran: set[tuple[int, int]] = set()
+        self.layers = len(encoder.layers)
+        encoder.register_forward_pre_hook(lambda *_: setattr(self, "forwards", self.forwards + 1))
+        for i, layer in enumerate(encoder.layers):
+            layer.register_forward_pre_hook(lambda *_, i=i: self.ran.add((self.forwards, i)))
+
+    def all_ran(self, since: int = 0) -> bool:
+        steps = range(since + 1, self.forwards + 1)
+        return len(steps) > 0 and self.ran >= {(s, i) for s in steps for i in range(self.layers)}
+
+
+def test_layerdrop_is_planned_with_every_layer_running_and_left_on(caplog: pytest.LogCaptureFixture) -> None:
+    model, batch, _ = _hf_zoo.wav2vec2(layerdrop=0.5)
+    cfg = model.config
+    runs = _Runs(model.wav2vec2.encoder)
+    with caplog.at_level(logging.INFO, logger="remat.models.hf"):
+        plan, report = remat.auto(model, batch, "80%", verify=True, repeats=1)
+    assert runs.all_ran()  # every step that profiled and verified ran every layer
     assert report.fits and report.grads_equal and len(plan.choices) == 5
-    model.eval()  # evaluation runs every layer: nothing to refuse
-    remat.profile(model, batch, repeats=1)
+    assert "every layer running" in caplog.text and "(model.config.layerdrop = 0.5)" in caplog.text
+    assert model.config is cfg and model.wav2vec2.encoder.config is cfg and cfg.layerdrop == 0.5
+    before = runs.forwards
+    torch.manual_seed(0)
+    for _ in range(4):  # training with the plan: the user's layerdrop skips layers again
+        model(**batch).loss.backward()
+    assert not runs.all_ran(since=before)
+
+
+def test_verify_runs_every_layer_of_a_model_with_layerdrop() -> None:
+    model, batch, _ = _hf_zoo.wav2vec2(layerdrop=0.0)
+    plan = remat.solve(remat.profile(model, batch, repeats=1), "80%")
+    model.config.layerdrop = 0.5
+    runs = _Runs(model.wav2vec2.encoder)
+    report = remat.verify(model, batch, plan, repeats=2)
+    assert runs.all_ran()  # the plain and the planned steps alike: peaks of the step the plan is for
+    assert report.grads_equal and abs(report.peak_error) < 0.01
+    assert model.config.layerdrop == 0.5
+
+
+@pytest.mark.parametrize("name", ["wav2vec2", "bart"])
+def test_layerdrop_is_put_back_when_profiling_fails(name: str) -> None:
+    # Wav2Vec2 reads config.layerdrop at each step; BART copies it to its encoder and decoder.
+    model, batch, _ = getattr(_hf_zoo, name)()
+    cfg = model.config
+    holders = [m for m in model.modules() if "layerdrop" in m.__dict__]
+    cfg.layerdrop, cfg.encoder_layerdrop, cfg.decoder_layerdrop = 0.1, 0.2, 0.3
+    for m in holders:
+        m.layerdrop = 0.4
+
+    def failing(output: Any, batch: Any) -> torch.Tensor:
+        raise RuntimeError("a loss that fails")
+
+    with pytest.raises(RuntimeError, match="a loss that fails"):
+        remat.profile(model, batch, loss_fn=failing, repeats=1)
+    assert all(m.config is cfg for m in model.modules() if "config" in m.__dict__)
+    assert (cfg.layerdrop, cfg.encoder_layerdrop, cfg.decoder_layerdrop) == (0.1, 0.2, 0.3)
+    assert [m.layerdrop for m in holders] == [0.4] * len(holders) and (holders or name == "wav2vec2")
+
+
+def test_an_estimate_runs_every_layer_and_leaves_the_shared_config_alone() -> None:
+    # Under fake tensors a layer skip is a data-dependent branch: the estimate would fail on it.
+    transformers = pytest.importorskip("transformers")
+    model, batch, _ = _hf_zoo.bart()
+    cfg = model.config
+    cfg.encoder_layerdrop, cfg.decoder_layerdrop = 0.3, 0.2
+    estimate = remat.profile(lambda: transformers.BartForConditionalGeneration(cfg), batch, device="h100")
+    assert len(estimate.blocks) == 4
+    assert (cfg.encoder_layerdrop, cfg.decoder_layerdrop) == (0.3, 0.2)
+
+
+def test_auto_plans_a_model_with_layerdrop_without_segments() -> None:
+    model, batch, _ = _hf_zoo.wav2vec2(layerdrop=0.5, layers=6)
+    with_segments = remat.solve(remat.profile(model, batch, repeats=1), "60%")
+    assert any(".encoder.layers." in a and a != b for a, b in with_segments.segments)  # what it avoids
+    plan = remat.auto(model, batch, "60%", repeats=1)
+    assert not plan.segments and remat.applied_plan(model) == plan
+    torch.manual_seed(0)
+    for _ in range(4):  # layerdrop skips layers; per-block options do not mind
+        model(**batch).loss.backward()
+
+
+def test_a_segment_over_layers_layerdrop_skips_is_refused() -> None:
+    model, batch, _ = _hf_zoo.wav2vec2(layerdrop=0.5)
+    plan = remat.solve(remat.profile(model, batch, repeats=1), method="all")
+    layers = [n for n in plan.choices if ".encoder.layers." in n]
+    choices = {n: "keep" if n in layers else o for n, o in plan.choices.items()}
+    over = dataclasses.replace(plan, choices=choices, segments=[[layers[0], layers[-1]]])
+    with pytest.raises(remat.RematError, match=r"segment .*layers.0..*layers.1 holds .*layers.0, a layer that "
+                                               r"layerdrop \(wav2vec2.encoder.config.layerdrop = 0.5\).*segments=False"):
+        remat.apply(model, over)
+    one = dataclasses.replace(plan, choices=choices, segments=[[layers[0], layers[0]]])
+    remat.apply(model, one)  # a segment of one layer opens and closes in its call: skipped, it never opens
+    torch.manual_seed(0)
+    for _ in range(4):
+        model(**batch).loss.backward()

@@ -12,6 +12,7 @@ import dataclasses
 import json
 import logging
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -36,7 +37,7 @@ from remat.plan.solver import solve
 from remat.records import Plan, Profile, RecordError
 from remat.train import CheckpointError, TrainConfig, TrainInterrupted, train
 from remat.train.state import save_checkpoint
-from remat.units import parse_budget, parse_bytes
+from remat.units import MAX_BYTES, parse_budget, parse_bytes
 
 SMALL = TrainConfig(model=GPTConfig(n_layer=1, n_head=1, n_embd=8), steps=2, global_batch=1,
                     seq_len=8, warmup=0, eval_every=0, checkpoint_every=0, seed=1)
@@ -272,6 +273,25 @@ def test_huge_and_infinite_budgets_are_refused(budget: str, profile_file: Path) 
     cli("train", "--budget", budget, code=2)
 
 
+@pytest.mark.parametrize("budget", ["99999999999999999999999999999", "1e400", "9" * 400, "1e400GiB"])
+def test_a_budget_too_large_names_the_largest_one_taken(budget: str, profile_file: Path) -> None:
+    # A finite number as typed, never "must be finite"; the CLI and the library say the same.
+    says = r"a budget must be at most 4611686018427387904 bytes \(4 EiB, '4194304TiB'\)"
+    for command in (("plan", "--profile", profile_file), ("train",)):
+        out = cli(*command, "--budget", budget, code=2).output
+        assert re.search(says, out) and "finite" not in out and len(out) < 600, out
+    with pytest.raises(remat.RematError, match=says):
+        remat.auto(mlp(), X, budget)
+    assert parse_budget("4194304TiB") == MAX_BYTES  # the largest, as the message spells it
+
+
+def test_a_share_too_large_is_refused_before_profiling_or_with_the_largest_share(profile_file: Path) -> None:
+    out = cli("plan", "--profile", profile_file, "--budget", "1" + "0" * 30 + "%", code=2).output
+    assert "above 4 EiB whatever the step: a budget must be at most" in out
+    with pytest.raises(ValueError, match=r"\(1.00 MiB\) is above 4 EiB.*at most 439804651110400% for this step"):
+        parse_budget("1" + "0" * 15 + "%", plain_peak_bytes=2**20)
+
+
 def test_the_library_refuses_infinite_budgets_with_a_value_error() -> None:
     for value in (float("inf"), float("-inf"), float("nan"), 1e400, 10**30, "1e400"):
         with pytest.raises(ValueError, match="finite|at most|cannot read|positive"):
@@ -396,6 +416,18 @@ def test_a_string_where_a_profile_or_model_belongs() -> None:
         remat.verify("model", X, plan)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="expects a remat Plan, got str"):
         remat.verify(mlp(), X, "plan.json")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("verb", ["remove", "applied_plan", "apply", "measure_step", "option_of",
+                                  "checkpoint_module", "uncheckpoint_module"])
+def test_every_verb_that_takes_a_model_refuses_a_non_module_with_remats_error(verb: str) -> None:
+    fn = getattr(remat, verb)
+    args = (solve(chain_profile(), method="all"),) if verb == "apply" else (X,) if verb == "measure_step" else ()
+    for wrong, says in (("model", r"got str 'model'; a name or a path is not a module"),
+                        (nn.Linear, r"got the class Linear itself; pass an instance of it \(Linear\(\.\.\.\)\)"),
+                        (None, "got NoneType; pass the module object itself")):
+        with pytest.raises(remat.RematError, match=rf"{verb} expects (the model, )?an nn.Module; {says}"):
+            fn(wrong, *args)
 
 
 def test_a_budget_that_cannot_be_parsed_is_refused_before_profiling(

@@ -266,7 +266,7 @@ def test_budget_and_k_are_checked() -> None:
         solve(two_blocks(), 120, k=3)
     with pytest.raises(ValueError, match="k must be an int >= 1"):
         solve(two_blocks(), method="every_k", k=0)
-    with pytest.raises(ValueError, match="a byte count must be positive"):
+    with pytest.raises(ValueError, match="a budget must be positive"):
         solve(two_blocks(), 0)
     with pytest.raises(ValueError, match="points must be an int >= 2"):
         frontier(two_blocks(), points=1)

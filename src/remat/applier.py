@@ -41,10 +41,11 @@ from remat.manual.blocks import fingerprint
 from remat.manual.compiled import compile_budget
 from remat.manual.head import set_head_chunk
 from remat.manual.lm_head import chunk_of_option, clear_head, set_head
+from remat.manual.module_form import expect_module
 from remat.manual.options import clear_option, set_option
 from remat.manual.segments import apply_segments, remove_segments
 from remat.measure.step import check_compiled
-from remat.models.hf import cache_off
+from remat.models.hf import cache_off, layerdrop_blocks
 from remat.records import OPTIONS, Plan
 
 __all__ = ["PlanMismatch", "WrappingError", "applied_plan", "apply", "check_wrapping", "remove"]
@@ -95,8 +96,7 @@ def apply(model: nn.Module, plan: Plan, *, strict: bool = True) -> nn.Module:
     With ``strict`` (the default) the model's structure must be the one the plan was made for
     (same fingerprint); ``strict=False`` only requires the plan's block names to exist.
     """
-    if not isinstance(model, nn.Module):
-        raise InvalidType(f"apply expects an nn.Module, got {type(model).__name__}")
+    expect_module(model, "remat.apply")
     check_compiled(model, "remat.apply")
     if not isinstance(plan, Plan):
         raise InvalidType(f"apply expects a remat Plan, got {type(plan).__name__}; load one with Plan.load(path)")
@@ -123,6 +123,7 @@ def apply(model: nn.Module, plan: Plan, *, strict: bool = True) -> nn.Module:
         raise PlanMismatch(f"the plan chunks the head {plan.head_module!r}, which is not in this "
                            f"{type(model).__name__}{did_you_mean(plan.head_module, list(modules))}")
     spans = _spans(plan)
+    _check_layerdrop(model, plan)
     remove(model)
     for name, option in plan.choices.items():
         set_option(modules[name], option)
@@ -138,6 +139,7 @@ def apply(model: nn.Module, plan: Plan, *, strict: bool = True) -> nn.Module:
 
 def remove(model: nn.Module) -> nn.Module:
     """Undo ``apply``: every block runs its own forward again. A no-op on a plain model."""
+    expect_module(model, "remat.remove")
     remove_segments(list(model.modules()))  # segments sit over the options: off first
     for module in model.modules():
         clear_option(module)
@@ -151,6 +153,7 @@ def remove(model: nn.Module) -> nn.Module:
 
 def applied_plan(model: nn.Module) -> Plan | None:
     """The plan applied to ``model`` (or to the module a DDP wrapper holds), or None."""
+    expect_module(model, "remat.applied_plan")
     inner = getattr(model, "module", None) if type(model).__name__ == "DistributedDataParallel" else None
     return model.__dict__.get(_PLAN_ATTR) or (inner.__dict__.get(_PLAN_ATTR) if inner is not None else None)
 
@@ -175,6 +178,22 @@ def _spans(plan: Plan) -> list[tuple[int, int]]:
             )
         spans.append((first, last))
     return spans
+
+
+def _check_layerdrop(model: nn.Module, plan: Plan) -> None:
+    """Refuse a segment over a layer that layerdrop may skip (NOTE [ layerdrop ] in remat.models.hf)."""
+    skipped = layerdrop_blocks(model) if any(a != b for a, b in plan.segments) else {}
+    names = list(plan.choices)
+    for a, b in plan.segments:
+        held = names[names.index(a) : names.index(b) + 1]
+        layer = next((n for n in held if n in skipped), None) if a != b else None
+        if layer is not None:
+            raise PlanMismatch(
+                f"the plan's segment {a}..{b} holds {layer}, a layer that layerdrop "
+                f"({skipped[layer]}) may skip in a training step, and a segment's blocks must all run. "
+                "Make the plan without segments (remat.solve(profile, budget, segments=False); "
+                "remat.auto does so for a model with layerdrop), or turn layerdrop off"
+            )
 
 
 def _summary(plan: Plan) -> str:

@@ -27,6 +27,7 @@ from remat.applier import apply, remove
 from remat.errors import InfeasibleBudget, InvalidValue
 from remat.measure.profiler import profile
 from remat.measure.step import check_trainable, resolve_loss_fn
+from remat.models.hf import layerdrop_blocks
 from remat.plan.solver import check_method, in_eval_mode, solve
 from remat.records import Plan, Profile
 from remat.units import check_budget, format_bytes
@@ -98,7 +99,7 @@ def auto(
     prof = profile(model, batch, loss_fn=loss_fn, optimizer=optimizer, blocks=blocks, repeats=repeats,
                    compile_budgets=compile_budgets, budget=budget)
     try:
-        plan = solve(prof, budget, method=method)
+        plan = solve(prof, budget, method=method, segments=not layerdrop_blocks(model))  # NOTE [ layerdrop ]
     except InfeasibleBudget as e:
         if model.training:
             raise
@@ -124,7 +125,7 @@ def _fitted(
     report = _verify(model, batch, plan, loss_fn=loss_fn, optimizer=optimizer, repeats=repeats)
     if budget is None:
         return plan, report
-    target, segments = budget, True
+    target, segments = budget, not layerdrop_blocks(model)  # NOTE [ layerdrop ] in remat.models.hf
     if not report.fits and plan.segments:
         segments = False
         # Per-block plans are predicted to the byte on every model tested; segment plans less so.

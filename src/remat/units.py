@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import re
+from decimal import Decimal
 
 from remat.errors import InvalidType, InvalidValue
 
@@ -15,6 +16,14 @@ __all__ = ["DEVICE_BUDGET", "DEVICE_MARGIN", "MAX_BYTES", "axis_unit", "check_bu
 #: The largest byte count remat takes (4 EiB): far above any machine's memory, far below int64
 #: overflow, so that a budget of ``1e400`` or ``inf`` is an error that says so, not an overflow.
 MAX_BYTES = 2**62
+
+# NOTE [ Numbers as typed ]
+# A number typed as text is read exactly (``Decimal``), not as a float: ``"1e400"`` and a
+# 400-digit integer are finite numbers too large for remat, and are refused as that, with the
+# largest value taken (a float would make them ``inf`` and the message "must be finite", which
+# the person did not type). The size is compared before the unit multiplies it, so ``"1e999999GiB"``
+# cannot overflow the decimal context either. Only a float given from Python can be inf or nan.
+_LARGEST = f"at most {MAX_BYTES} bytes (4 EiB, '{MAX_BYTES // 2**40}TiB'), more than any machine has"
 
 _UNITS = {
     "": 1,
@@ -36,7 +45,7 @@ _BYTES_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+]?[0-9]+)?)\s*([a-zA-Z]*)\
 _PERCENT_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*%\s*$")
 
 
-def parse_bytes(value: int | float | str) -> int:
+def parse_bytes(value: int | float | str, *, noun: str = "a size") -> int:
     """``6442450944``, ``"6GiB"``, ``"6.5GB"``, ``"800MiB"``, ``"512k"`` -> bytes as an int.
 
     Raises ``TypeError`` for a value of another type and ``ValueError`` for one that does not
@@ -44,22 +53,35 @@ def parse_bytes(value: int | float | str) -> int:
     if isinstance(value, bool):
         raise InvalidType(f"expected a byte count (int) or a string like '6GiB', got {value!r}")
     if isinstance(value, int | float):
-        return _checked(value, repr(value), noun="a byte count")
+        return _checked(value, repr(value), noun=noun)
     if not isinstance(value, str):
         raise InvalidType(
             f"expected a byte count (int) or a string like '6GiB', got {type(value).__name__}"
         )
+    shown = _shown(value)
     match = _BYTES_RE.match(value)
     unit = match.group(2).lower() if match else None
     if match is None or unit not in _UNITS:
         raise InvalidValue(
-            f"cannot read {value!r} as a size: expected a number with an optional unit "
+            f"cannot read {shown} as a size: expected a number with an optional unit "
             "(B, KB, MB, GB, TB, KiB, MiB, GiB, TiB), e.g. '6GiB', '6.5GB', '800MiB'"
         )
-    return _checked(float(match.group(1)) * _UNITS[unit], repr(value), noun="a size")
+    number = Decimal(match.group(1))  # NOTE [ Numbers as typed ]
+    if number > MAX_BYTES:
+        _too_large(noun, shown)
+    return _checked(number * _UNITS[unit], shown, noun=noun)
 
 
-def _checked(number: int | float, shown: str, *, noun: str) -> int:
+def _shown(text: str) -> str:
+    """``text`` as the user typed it, for a message; a long one cut to its ends."""
+    return repr(text) if len(text) <= 40 else f"{text[:16]!r}...{text[-8:]!r} ({len(text)} characters)"
+
+
+def _too_large(noun: str, shown: str) -> None:
+    raise InvalidValue(f"{noun} must be {_LARGEST}; got {shown}. Give the memory the step may use, e.g. '24GiB'")
+
+
+def _checked(number: int | float | Decimal, shown: str, *, noun: str) -> int:
     """``number`` of bytes as an int, or a ValueError that shows the value as the user gave it."""
     if isinstance(number, float) and not math.isfinite(number):
         raise InvalidValue(f"{noun} must be a finite number of bytes, got {shown}")
@@ -68,7 +90,7 @@ def _checked(number: int | float, shown: str, *, noun: str) -> int:
     if number < 1:
         raise InvalidValue(f"{noun} must be at least 1 byte, got {shown} (a fraction of a byte)")
     if number > MAX_BYTES:
-        raise InvalidValue(f"{noun} must be at most {MAX_BYTES} bytes (4 EiB), got {shown}")
+        _too_large(noun, shown)
     return int(number)
 
 
@@ -90,7 +112,7 @@ def parse_budget(value: int | float | str, *, plain_peak_bytes: int | None = Non
     ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` keeps the two close. On a CPU there is no
     such number to read: the budget must be given in bytes.
     """
-    if isinstance(value, str) and value.strip().lower() == DEVICE_BUDGET:
+    if _is_device(value):
         if device_memory_bytes is None:
             raise InvalidValue(
                 "budget 'device' means the device's memory less a margin for the caching allocator, "
@@ -98,34 +120,52 @@ def parse_budget(value: int | float | str, *, plain_peak_bytes: int | None = Non
                 "(on a CPU: the memory this process may use for the step)"
             )
         return _checked(device_memory_bytes * (1 - DEVICE_MARGIN), repr(value), noun="a budget")
-    if isinstance(value, str):
-        match = _PERCENT_RE.match(value)
-        if match:
-            share = float(match.group(1)) / 100.0
-            if plain_peak_bytes is None:
-                raise InvalidValue(
-                    f"budget {value!r} is a share of the plain step's peak, which is not known here; "
-                    "give the budget in bytes instead, e.g. '6GiB'"
-                )
-            if share <= 0:
-                raise InvalidValue(f"a budget must be positive, got {value!r}")
-            return _checked(plain_peak_bytes * share, repr(value), noun="a budget")
-    return parse_bytes(value)
+    share = _share(value)
+    if share is None:
+        return parse_bytes(value, noun="a budget")
+    if plain_peak_bytes is None:
+        raise InvalidValue(
+            f"budget {value!r} is a share of the plain step's peak, which is not known here; "
+            "give the budget in bytes instead, e.g. '6GiB'"
+        )
+    budget = plain_peak_bytes * share
+    if budget > MAX_BYTES:
+        largest = Decimal(MAX_BYTES * 100) / plain_peak_bytes
+        raise InvalidValue(
+            f"budget {_shown(str(value))} of the plain step's peak ({format_bytes(plain_peak_bytes)}) is above "
+            f"4 EiB, the largest budget remat takes: at most {largest:.0f}% for this step. A share of "
+            "100% already holds the whole plain step"
+        )
+    return _checked(budget, repr(value), noun="a budget")
+
+
+def _is_device(value: object) -> bool:
+    return isinstance(value, str) and value.strip().lower() == DEVICE_BUDGET
+
+
+def _share(value: object) -> Decimal | None:
+    """The share of the plain peak a budget like ``"60%"`` asks for (0.6), checked as far as it can
+    be without the peak; None for a budget in bytes."""
+    match = _PERCENT_RE.match(value) if isinstance(value, str) else None
+    if match is None:
+        return None
+    share = Decimal(match.group(1)) / 100  # NOTE [ Numbers as typed ]
+    if share <= 0:
+        raise InvalidValue(f"a budget must be positive, got {value!r}")
+    if share > MAX_BYTES:  # above 4 EiB even for a step of one byte
+        raise InvalidValue(
+            f"budget {_shown(str(value))} of the plain step's peak is above 4 EiB whatever the step: a "
+            f"budget must be {_LARGEST}. A share of 100% already holds the whole plain step"
+        )
+    return share
 
 
 def check_budget(value: int | float | str) -> None:
     """Refuse a budget that can never be resolved, before anything expensive runs; a share
     (``"60%"``) is resolved later, against the plain step's predicted peak, and ``"device"``
     against the device's memory."""
-    if isinstance(value, str) and value.strip().lower() == DEVICE_BUDGET:
-        return
-    if isinstance(value, str):
-        match = _PERCENT_RE.match(value)
-        if match:
-            if not float(match.group(1)) > 0:
-                raise InvalidValue(f"a budget must be positive, got {value!r}")
-            return
-    parse_bytes(value)
+    if not _is_device(value) and _share(value) is None:
+        parse_bytes(value, noun="a budget")
 
 
 def format_bytes(n: int | float) -> str:

@@ -37,7 +37,7 @@ from remat.measure import step as _step
 from remat.measure.estimated import plain_peak
 from remat.measure.lean import lean_spec
 from remat.measure.tracer import StepMemory, measure_step
-from remat.models.hf import without_cache
+from remat.models.hf import every_layer, without_cache
 from remat.records import Plan
 
 __all__ = ["Report", "verify", "verify_many"]
@@ -181,7 +181,7 @@ def verify_many(
     # The plain step as remat profiles it, without a K/V cache (NOTE [ No K/V cache in a planned
     # training step ]): with one, transformers' attention multiplies a concatenated key rather than
     # a view of it, which on some CPUs (an AMD EPYC's MKL) sums in another order, 1e-8 apart.
-    with without_cache(model):
+    with without_cache(model), every_layer(model):  # NOTE [ layerdrop ] in remat.models.hf
         try:
             remove(model)
             plain_mem = measure_step(model, batch, loss_fn=loss_fn, optimizer=optimizer, repeats=0)
@@ -256,7 +256,7 @@ def _lean(model: nn.Module, batch: Any, loss_fn: Any, optimizer: Any, plans: Seq
     """None when the plain step is predicted within ``budget_bytes``; else the prediction and the
     reference step (NOTE [ Verifying without the plain step ])."""
     spec = lean_spec(_step.batch_device(model, batch))
-    with without_cache(model):
+    with without_cache(model), every_layer(model):
         plain = plain_peak(model, batch, loss_fn, optimizer, spec)
         if plain <= budget_bytes:
             return None
@@ -278,7 +278,7 @@ def _verify_lean(model: nn.Module, batch: Any, plans: Sequence[Plan], loss_fn: A
     """``verify_many`` without the plain step (NOTE [ Verifying without the plain step ])."""
     previous = applied_plan(model)
     measured: dict[tuple[tuple[str, str], ...], tuple[StepMemory, list[torch.Tensor], int | None]] = {}
-    with without_cache(model):
+    with without_cache(model), every_layer(model):  # NOTE [ layerdrop ] in remat.models.hf
         try:
             ref_grads: list[torch.Tensor] = []
             if lean.reference is not None:

@@ -95,7 +95,7 @@ def checkpoint_call(
             (keep only the inputs, in host memory).
         policy: for ``mode="selective"``, a torch selective-checkpoint policy
             ``(ctx, op, *args, **kwargs) -> CheckpointPolicy`` or a collection of ops to keep
-            (``torch.ops.aten.mm.default``; a packet ``torch.ops.aten.mm`` means all its overloads).
+            (``torch.ops.aten.mm.default``; a packet ``torch.ops.aten.mm`` is refused, as by torch).
         allow_cache_entry_mutation: for ``mode="selective"``, as torch's
             ``create_selective_checkpoint_contexts``: allow in-place changes of a kept output.
         use_reentrant, preserve_rng_state, determinism_check, debug, early_stop, context_fn:

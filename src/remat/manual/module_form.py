@@ -12,6 +12,7 @@ weights), and ``pickle`` / ``torch.save(model)`` store both as plain data. Param
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -22,9 +23,23 @@ from remat.manual.checkpoint import check_mode, run
 from remat.manual.torch_options import TorchOptions, torch_options
 from remat.records import CheckpointOption
 
-__all__ = ["CheckpointedForward", "checkpoint_module", "is_checkpointed", "uncheckpoint_module"]
+__all__ = ["CheckpointedForward", "checkpoint_module", "expect_module", "is_checkpointed", "uncheckpoint_module"]
 
 _RECORD = "_remat_checkpoint"
+
+
+def expect_module(value: Any, verb: str, what: str = "the model") -> nn.Module:
+    """``value``, if it is an ``nn.Module``: the first check of every public verb that takes a model
+    (``what``) or a block (``what=""``); otherwise an ``InvalidType`` that says what to pass."""
+    if isinstance(value, nn.Module):
+        return value
+    if isinstance(value, type) and issubclass(value, nn.Module):
+        got = f"the class {value.__name__} itself; pass an instance of it ({value.__name__}(...))"
+    elif isinstance(value, (str, bytes, os.PathLike)):
+        got = f"{type(value).__name__} {value!r}; a name or a path is not a module: pass the module object itself"
+    else:
+        got = f"{type(value).__name__}; pass the module object itself"
+    raise InvalidType(f"{verb} expects {what + ', ' if what else ''}an nn.Module; got {got}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -91,8 +106,7 @@ def checkpoint_module(
     it again replaces the options. The options are ``checkpoint_call``'s; every keyword the module
     is called with goes to its ``forward``.
     """
-    if not isinstance(module, nn.Module):
-        raise InvalidType(f"checkpoint_module expects an nn.Module, got {type(module).__name__}")
+    expect_module(module, "checkpoint_module", "")
     options = torch_options(
         preserve_rng_state=preserve_rng_state,
         determinism_check=determinism_check,
@@ -116,6 +130,7 @@ def checkpoint_module(
 
 def uncheckpoint_module(module: nn.Module) -> nn.Module:
     """Undo ``checkpoint_module``: the module's own ``forward`` again. A no-op on a plain module."""
+    expect_module(module, "uncheckpoint_module", "")
     record = module.__dict__.pop(_RECORD, None)
     if record is not None:
         module.__dict__.pop("forward", None)

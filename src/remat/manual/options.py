@@ -106,6 +106,7 @@ def _is_cache(obj: Any) -> bool:
 
 def option_of(module: nn.Module) -> str:
     """The option a module runs with: ``keep`` unless remat wrapped it."""
+    module_form.expect_module(module, "option_of", "")
     if is_tiled(module):
         return "tiled"
     if (budget := compiled_budget_of(module)) is not None:

@@ -5,10 +5,12 @@ A policy is what ``torch.utils.checkpoint.create_selective_checkpoint_contexts``
 ``(ctx, op, *args, **kwargs) -> CheckpointPolicy`` (or a bool), or a collection of ops whose
 outputs are kept. torch compares each dispatched op, an ``OpOverload`` such as
 ``torch.ops.aten.mm.default``, with the collection, so a packet (``torch.ops.aten.mm``) in it
-never matches and silently keeps nothing. torch refuses a packet; remat expands it to all its
-overloads, which is what writing ``torch.ops.aten.mm`` means. Anything else (``[2]``, a string)
-is refused with what is allowed. A collection of ops becomes an ``OpsPolicy``, which pickles by
-op name (torch's ops themselves do not pickle), so a module checkpointed with one can be saved.
+never matches and silently keeps nothing. torch refuses a packet with ``ValueError``, and so does
+remat (a drop-in raises where torch raises): the message names the overloads the packet has and
+the one to write (``torch.ops.aten.mm.default``), and keeps torch's own phrases, so code that
+matches torch's message matches remat's. Anything else (``[2]``, a string) is refused the same
+way, with what is allowed. A collection of ops becomes an ``OpsPolicy``, which pickles by op name
+(torch's ops themselves do not pickle), so a module checkpointed with one can be saved.
 """
 
 from __future__ import annotations
@@ -105,13 +107,26 @@ def resolve_policy(policy: Callable[..., Any] | Iterable[Any] | None) -> Callabl
         )
     ops: set[Any] = set()
     for op in policy:
-        if isinstance(op, torch._ops.OpOverloadPacket):
-            ops.update(getattr(op, name) for name in op.overloads())
-        elif isinstance(op, (torch._ops.OpOverload, torch._ops.HigherOrderOperator)):
-            ops.add(op)
-        else:
-            raise InvalidValue(
-                f"policy lists {op!r} of type {type(op).__name__}; each entry must be an op such as "
-                "torch.ops.aten.mm.default (an OpOverload) or torch.ops.aten.mm (a packet: all its overloads)"
-            )
+        if not isinstance(op, (torch._ops.OpOverload, torch._ops.HigherOrderOperator)):
+            raise InvalidValue(_not_an_op(op))
+        ops.add(op)
     return OpsPolicy(ops)
+
+
+def _not_an_op(op: Any) -> str:
+    # torch's phrases ("Expected op in `op_list` to be an OpOverload", "update the OpOverloadPacket
+    # to a specific OpOverload") are kept, so code that matches torch's message matches this one.
+    got = f"Expected op in `op_list` to be an OpOverload but got: {op!r} of type {type(op).__name__}"
+    if isinstance(op, torch._ops.OpOverloadPacket):
+        name = "torch.ops." + op._qualified_op_name.replace("::", ".")
+        overloads = op.overloads()
+        pick = "default" if "default" in overloads else overloads[0]
+        return (
+            f"{got}. A packet such as {name} never matches: the ops a policy sees are its overloads "
+            f"({', '.join(overloads)}). Please update the OpOverloadPacket to a specific OpOverload, "
+            f"e.g. {name}.{pick} (list several to keep several), as torch requires"
+        )
+    return (
+        f"{got}. Each entry must be an op such as torch.ops.aten.mm.default (an OpOverload); "
+        "for any other rule, pass a function (ctx, op, *args, **kwargs) -> CheckpointPolicy"
+    )

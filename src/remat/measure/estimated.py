@@ -31,7 +31,7 @@ from remat.measure.runner import StepRunner, every_block
 from remat.measure.sides import hooks_of, with_skips
 from remat.measure.tiles import add_tiles, measure_tiles
 from remat.measure.tracer import Trace
-from remat.models.hf import cache_off, check_layerdrop
+from remat.models.hf import cache_off, layerdrop_off
 from remat.records import OptionCost, Profile, SideInput
 
 __all__ = ["FakeRun", "fake_copy", "fake_optimizer", "fake_run", "plain_peak"]
@@ -95,7 +95,7 @@ def fake_run(make_model: Callable[[Any], nn.Module], batch: Any, loss_fn: Any,
         fake_batch = batch() if callable(batch) else to_fake(fake_mode, batch)
         opt = make_optimizer(model) if make_optimizer is not None else None
         named = find_blocks(model, blocks)
-        check_layerdrop(model)
+        layerdrop_off(model)  # a fake model, thrown away after: nothing to put back
         cache_off(model)  # on a fake model, thrown away after: nothing to remove
         _create_state(model, opt)
         named = running(named, blocks is not None, lambda: _step.train_step(model, fake_batch, loss_fn, opt))

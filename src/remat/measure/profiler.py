@@ -39,7 +39,7 @@ from remat.measure.runner import StepRunner, every_block
 from remat.measure.sides import hooks_of, with_skips
 from remat.measure.tiles import add_tiles, measure_tiles
 from remat.measure.tracer import MemoryTracer, Trace, base_bytes, host_link_bytes_per_s
-from remat.models.hf import check_layerdrop, without_cache
+from remat.models.hf import every_layer, without_cache
 from remat.plan.sharding import per_rank_profile
 from remat.records import Profile
 
@@ -103,8 +103,8 @@ def profile(
                 "pass device='h100' (or another spec) to estimate from a factory"
             )
         _step.check_trainable(model, "remat.profile")
-        check_layerdrop(model)  # NOTE [ layerdrop ] in remat.models.hf: before any step
-        with without_cache(model):  # NOTE [ No K/V cache in a planned training step ]
+        # NOTE [ layerdrop ], NOTE [ No K/V cache in a planned training step ] in remat.models.hf
+        with every_layer(model), without_cache(model):
             if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
                 optimizer = optimizer(model.parameters())
             lean = None if budget is None else resolve_budget(model, batch, loss_fn, optimizer, budget)

@@ -26,7 +26,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from remat.errors import InvalidState, InvalidType, InvalidValue, UnknownKey
+from remat.errors import InvalidState, InvalidValue, UnknownKey
+from remat.manual.module_form import expect_module
 from remat.measure import step as _step
 
 __all__ = ["MemoryTracer", "StepMemory", "TimelinePoint", "Trace", "base_bytes", "host_link_bytes_per_s", "measure_step"]
@@ -253,8 +254,7 @@ def measure_step(
     for the time (median). The model, its gradients, buffers, the optimizer and the RNG state are put
     back afterwards: measuring trains nothing.
     """
-    if not isinstance(model, nn.Module):
-        raise InvalidType(f"measure_step expects an nn.Module, got {type(model).__name__}")
+    expect_module(model, "measure_step")
     if repeats < 0 or warmup < 0:
         raise InvalidValue(f"repeats and warmup must be >= 0, got repeats={repeats}, warmup={warmup}")
     loss_fn = _step.resolve_loss_fn(loss_fn)

@@ -28,17 +28,32 @@ trains with gradients. The config is left alone (``save_pretrained`` writes the 
 evaluation and ``generate`` keep their cache, and ``remat.remove`` takes the hook away.
 
 # NOTE [ layerdrop ]
-With ``layerdrop`` (Wav2Vec2, HuBERT and others default to 0.05-0.1) transformers skips each
-layer of a training step at random, so no step runs every block and none is the worst case a plan
-must fit. The profiler refuses such a model before any step (``check_layerdrop``) and says how to
-turn layerdrop off for planning.
+With ``layerdrop`` (Wav2Vec2, HuBERT, Whisper, BART and others; Wav2Vec2 and HuBERT fine-tune with
+0.05-0.1 by default) transformers skips each layer of a training step at random. A step that
+skips layers holds no more than one that runs them all (a skipped layer computes and keeps
+nothing), so remat plans for every layer running: while the profiler and ``verify`` run steps,
+``every_layer`` turns layerdrop off, says so in the log, and puts it back after, error or not.
+layerdrop lives in two places: config fields (``layerdrop``, ``encoder_layerdrop``, any field
+whose name ends in ``layerdrop``) that some models read at each step (Wav2Vec2, HuBERT), and a
+module attribute ``layerdrop`` that others copy from the config when they are built (BART,
+Whisper). The attribute is set to 0 and back; a config is never written: the modules that hold it
+get a copy with layerdrop 0, and the user's object back after (``save_pretrained`` writes their
+setting, and a config shared with another model is not touched). Training with the plan keeps
+layerdrop on, and per-block options need nothing more. A segment does: its blocks open and close
+one recompute frame and must all run (NOTE [ A segment is one recompute frame over several calls
+] in ``remat.manual.segments``), so ``remat.auto`` plans a model with layerdrop without segments,
+and ``remat.apply`` refuses a plan whose segment holds a layer layerdrop may skip
+(``layerdrop_blocks``). What remat cannot turn off (layers skipped by other code) is refused by
+the profiler, which checks that every block ran in each step it measures.
 """
 
 from __future__ import annotations
 
+import copy
 import inspect
+import logging
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -47,15 +62,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from remat.errors import InvalidType, InvalidValue, MissingDependency, MissingFile, ProfileError
+from remat.errors import InvalidType, InvalidValue, MissingDependency, MissingFile
 
 __all__ = [
     "KINDS",
     "build",
     "cache_off",
-    "check_layerdrop",
     "contrastive_loss",
+    "every_layer",
     "hf_loss",
+    "layerdrop_blocks",
+    "layerdrop_off",
     "load_minilm",
     "minilm_path",
     "pair_batch",
@@ -72,6 +89,8 @@ KINDS = {
 }
 
 _VOCAB = 256
+
+log = logging.getLogger(__name__)
 
 
 def _transformers() -> Any:
@@ -152,7 +171,7 @@ def hf_loss(output: Any, batch: Any) -> torch.Tensor:
     return loss
 
 
-# --- planned training steps: no K/V cache, no layerdrop -------------------------------------------
+# --- steps remat runs: no K/V cache, every layer -------------------------------------------
 
 
 def _is_transformers_model(module: nn.Module) -> bool:
@@ -194,30 +213,82 @@ def without_cache(model: nn.Module) -> Iterator[None]:
             h.remove()
 
 
-_LAYERDROP = ("layerdrop", "encoder_layerdrop", "decoder_layerdrop")
+def _layerdrop_fields(cfg: Any) -> dict[str, float]:
+    fields = vars(cfg) if hasattr(cfg, "__dict__") else {}
+    return {k: float(v) for k, v in fields.items()
+            if k.endswith("layerdrop") and isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0}
 
 
-def check_layerdrop(model: nn.Module) -> None:
-    """Refuse a training ``model`` whose transformers config skips layers at random (NOTE
-    [ layerdrop ]), naming the fields to set to 0.0."""
-    if not model.training:
-        return
-    found: dict[str, tuple[str, float]] = {}
+def layerdrop_off(model: nn.Module) -> Callable[[], None]:
+    """Turn off every layerdrop in ``model`` (NOTE [ layerdrop ]), logging what was on; returns
+    the function that puts it back. ``every_layer`` is the context manager around it."""
+    configs: dict[int, tuple[Any, Any]] = {}  # id of the user's config -> (it, the copy in its place)
+    swapped: list[tuple[nn.Module, Any]] = []
+    attrs: list[tuple[nn.Module, float]] = []
+    found: list[str] = []
     for name, m in model.named_modules():
-        cfg = getattr(m, "config", None) if _is_transformers_model(m) else None
-        for key in _LAYERDROP:
-            value = getattr(cfg, key, None)
-            if isinstance(value, (int, float)) and value > 0 and key not in found:
-                found[key] = (f"{name}.config" if name else "model.config", float(value))
+        where = name or "model"
+        cfg = m.__dict__.get("config")
+        if cfg is not None and id(cfg) not in configs and (fields := _layerdrop_fields(cfg)):
+            quiet = copy.copy(cfg)
+            for key in fields:
+                setattr(quiet, key, 0.0)
+            configs[id(cfg)] = (cfg, quiet)
+            found += [f"{where}.config.{key} = {value:g}" for key, value in fields.items()]
+        if cfg is not None and id(cfg) in configs:
+            swapped.append((m, cfg))
+            m.__dict__["config"] = configs[id(cfg)][1]
+        value = m.__dict__.get("layerdrop")
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
+            attrs.append((m, value))
+            m.__dict__["layerdrop"] = 0.0
+            found.append(f"{where}.layerdrop = {value:g}")
     if found:
-        fields = ", ".join(f"{where}.{key} = {value:g}" for key, (where, value) in found.items())
-        fix = "; ".join(f"{where}.{key} = 0.0" for key, (where, _) in found.items())
-        raise ProfileError(
-            f"{type(model).__name__} trains with layerdrop ({fields}): each training step skips "
-            "layers at random, so no step runs every block and a plan cannot be measured or "
-            f"trusted. Turn it off while planning and training with the plan: {fix} (layerdrop is "
-            "a regularizer; the plan fits every step only when every layer runs)."
-        )
+        log.info("remat plans %s with every layer running (a step that skips layers holds no more): "
+                 "layerdrop is off while remat runs steps, and back on after (%s)",
+                 type(model).__name__, ", ".join(found))
+
+    def restore() -> None:
+        for m, cfg in swapped:
+            m.__dict__["config"] = cfg
+        for m, value in attrs:
+            m.__dict__["layerdrop"] = value
+
+    return restore
+
+
+def _layerdrop_of(module: nn.Module) -> str | None:
+    """The setting by which ``module`` skips the layers it holds, for people; None without one."""
+    value = module.__dict__.get("layerdrop")
+    if isinstance(value, (int, float)) and not isinstance(value, bool):  # it reads its own (BART)
+        return f"layerdrop = {value:g}" if value > 0 else None
+    fields = _layerdrop_fields(module.__dict__.get("config"))
+    return ", ".join(f"config.{k} = {v:g}" for k, v in fields.items()) or None
+
+
+def layerdrop_blocks(model: nn.Module) -> dict[str, str]:
+    """The layers that layerdrop may skip in a training step of ``model``: qualified name -> the
+    setting that skips it (the layers of a ``ModuleList`` held by a module that has layerdrop on).
+    A segment cannot hold such a layer (NOTE [ layerdrop ])."""
+    found = {}
+    for name, m in model.named_modules():
+        setting = _layerdrop_of(m)
+        for child, layers in m.named_children() if setting else ():
+            if isinstance(layers, nn.ModuleList):
+                prefix = f"{name}.{child}" if name else child
+                found.update({f"{prefix}.{i}": f"{name or 'model'}.{setting}" for i in range(len(layers))})
+    return found
+
+
+@contextmanager
+def every_layer(model: nn.Module) -> Iterator[None]:
+    """Steps of ``model`` inside this context run every layer: layerdrop off (NOTE [ layerdrop ]),
+    the user's settings back on exit, error or not."""
+    restore = layerdrop_off(model)
+    try:
+        yield
+    finally:
+        restore()
 
 
 # --- the real all-MiniLM-L6-v2 ------------------------------------------------------------------

@@ -14,12 +14,16 @@ the weights, AdamW's moments and step counts, the scheduler's position, the Grad
 CUDA / Python RNG states (dropout draws from the global torch generator), the data sampler's own
 generator and position, and the micro-batch and plan (a different micro-batch sums gradients in a
 different order). Checkpoints are written only between optimizer steps; a Ctrl-C during a step is
-held until the step ends (a second one stops at once, and then the last checkpoint stands).
+held until the step ends (a second one stops at once, and then the last checkpoint stands). A
+second Ctrl-C during a save abandons that save (NOTE [ An interrupted write is an interrupt ] in
+``remat.files``): the last checkpoint stands, and the run stops without trying to save again.
+A run starts (or resumes) by removing what a killed run left half-written (``clear_debris``).
 Evaluation and memory measurement draw no random numbers, so they may differ between the runs.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
@@ -41,6 +45,7 @@ from remat.train.state import (
     EvalLog,
     StepLog,
     TrainResult,
+    clear_debris,
     config_dict,
     load_checkpoint,
     rng_state,
@@ -107,22 +112,29 @@ def train(
         on_plan(run.decided)
     if run.plan is not None:
         apply(run.model, run.plan)
-    completed, saved_at, in_step = run.start, -1, False
+    completed, in_step = run.start, False
     try:
         with HeldInterrupt() as interrupt:
             for index in range(run.start, config.steps):
                 in_step = True
                 entry = run.step(index)
                 in_step, completed = False, index + 1
-                if run.after_step(completed):
-                    saved_at = completed
+                run.after_step(completed)
                 if on_step is not None:
                     on_step(entry)
                 if interrupt.pending:
                     raise KeyboardInterrupt
     except KeyboardInterrupt:
-        raise run.stopped(completed, saved_at=saved_at, in_step=in_step) from None
+        raise run.stopped(completed, in_step=in_step) from None
     return run.finish(completed)
+
+
+def _file_id(path: Path) -> int | None:
+    """The file at ``path`` (its inode), to tell whether a save replaced it; None when absent."""
+    try:
+        return path.stat().st_ino
+    except FileNotFoundError:
+        return None
 
 
 class _Run:
@@ -134,6 +146,10 @@ class _Run:
         data = load_text(config.text)
         self.out = Path(config.out) if config.out is not None else None
         self.ckpt_path = self.out / "checkpoint.pt" if self.out is not None else None
+        self.saved_at = -1  # the step of the last checkpoint this process wrote
+        self.abandoned: int | None = None  # the step whose save a Ctrl-C stopped
+        if self.out is not None:
+            clear_debris(self.out)
         self.expected = config_dict(config, data.sha256)
         state = self._checkpoint_to_resume(resume)
         seed_everything(config.seed)
@@ -236,8 +252,8 @@ class _Run:
         self.history["steps"].append(dataclasses.asdict(entry))
         return entry
 
-    def after_step(self, completed: int) -> bool:
-        """Evaluate and save when it is time; whether a checkpoint was written."""
+    def after_step(self, completed: int) -> None:
+        """Evaluate and save when it is time."""
         config = self.config
         last = completed == config.steps
         if last or (config.eval_every and completed % config.eval_every == 0):
@@ -246,32 +262,39 @@ class _Run:
             self.history["evals"].append(dataclasses.asdict(EvalLog(step=completed, loss=eval_loss)))
         if last or (config.checkpoint_every and completed % config.checkpoint_every == 0):
             self.save(completed)
-            return True
-        return False
 
     def save(self, step: int) -> Path | None:
         if self.ckpt_path is None:
             return None
-        save_checkpoint(self.ckpt_path, {
-            "config": self.expected, "fingerprint": fingerprint(self.model), "step": step,
-            "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
-            "scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict(),
-            "sampler": self.sampler.state_dict(), "rng": rng_state(),
-            "plan": self.plan.to_json() if self.plan is not None else None,
-            "micro_batch": self.micro, "history": self.history,
-        })  # fmt: skip
+        before = _file_id(self.ckpt_path)
+        try:
+            save_checkpoint(self.ckpt_path, {
+                "config": self.expected, "fingerprint": fingerprint(self.model), "step": step,
+                "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict(),
+                "sampler": self.sampler.state_dict(), "rng": rng_state(),
+                "plan": self.plan.to_json() if self.plan is not None else None,
+                "micro_batch": self.micro, "history": self.history,
+            })  # fmt: skip
+        except KeyboardInterrupt:  # NOTE [ Exact resume ]
+            if _file_id(self.ckpt_path) == before:  # abandoned: the file on disk as it was
+                self.abandoned = step
+            else:  # the Ctrl-C came after the new file was in place: this step is saved
+                self.saved_at = step
+            raise
+        self.saved_at = step
         return self.ckpt_path
 
-    def stopped(self, completed: int, *, saved_at: int, in_step: bool) -> TrainInterrupted:
+    def stopped(self, completed: int, *, in_step: bool) -> TrainInterrupted:
         """Ctrl-C: save between steps (inside one, the last checkpoint stands), write outputs."""
+        if not in_step and self.saved_at != completed and self.abandoned is None:
+            with contextlib.suppress(KeyboardInterrupt):  # another Ctrl-C while saving
+                self.save(completed)
         path = self.ckpt_path if self.ckpt_path is not None and self.ckpt_path.exists() else None
-        if not in_step and saved_at != completed:
-            try:
-                path = self.save(completed)
-            except KeyboardInterrupt:  # another Ctrl-C while saving: the file on disk stands
-                log.warning("stopped while saving step %d: the last checkpoint stands", completed)
-                completed = saved_at if saved_at >= 0 else self.start
-                path = self.ckpt_path if self.ckpt_path is not None and self.ckpt_path.exists() else None
+        saved_at = self.saved_at
+        if self.abandoned is not None and saved_at != completed:
+            log.warning("stopped while saving step %d: the last checkpoint stands", self.abandoned)
+            completed = saved_at if saved_at >= 0 else self.start
         elif in_step:
             completed = saved_at if saved_at >= 0 else self.start
             log.warning("stopped inside step %d: the last checkpoint (step %d) stands",

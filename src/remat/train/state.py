@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from remat.errors import CheckpointError, MissingDependency
-from remat.files import atomic_write
+from remat.files import atomic_write, clear_dead_writers
 from remat.records import Plan
 from remat.train.accumulation import Candidate
 
@@ -35,10 +35,12 @@ if TYPE_CHECKING:
     from remat.train.config import TrainConfig
 
 __all__ = [
+    "OUTPUTS",
     "CheckpointError",
     "EvalLog",
     "StepLog",
     "TrainResult",
+    "clear_debris",
     "config_dict",
     "load_checkpoint",
     "plot_losses",
@@ -57,6 +59,8 @@ LOG_SCHEMA = 1
 #: Settings that may change when a run resumes; every other one must match the checkpoint's.
 #: (The text is compared by its hash, not by its path.)
 _MAY_CHANGE = ("out", "eval_every", "checkpoint_every", "device", "text")
+#: The files a run writes into its folder (``out``).
+OUTPUTS = ("checkpoint.pt", "log.json", "loss.png")
 _KEYS = ("config", "fingerprint", "step", "model", "optimizer", "scheduler", "scaler", "sampler",
          "rng", "plan", "micro_batch", "history")
 
@@ -141,6 +145,15 @@ def save_checkpoint(path: Path, state: dict[str, Any]) -> None:
     body = {k: state[k] for k in _KEYS}
     record = {"format": _FORMAT, "version": _VERSION, "sha256": checksum(body), **body}
     atomic_write(path, lambda f: torch.save(record, f))
+
+
+def clear_debris(out: Path) -> None:
+    """Remove what writers of this run's files left in ``out`` when they were killed mid-write
+    (NOTE [ Temporary files name their writer ] in ``remat.files``); live writers' files and every
+    other file stay."""
+    for name in OUTPUTS:
+        for tmp in clear_dead_writers(out / name):
+            log.info("removed %s, left by a writer of %s that was killed while writing it", tmp, name)
 
 
 def checksum(state: Any) -> str:
