@@ -239,7 +239,10 @@ def plan_cmd(
         args = ModelArgs(model, batch, seq, dtype, optimizer, blocks)
         target = load_target(args, device=device)
         training = bool(getattr(target.model, "training", True))  # a factory when estimating
-        prof = profile_target(target, args, device=device, repeats=repeats, compile_budgets=compile_budgets)
+        # a per-rank budget is not the single device's: the profile then runs the plain step
+        one_device = budget if world_size == 1 and not fsdp else None
+        prof = profile_target(target, args, device=device, repeats=repeats, compile_budgets=compile_budgets,
+                              budget=one_device)
     else:
         assert profile_path is not None
         prof = Profile.load(profile_path)
@@ -251,7 +254,8 @@ def plan_cmd(
         say(f"per rank of {world_size} ({how}): the budget and the peaks are per GPU", as_json=True)
     budget_bytes: int | None = None
     if budget is not None:
-        budget_bytes = parse_budget(budget, plain_peak_bytes=prof.plain_peak_bytes)
+        budget_bytes = parse_budget(budget, plain_peak_bytes=prof.plain_peak_bytes,
+                                    device_memory_bytes=prof.device_memory_bytes)
     elif method in BUDGET_METHODS:
         if prof.device_memory_bytes is None:
             raise click.UsageError(f"--method {method} needs a --budget, e.g. --budget 60%")

@@ -252,7 +252,9 @@ def model_flags(*, required: bool, blocks: bool = True) -> Callable[[_F], _F]:
 
 
 def profile_target(target: Target, args: ModelArgs, *, device: str | None, repeats: int,
-                   compile_budgets: tuple[float, ...] = ()) -> Profile:
+                   compile_budgets: tuple[float, ...] = (), budget: str | None = None) -> Profile:
+    """The target's profile; a measured one runs no step above ``budget`` (NOTE [ Planning what
+    does not fit ] in remat.measure.lean)."""
     from remat.measure.profiler import profile
 
     where = "measuring on the CPU" if device in (None, "cpu") else (
@@ -263,7 +265,7 @@ def profile_target(target: Target, args: ModelArgs, *, device: str | None, repea
         return profile(
             target.model, target.batch, loss_fn=target.loss_fn, optimizer=target.optimizer,
             blocks=list(args.blocks) or None, device=None if measured_device(device) else device,
-            repeats=repeats, compile_budgets=compile_budgets,
+            repeats=repeats, compile_budgets=compile_budgets, budget=budget if measured_device(device) else None,
         )  # fmt: skip
 
 
@@ -297,6 +299,7 @@ def report_row(label: str, plan: Plan, report: Report) -> ComparisonRow:
         predicted_peak_bytes=plan.estimate.peak_bytes,
         measured_peak_bytes=report.measured_peak_bytes, overhead=report.measured_overhead,
         fits=None if plan.budget_bytes is None else report.fits, grads_equal=report.grads_equal,
+        plain_ran=report.plain_ran,
     )  # fmt: skip
 
 

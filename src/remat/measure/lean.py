@@ -20,8 +20,8 @@ profiler runs may peak above it. The rules, in order:
    recomputed backward less its forward, and selective and tiled cost what recompute costs. A head
    option that fits no lean step is left out; the head as written, when it does not fit, is
    timed as the leanest head.
-5. The plain step's peak and time are predicted (``Profile.plain_ran`` is False): the peak from the
-   fake step, the time as the lean step's less each recompute.
+5. The plain step's peak and time are predicted (``Profile.plain_ran`` is False): the peak by the
+   cost model from these bytes, the time as the lean step's less each recompute.
 Why no step exceeds the budget: every real step is a configuration whose peak the cost model
 predicts from bytes that are the step's own, and it runs only when that prediction is within the
 budget. What can still differ is what no tensor holds (a CPU kernel's scratch space, the caching
@@ -53,8 +53,9 @@ from remat.measure.heads import HeadMeasures, head_option
 from remat.measure.marked import base_keys, marked_step
 from remat.measure.runner import StepRunner, every_block
 from remat.measure.tracer import host_link_bytes_per_s
+from remat.plan.costmodel import estimate
 from remat.plan.head import estimate_with_head
-from remat.plan.solver import solve
+from remat.plan.solver import smallest_any, solve
 from remat.records import OptionCost, Profile
 from remat.units import format_bytes, parse_budget
 
@@ -123,7 +124,73 @@ def lean_profile(model: nn.Module, batch: Any, loss_fn: Any, optimizer: torch.op
         fixed["mode"] = "estimated"
     prof = run.profile(measured.times, smooth=not measured.roofline, heads=measured.heads, tiles=measured.tiles,
                        **fixed)  # fmt: skip
-    return _with_scratch(prof, measured)
+    prof = measured.scratch.onto(prof)
+    # rule 5: the plain step's peak with what no tensor holds (the fake step's was without it)
+    return dataclasses.replace(prof, plain_peak_bytes=estimate(prof, {b.name: "keep" for b in prof.blocks}).peak_bytes)
+
+
+@dataclasses.dataclass(kw_only=True)
+class Scratch:
+    """What the real steps peaked above their fake twins, phase by phase (NOTE [ What no tensor
+    holds ]), as far as they have run."""
+
+    blocks: dict[str, dict[str, dict[str, int]]] = dataclasses.field(default_factory=dict)
+    """Option -> block name -> phase (``fwd_peak``, ``bwd_peak``, ``stop_peak``) -> bytes."""
+    parts: dict[str, int] = dataclasses.field(default_factory=dict)
+    """The same for the parts around the blocks, with the head as written (``pre_fwd``,
+    ``pre_bwd``, ``post_fwd``, ``post_bwd``, ``optimizer``)."""
+    heads: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
+    """The same for each chunked head option."""
+    margin: int = 0
+    """The most any phase of the first step peaked above its fake twin: what a phase no step ran
+    is charged."""
+
+    def add(self, option: str, names: Sequence[str], numbers: Sequence[dict[str, int]]) -> None:
+        self.blocks.setdefault(option, {}).update(zip(names, numbers))
+
+    def onto(self, prof: Profile) -> Profile:
+        """``prof`` (bytes from fake tensors) with this scratch added to every phase peak.
+
+        # NOTE [ What no tensor holds ]
+        A kernel's scratch space is no tensor, so fake tensors never see it: on the CPU a
+        convolution's backward allocates its own buffers (the pure-torch UNet's down.0: 271,296
+        bytes in every option's backward, 9,088 in its forward), and the plans of a lean profile
+        measured up to 24 KiB over their prediction. The real steps measure it: each runs once
+        more under the memory tracer and once on fake tensors, and the difference, phase by phase,
+        is what no tensor holds. The first is the floor plan's step (the lowest predicted peak,
+        so the most room for what it cannot predict); then every block recomputed, each option of
+        a kind in the step that ran it, each head option in its own. A phase's scratch is the same
+        whatever runs around it, so it is added to the profile's peaks. A phase no step ran is
+        charged the largest scratch of the first step (over, never under: a kept up.4 of that UNet
+        is 267,072 bytes in its backward, its recompute 0), and every real step after the first
+        runs only when this corrected profile predicts it within the budget.
+        """
+        unmeasured = {"fwd_peak": self.margin, "bwd_peak": self.margin, "stop_peak": self.margin}
+        own = {"offload": "keep", "recompute_offload": "recompute"}
+
+        def peaks(cost: Any, d: dict[str, int]) -> Any:
+            return dataclasses.replace(cost, fwd_peak_bytes=cost.fwd_peak_bytes + d.get("fwd_peak", 0),
+                                       bwd_peak_bytes=cost.bwd_peak_bytes + d.get("bwd_peak", 0))
+
+        blocks = []
+        for b in prof.blocks:
+            found = {o: self.blocks.get(own.get(o, o), {}).get(b.name, unmeasured) for o in b.options}
+            stop = b.stop_peak_bytes
+            if stop is not None:  # a replay runs the forward's kernels up to the last save
+                stop += max(found["keep"].get("stop_peak", 0), found["keep"].get("fwd_peak", 0))
+            blocks.append(dataclasses.replace(
+                b, options={o: peaks(c, found[o]) for o, c in b.options.items()}, stop_peak_bytes=stop))
+        parts = self.parts or dict.fromkeys(("pre_fwd", "pre_bwd", "post_fwd", "post_bwd", "optimizer"), self.margin)
+
+        def part(seg: Any, d: dict[str, int], name: str) -> Any:
+            return peaks(seg, {"fwd_peak": d[f"{name}_fwd"], "bwd_peak": d[f"{name}_bwd"]})
+
+        return dataclasses.replace(
+            prof, blocks=blocks, pre=part(prof.pre, parts, "pre"), post=part(prof.post, parts, "post"),
+            post_fwd_peak_held_bytes=prof.post_fwd_peak_held_bytes + parts["post_fwd"],
+            optimizer_peak_bytes=prof.optimizer_peak_bytes + parts["optimizer"],
+            head_options={h: part(seg, self.heads.get(h, parts), "post") for h, seg in prof.head_options.items()},
+        )  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -131,69 +198,15 @@ class Measured:
     """What the real steps of a lean profile measured."""
 
     times: dict[str, dict[str, float]]
-    """``assemble``'s times: ``keep`` (the plain step's phases) and ``selective``."""
+    """``assemble``'s times: ``keep`` (the plain step's phases) and ``selective``; the roofline's
+    when no lean step fits (``roofline``)."""
     heads: HeadMeasures | None
     """The head's options that a lean step fits, with their measured times."""
     tiles: dict[str, OptionCost]
     """The tiled options, with their measured extra times."""
-    scratch: dict[str, dict[str, dict[str, int]]]
-    """Option -> block name -> phase (``fwd_peak``, ``bwd_peak``, ``stop_peak``) -> bytes the real
-    step peaked above its fake twin (NOTE [ What no tensor holds ])."""
-    parts: dict[str, int]
-    """The same for the parts around the blocks, with the head as written (``pre_fwd``,
-    ``pre_bwd``, ``post_fwd``, ``post_bwd``, ``optimizer``)."""
-    head_parts: dict[str, dict[str, int]]
-    """The same for each chunked head option."""
-    margin: int
-    """The most any phase of the first step peaked above its fake twin: what an option no step
-    ran is charged in each phase."""
+    scratch: Scratch
     roofline: bool = False
     """Whether the times are the roofline's (only nested segments fit: no lean step ran)."""
-
-
-def _with_scratch(prof: Profile, m: Measured) -> Profile:
-    """``prof`` (bytes from fake tensors) with what no tensor holds added to every phase peak.
-
-    # NOTE [ What no tensor holds ]
-    A kernel's scratch space is no tensor, so fake tensors never see it: on the CPU a convolution's
-    backward allocates its own buffers (the pure-torch UNet's down.0: 301,248 bytes in every
-    option's backward, none in its forward), and the plans of a lean profile measured up to 24 KiB
-    over their prediction. The lean steps measure it: each runs once more under the memory
-    tracer and once on fake tensors, and the difference, phase by phase, is what no tensor holds:
-    every block recomputed in the lean step, each option of a kind in the step that ran it, and
-    each head option in its own (when only nested segments fit, the floor plan's step, for every
-    option). A phase's scratch is the same whatever runs around it, so it is added to the
-    profile's peaks; an option no step ran is charged the largest scratch the first step saw, in
-    every phase (over, never under: a kept up.4 of that UNet is 267,072 bytes in its backward, its
-    recompute 0). Every real step after the first is checked against the budget with that largest
-    scratch added to its prediction.
-    """
-    unmeasured = {"fwd_peak": m.margin, "bwd_peak": m.margin, "stop_peak": m.margin}
-    own = {"offload": "keep", "recompute_offload": "recompute"}
-
-    def peaks(cost: Any, d: dict[str, int]) -> Any:
-        return dataclasses.replace(cost, fwd_peak_bytes=cost.fwd_peak_bytes + d.get("fwd_peak", 0),
-                                   bwd_peak_bytes=cost.bwd_peak_bytes + d.get("bwd_peak", 0))
-
-    blocks = []
-    for b in prof.blocks:
-        found = {o: m.scratch.get(own.get(o, o), {}).get(b.name, unmeasured) for o in b.options}
-        stop = b.stop_peak_bytes
-        if stop is not None:
-            # a replay runs the forward's kernels up to the last save: at most the forward's scratch
-            stop += max(found["keep"].get("stop_peak", 0), found["keep"].get("fwd_peak", 0))
-        blocks.append(dataclasses.replace(
-            b, options={o: peaks(c, found[o]) for o, c in b.options.items()}, stop_peak_bytes=stop))
-
-    def part(seg: Any, d: dict[str, int], name: str) -> Any:
-        return peaks(seg, {"fwd_peak": d[f"{name}_fwd"], "bwd_peak": d[f"{name}_bwd"]})
-
-    return dataclasses.replace(
-        prof, blocks=blocks, pre=part(prof.pre, m.parts, "pre"), post=part(prof.post, m.parts, "post"),
-        post_fwd_peak_held_bytes=prof.post_fwd_peak_held_bytes + m.parts["post_fwd"],
-        optimizer_peak_bytes=prof.optimizer_peak_bytes + m.parts["optimizer"],
-        head_options={h: part(seg, m.head_parts.get(h, m.parts), "post") for h, seg in prof.head_options.items()},
-    )  # fmt: skip
 
 
 _Scratch = dict[str, int]
@@ -209,9 +222,9 @@ class _Timing:
         self.runner, self.named, self.fake, self.run, self.budget = runner, named, fake, run, budget_bytes
         self.names = [n for n, _ in named]
         self.lean = ["recompute"] * len(named)
-        self.margin = 0
-        """The most the lean step peaked above its fake twin in any phase: what every later
-        step's prediction is checked with."""
+        self.scratch = Scratch()
+        self.corrected = fake
+        """The fake bytes with the scratch measured so far (none yet): what steps are gated by."""
         heads = [HEAD_KEEP, *(run.heads.segments if run.heads else {})]
         self.head = min(heads, key=lambda h: self.peak(self.lean, h))  # the first of the leanest
         self.all_heads = heads
@@ -224,10 +237,10 @@ class _Timing:
         """Blocks of one kind and size; the first of each is run for all of them."""
 
     def peak(self, options: Sequence[str], head: str) -> int:
-        return estimate_with_head(self.fake, dict(zip(self.names, options)), head).peak_bytes
+        return estimate_with_head(self.corrected, dict(zip(self.names, options)), head).peak_bytes
 
     def fits(self, options: Sequence[str], head: str) -> bool:
-        return self.peak(options, head) + self.margin <= self.budget
+        return self.peak(options, head) <= self.budget
 
     def _with(self, option: str, firsts: Sequence[int]) -> list[str]:
         return [option if i in firsts else o for i, o in enumerate(self.lean)]
@@ -263,7 +276,7 @@ class _Timing:
     def _real(self, options: Sequence[str], head: str) -> Callable[[], contextlib.AbstractContextManager[Any]]:
         return functools.partial(self._config, self.runner.model, self.named, options, head)
 
-    def _scratch(self, options: Sequence[str], head: str,
+    def _measure(self, options: Sequence[str], head: str,
                  segments: Sequence[Sequence[str]] = ()) -> tuple[list[_Scratch], _Scratch]:
         """Per block, and for the parts around them, what the real step of this configuration
         peaked above its fake twin (NOTE [ What no tensor holds ]); marks at every save, for the
@@ -276,7 +289,7 @@ class _Timing:
             fake = attribute(*StepRunner(functools.partial(twin.marked, saves=True), twin.model,
                                          spec=twin.spec).traced()[:2], n)
         blocks: list[_Scratch] = [{k: r[k] - f[k] for k in ("fwd_peak", "bwd_peak", "stop_peak") if k in r and k in f}
-                  for r, f in zip(real[2], fake[2])]
+                                  for r, f in zip(real[2], fake[2])]
         parts = {"pre_fwd": real[0].fwd_peak_bytes - fake[0].fwd_peak_bytes,
                  "pre_bwd": real[0].bwd_peak_bytes - fake[0].bwd_peak_bytes,
                  "post_fwd": real[1].fwd_peak_bytes - fake[1].fwd_peak_bytes,
@@ -284,13 +297,33 @@ class _Timing:
                  "optimizer": real[3] - fake[3]}
         return blocks, parts
 
-    def run_steps(self) -> Measured:
-        if not self.fits(self.lean, self.head):
-            return self._floor()
-        with self._config(self.runner.model, self.named, self.lean, self.head):
+    def _first(self) -> None:
+        """The floor plan's step (the lowest predicted peak): the scratch every later step is
+        gated with (NOTE [ What no tensor holds ])."""
+        plan = solve(self.fake, smallest_any(self.fake)[0])
+        with self._config(self.runner.model, self.named, [plan.choices[n] for n in self.names], plan.head,
+                          plan.segments):
             self.runner.marked(lambda _: None)  # warm-up: lazy state, the allocator
-        lean_blocks, lean_parts = self._scratch(self.lean, self.head)
-        self.margin = max(0, *lean_parts.values(), *(v for b in lean_blocks for v in b.values()))
+        blocks, parts = self._measure([plan.choices[n] for n in self.names], plan.head, plan.segments)
+        s = self.scratch
+        s.margin = max(0, *parts.values(), *(v for b in blocks for v in b.values()))
+        s.add("recompute", self.names, blocks)  # provisional: the lean step measures its own
+        s.add("keep", self.names, blocks)  # the same kernels run in a segment: until a kind's own step
+        s.parts, s.heads[plan.head] = parts, parts
+        self.corrected = s.onto(self.fake)
+
+    def run_steps(self) -> Measured:
+        self._first()
+        if not self.fits(self.lean, self.head):
+            log.warning("remat: not even every block recomputed fits the budget of %s (only nested "
+                        "segments do): the profile's times are the roofline's, not measured",
+                        format_bytes(self.budget))
+            return Measured(times={o: self.run.times[o] for o in ("keep", "selective")}, heads=self.run.heads,
+                            tiles=self.run.tiles, scratch=self.scratch, roofline=True)
+        lean_blocks, lean_parts = self._measure(self.lean, self.head)
+        self.scratch.add("recompute", self.names, lean_blocks)
+        self.scratch.parts = self.scratch.heads[self.head] = lean_parts
+        self.corrected = self.scratch.onto(self.fake)
         heads = [h for h in self.all_heads if h != self.head and self.fits(self.lean, h)]
         tiled = self.run.tiles
         groups = {
@@ -298,13 +331,15 @@ class _Timing:
             "selective": self._groups("selective", lambda i: True),
             "tiled": self._groups("tiled", lambda i: self.names[i] in tiled),
         }
-        scratch = {"recompute": {i: lean_blocks[i] for i in range(len(self.names))}}
         for option, gs in groups.items():
-            scratch[option] = {}
             for g in gs:
-                blocks = self._scratch(self._with(option, g), self.head)[0]
-                scratch[option].update({i: blocks[first] for i, first in self._members(g)})
-        post = {self.head: lean_parts} | {h: self._scratch(self.lean, h)[1] for h in heads}
+                blocks = self._measure(self._with(option, g), self.head)[0]
+                members = list(self._members(g))
+                self.scratch.add(option, [self.names[i] for i, _ in members], [blocks[first] for _, first in members])
+        for h in heads:
+            self.scratch.heads[h] = self._measure(self.lean, h)[1]
+        if HEAD_KEEP in self.scratch.heads:
+            self.scratch.parts = self.scratch.heads[HEAD_KEEP]
         configs = [(self.lean, self.head), *((self.lean, h) for h in heads)]
         configs += [(self._with(o, g), self.head) for o, gs in groups.items() for g in gs]
         measured = self.runner.times([self._real(*c) for c in configs])
@@ -314,26 +349,9 @@ class _Timing:
         timed = {o: [(g, next(rest)) for g in gs] for o, gs in groups.items()}
         keep = self._keep(lean, timed["keep"], by_head.get(HEAD_KEEP))
         return Measured(
-            margin=self.margin, times={"keep": keep, "selective": self._selective(keep, timed["selective"])},
-            heads=self._heads(by_head), tiles=self._tiles(keep, timed["tiled"]),
-            scratch={o: {self.names[i]: v for i, v in s.items()} for o, s in scratch.items()},
-            parts=post.get(HEAD_KEEP, lean_parts), head_parts={h: p for h, p in post.items() if h != HEAD_KEEP},
+            times={"keep": keep, "selective": self._selective(keep, timed["selective"])},
+            heads=self._heads(by_head), tiles=self._tiles(keep, timed["tiled"]), scratch=self.scratch,
         )  # fmt: skip
-
-    def _floor(self) -> Measured:
-        """Only nested segments fit: the floor plan's step is the one real step; its scratch
-        stands for every option, and the times stay the roofline's."""
-        log.warning("remat: not even every block recomputed fits the budget of %s (only nested "
-                    "segments do): the profile's times are the roofline's, not measured",
-                    format_bytes(self.budget))
-        plan = solve(self.fake, self.budget)
-        options = [plan.choices[name] for name in self.names]
-        blocks, parts = self._scratch(options, plan.head, plan.segments)
-        every = {self.names[i]: b for i, b in enumerate(blocks)}
-        self.margin = max(0, *parts.values(), *(v for b in blocks for v in b.values()))
-        return Measured(margin=self.margin, times={o: self.run.times[o] for o in ("keep", "selective")}, heads=self.run.heads,
-                        tiles=self.run.tiles, scratch={"recompute": every, "keep": every}, parts=parts,
-                        head_parts={plan.head: parts}, roofline=True)
 
     def _members(self, firsts: Sequence[int]) -> Iterator[tuple[int, int]]:
         """(block, the first of its kind) for every block of the kinds ``firsts`` stand for."""

@@ -116,7 +116,17 @@ def profile(
                         f"compile_budgets are measured on the plain step, which is predicted at "
                         f"{lean.plain_peak_bytes} bytes, over the budget of {lean.budget_bytes}: "
                         "drop compile_budgets, or raise the budget")
-                result = lean_profile(model, batch, loss_fn, optimizer, blocks, repeats, lean)
+                try:
+                    result = lean_profile(model, batch, loss_fn, optimizer, blocks, repeats, lean)
+                except (torch.OutOfMemoryError, RuntimeError) as e:
+                    if not isinstance(e, torch.OutOfMemoryError) and "can't allocate memory" not in str(e):
+                        raise
+                    raise ProfileError(
+                        f"remat ran out of memory while profiling within the budget of {lean.budget_bytes} "
+                        "bytes. Every step it runs is predicted within the budget (NOTE [ Planning what does "
+                        "not fit ] in remat.measure.lean), so this is a bug in remat: please report it, with "
+                        f"the model and this message ({type(e).__name__}: {str(e)[:300]})"
+                    ) from e
     else:
         if compiled:
             raise InvalidValue("compile_budgets needs a measured profile (a real model, device=None): "

@@ -1,0 +1,130 @@
+"""A budgeted profile of a step the plain step does not fit (NOTE [ Planning what does not fit ]).
+
+Bytes come from the step on fake tensors plus what the lean steps measure that no tensor holds;
+times from real steps predicted within the budget. Checked here against real steps: every plan of
+a lean profile measures its prediction to the byte, no real step it ran was predicted over the
+budget (and none is the plain step), and a budget below the floor runs no real step at all.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+import remat
+from remat import models
+from remat.errors import InfeasibleBudget, InvalidValue
+from remat.manual.options import option_of
+from remat.manual.segments import segments_of
+from remat.measure import marked
+from remat.measure.profiler import profile
+from remat.measure.tracer import measure_step
+from remat.plan.head import estimate_with_head
+from remat.plan.solver import solve
+from remat.units import parse_budget
+
+
+def _gpt() -> tuple[Any, Any, Any]:
+    torch.manual_seed(0)
+    model = models.build_model(models.GPTConfig(n_layer=4, n_embd=64, n_head=2, block_size=64, vocab_size=256))
+    return model, models.make_batch(model, batch_size=2, seq_len=64), models.loss_fn_for(model)
+
+
+def _unet() -> tuple[Any, Any, Any]:
+    # convolutions: their backward allocates scratch no tensor holds (NOTE [ What no tensor holds ])
+    torch.manual_seed(0)
+    model = models.build_model(models.UNetConfig(image_size=32, channels=16))
+    return model, models.make_batch(model, batch_size=4), models.loss_fn_for(model)
+
+
+class _Steps:
+    """The real steps the profiler's marked step runs: each block's option and the head's."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.real: list[dict[str, str]] = []
+        inner = marked.marked_step
+
+        def spy(model: Any, named: Any, batch: Any, *args: Any, **kwargs: Any) -> Any:
+            from torch._subclasses.fake_tensor import FakeTensor
+
+            if not any(isinstance(t, FakeTensor) for t in (batch if isinstance(batch, tuple) else [])):
+                segmented = any(segments_of(m) is not None for _, m in named)
+                self.real.append({name: option_of(m) or "keep" for name, m in named} | ({"": "segments"} if segmented else {}))
+            return inner(model, named, batch, *args, **kwargs)
+
+        for module in ("remat.measure.lean", "remat.measure.marked", "remat.measure.profiler"):
+            monkeypatch.setattr(f"{module}.marked_step", spy, raising=False)
+
+
+@pytest.mark.parametrize(("build", "shares"), [(_gpt, (0.7, 0.85)), (_unet, (0.42, 0.7))], ids=["gpt", "unet"])
+def test_a_lean_profile_predicts_its_plans_to_the_byte(build: Any, shares: tuple[float, ...],
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    model, batch, loss_fn = build()
+    plain = measure_step(model, batch, loss_fn=loss_fn, repeats=0).peak_bytes
+    for share in shares:
+        budget = int(share * plain)
+        steps = _Steps(monkeypatch)
+        prof = profile(model, batch, loss_fn=loss_fn, repeats=1, budget=budget)
+        assert not prof.plain_ran and prof.plain_peak_bytes == plain
+        assert steps.real and all(set(s.values()) != {"keep"} for s in steps.real), "the plain step ran"
+        # the first steps run the floor plan (nested segments: the lowest predicted peak); every
+        # step after them was predicted within the budget
+        first = [s for s in steps.real if "" in s]
+        assert first and steps.real[: len(first)] == first, steps.real
+        for s in steps.real[len(first):]:
+            assert estimate_with_head(prof, s).peak_bytes <= budget, s
+        for segments in (True, False):
+            try:
+                plan = solve(prof, budget, segments=segments)
+            except InfeasibleBudget:
+                continue
+            remat.apply(model, plan)
+            measured = measure_step(model, batch, loss_fn=loss_fn, repeats=0).peak_bytes
+            remat.remove(model)
+            assert measured == plan.estimate.peak_bytes, (share, segments, plan.choices, plan.segments)
+
+
+def test_a_budget_below_the_floor_runs_no_real_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    model, batch, loss_fn = _unet()
+    steps = _Steps(monkeypatch)
+    with pytest.raises(InfeasibleBudget) as caught:
+        remat.auto(model, batch, 1_000_000, loss_fn=loss_fn, repeats=1)
+    assert steps.real == []
+    assert caught.value.smallest_bytes is not None and caught.value.smallest_bytes > 1_000_000
+    assert "smallest feasible" in str(caught.value)
+    assert remat.applied_plan(model) is None
+
+
+def test_auto_verifies_without_the_plain_step() -> None:
+    from remat.cli.common import report_row
+    from remat.report import comparison_table, render_text
+
+    model, batch, loss_fn = _gpt()
+    plain = measure_step(model, batch, loss_fn=loss_fn, repeats=0).peak_bytes
+    plan, report = remat.auto(model, batch, int(0.7 * plain), loss_fn=loss_fn, repeats=1, verify=True)
+    remat.remove(model)
+    assert not plan.plain_ran and not report.plain_ran
+    assert report.reference == "every block recomputed" and report.grads_equal and report.max_grad_diff == 0
+    assert report.plain_peak_bytes == plain  # predicted, to the byte
+    assert report.fits and report.measured_peak_bytes == plan.estimate.peak_bytes
+    assert '"plain_ran": false' in report.to_json() and '"reference": "every block recomputed"' in report.to_json()
+    text = render_text(comparison_table([report_row("remat 70%", plan, report)]))
+    assert "†" in text and "did not run" in text
+
+
+def test_a_profile_within_the_budget_runs_the_plain_step_as_before() -> None:
+    model, batch, loss_fn = _gpt()
+    plain = measure_step(model, batch, loss_fn=loss_fn, repeats=0).peak_bytes
+    prof = profile(model, batch, loss_fn=loss_fn, repeats=1, budget=plain)
+    assert prof.plain_ran and prof.plain_peak_bytes == plain and prof.mode == "measured"
+
+
+def test_the_device_budget() -> None:
+    assert parse_budget("device", device_memory_bytes=10 * 2**30) == int(8 * 2**30)
+    with pytest.raises(InvalidValue, match="give the budget in bytes"):
+        parse_budget("device")
+    model, batch, loss_fn = _gpt()
+    with pytest.raises(InvalidValue, match="only on a CUDA device"):
+        remat.auto(model, batch, "device", loss_fn=loss_fn, repeats=1)
