@@ -307,8 +307,11 @@ class _Timing:
         blocks, parts = self._measure([plan.choices[n] for n in self.names], plan.head, plan.segments)
         s = self.scratch
         s.margin = max(0, *parts.values(), *(v for b in blocks for v in b.values()))
-        s.add("recompute", self.names, blocks)  # provisional: the lean step measures its own
-        s.add("keep", self.names, blocks)  # the same kernels run in a segment: until a kind's own step
+        order = [b.name for b in self.fake.blocks]
+        inside = {n for a, b in plan.segments for n in order[order.index(a):order.index(b) + 1]}
+        for i, name in enumerate(self.names):  # a block in a segment ran no option of its own
+            if name not in inside:
+                s.add(plan.choices[name], [name], [blocks[i]])
         s.parts, s.heads[plan.head] = parts, parts
         self.corrected = s.onto(self.fake)
 
