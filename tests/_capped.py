@@ -51,7 +51,7 @@ def build(name: str) -> tuple[nn.Module, Any, Any]:
     if name == "hf-llama":  # a transformers model whose head's logits are the step's peak
         import transformers
 
-        cfg = transformers.LlamaConfig(vocab_size=32000, hidden_size=128, intermediate_size=512, num_hidden_layers=6,
+        cfg = transformers.LlamaConfig(vocab_size=32000, hidden_size=128, intermediate_size=512, num_hidden_layers=12,
                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
         model = transformers.LlamaForCausalLM(cfg)
         ids = torch.randint(0, 32000, (4, 256))

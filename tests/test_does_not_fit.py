@@ -64,7 +64,7 @@ def test_auto_plans_verifies_and_trains_where_the_plain_step_does_not_fit(model:
         got = _ran(result, scenario)
         report = got["report"]
         if got["refined_from"] is not None:  # the kernels' scratch, measured once a step could run
-            assert got["refined_from"] == budget < got["budget"] <= budget * 1.01, got
+            assert got["refined_from"] == budget < got["budget"] <= budget * 1.1, got
             budget = got["budget"]
         assert got["budget"] == budget == report["budget_bytes"]
         assert report["fits"] and report["measured_peak_bytes"] <= budget, report

@@ -124,8 +124,9 @@ def profile(
                     raise ProfileError(
                         f"remat ran out of memory while profiling within the budget of {lean.budget_bytes} "
                         "bytes. Every step it runs is predicted within the budget (NOTE [ Planning what does "
-                        "not fit ] in remat.measure.lean), so this is a bug in remat: please report it, with "
-                        f"the model and this message ({type(e).__name__}: {str(e)[:300]})"
+                        "not fit ] in remat.measure.lean): either the device holds less than the budget "
+                        "besides what is already on it (lower the budget), or this is a bug in remat: please "
+                        f"report it, with the model and this message ({type(e).__name__}: {str(e)[:300]})"
                     ) from e
     else:
         if compiled:
