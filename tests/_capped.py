@@ -44,10 +44,10 @@ def build(name: str) -> tuple[nn.Module, Any, Any]:
     torch.manual_seed(0)
     if name == "gpt":
         model = models.build_model(models.GPTConfig(n_layer=6, n_embd=128, n_head=4, block_size=256, vocab_size=256))
-        return model, models.make_batch(model, batch_size=8, seq_len=256), models.loss_fn_for(model)
+        return model, models.make_batch(model, batch_size=4, seq_len=256), models.loss_fn_for(model)
     if name == "unet":
         model = models.build_model(models.UNetConfig(image_size=64, channels=32))
-        return model, models.make_batch(model, batch_size=16), models.loss_fn_for(model)
+        return model, models.make_batch(model, batch_size=8), models.loss_fn_for(model)
     if name == "hf-llama":  # a transformers model whose head's logits are the step's peak
         import transformers
 

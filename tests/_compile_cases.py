@@ -182,12 +182,23 @@ def compiled_options(control: bool) -> None:
     remat.remove(model)
     assert all("forward" not in b.__dict__ for b in model.blocks)
     _grads_close(model, ref, batch, None)
-    # auto with compiled options (compiled functions are reused: nothing compiles again), verified
+    # a plan with compiled options (compiled functions are reused: nothing compiles again), verified
     target = remat.estimate(prof, dict(zip(names, ("compiled:0.2",) * 3))).peak_bytes
-    plan, report = remat.auto(model, batch, target, optimizer=opt, compile_budgets=(0.5, 0.2), verify=True, repeats=1)
-    assert report.fits and report.grads_equal, report
+    plan = remat.solve(prof, target)
+    assert any(o.startswith("compiled:") for o in plan.choices.values()), plan.choices
+    remat.apply(model, plan)
+    report = remat.verify(model, batch, plan, optimizer=opt, repeats=1)
+    assert report.fits and report.grads_equal and report.plain_ran, report
     assert report.measured_peak_bytes == report.predicted_peak_bytes, report
     remat.remove(model)
+    # auto at that budget runs no step above it, and a step with every block compiled is not known
+    # to fit before it runs: compiled options are left out (NOTE [ Planning what does not fit ])
+    try:
+        remat.auto(model, batch, target, optimizer=opt, compile_budgets=(0.5, 0.2), repeats=1)
+    except remat.InfeasibleBudget:
+        pass
+    else:
+        raise AssertionError("compiled options were measured where the plain step does not fit")
 
 
 def _exact_plans(prof: Any, model: Any, batch: Any, loss_fn: Any, opt: Any, count: int) -> None:

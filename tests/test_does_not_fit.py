@@ -27,9 +27,9 @@ MiB = 2**20
 # Headroom over what the process maps once the model is built: below the plain step's need, above
 # torch's every-block checkpoint's (both measured by the controls in the same process).
 CASES = {
-    "gpt": 100 * MiB,  # plain step 266 MiB, every block 58 MiB
-    "unet": 200 * MiB,  # plain step 301 MiB, every block 127 MiB (not a chain: long skips)
-    "hf-llama": 440 * MiB,  # plain step 489 MiB, every block 419 MiB: the head's logits dominate
+    "gpt": 80 * MiB,  # plain step 135 MiB, every block 33 MiB
+    "unet": 110 * MiB,  # plain step 151 MiB, every block 60 MiB (not a chain: long skips)
+    "hf-llama": 500 * MiB,  # plain step 569 MiB, every block 431 MiB: the head's logits dominate
 }
 
 

@@ -164,7 +164,7 @@ def test_no_phase_of_any_plan_measures_over_its_prediction(hold: str) -> None:
     # Phase by phase, not only the peak: the head's forward, where the loop lets handovers go
     # (maybe after the head's own peak), and the backward up to each maker's, where every run has
     # let them go (NOTE [ Handovers ]).
-    from remat.measure import profiler as measure
+    from remat.measure import marked as measure
     from remat.measure.attribution import span
     from remat.measure.runner import every_block
     from remat.measure.tracer import MemoryTracer
@@ -176,13 +176,13 @@ def test_no_phase_of_any_plan_measures_over_its_prediction(hold: str) -> None:
     prof = profile(model, batch, repeats=1)
     modules = dict(model.named_modules())
     named = [(b.name, modules[b.name]) for b in prof.blocks]
-    keys = measure._base_keys(model, None, batch)
+    keys = measure.base_keys(model, None, batch)
     over = {}
     for combo in itertools.product(["keep", "recompute", "selective"], repeat=len(named)):
         with every_block(named, list(combo)):
             model.zero_grad(set_to_none=True)
             with MemoryTracer(torch.device("cpu")) as tracer:
-                hooks = measure._marked_step(model, named, batch, None, None, tracer.mark, keys)
+                hooks = measure.marked_step(model, named, batch, None, None, tracer.mark, keys)
         live = {m.label: m.live_bytes for m in tracer.trace.marks}
         fixed = handed_over(prof, combo)
         costs = costmodel._chosen_costs(fixed, {b.name: o for b, o in zip(prof.blocks, combo)})
