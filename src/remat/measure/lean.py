@@ -141,9 +141,11 @@ class Scratch:
     ``pre_bwd``, ``post_fwd``, ``post_bwd``, ``optimizer``)."""
     heads: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
     """The same for each chunked head option."""
+    kinds: list[list[str]] = dataclasses.field(default_factory=list)
+    """Blocks of one kind and size: what one of them measured under an option stands for all."""
     margin: int = 0
-    """The most any phase of the first step peaked above its fake twin: what a phase no step ran
-    is charged."""
+    """The most any block's phase of the first step peaked above its fake twin: what a block's
+    option no step ran is charged (the parts around the blocks are measured in every step)."""
 
     def add(self, option: str, names: Sequence[str], numbers: Sequence[dict[str, int]]) -> None:
         self.blocks.setdefault(option, {}).update(zip(names, numbers))
@@ -160,21 +162,29 @@ class Scratch:
         is what no tensor holds. The first is the floor plan's step (the lowest predicted peak,
         so the most room for what it cannot predict); then every block recomputed, each option of
         a kind in the step that ran it, each head option in its own. A phase's scratch is the same
-        whatever runs around it, so it is added to the profile's peaks. A phase no step ran is
-        charged the largest scratch of the first step (over, never under: a kept up.4 of that UNet
-        is 267,072 bytes in its backward, its recompute 0), and every real step after the first
+        whatever runs around it, so it is added to the profile's peaks (and a block of one kind
+        and size stands for the others). A block's option no step ran is charged the largest scratch of any block's phase in the first step (over, never
+        under: a kept up.4 of that UNet is 267,072 bytes in its backward, its recompute 0; a
+        transformer's blocks have none, and lose nothing), and every real step after the first
         runs only when this corrected profile predicts it within the budget.
         """
         unmeasured = {"fwd_peak": self.margin, "bwd_peak": self.margin, "stop_peak": self.margin}
         own = {"offload": "keep", "recompute_offload": "recompute"}
 
         def peaks(cost: Any, d: dict[str, int]) -> Any:
-            return dataclasses.replace(cost, fwd_peak_bytes=cost.fwd_peak_bytes + d.get("fwd_peak", 0),
+            return dataclasses.replace(cost, kept_bytes=cost.kept_bytes + d.get("kept", 0),
+                                       fwd_peak_bytes=cost.fwd_peak_bytes + d.get("fwd_peak", 0),
                                        bwd_peak_bytes=cost.bwd_peak_bytes + d.get("bwd_peak", 0))
+
+        kind = {name: k for k in self.kinds for name in k}
+
+        def measured(option: str, name: str) -> dict[str, int]:
+            seen = self.blocks.get(own.get(option, option), {})
+            return next((seen[n] for n in [name, *kind.get(name, [])] if n in seen), unmeasured)
 
         blocks = []
         for b in prof.blocks:
-            found = {o: self.blocks.get(own.get(o, o), {}).get(b.name, unmeasured) for o in b.options}
+            found = {o: measured(o, b.name) for o in b.options}
             stop = b.stop_peak_bytes
             if stop is not None:  # a replay runs the forward's kernels up to the last save
                 stop += max(found["keep"].get("stop_peak", 0), found["keep"].get("fwd_peak", 0))
@@ -235,6 +245,7 @@ class _Timing:
             kinds[(b.kind, b.param_bytes, b.input_bytes, b.options["keep"].kept_bytes)].append(i)
         self.kinds = list(kinds.values())
         """Blocks of one kind and size; the first of each is run for all of them."""
+        self.scratch.kinds = [[self.names[i] for i in k] for k in self.kinds]
 
     def peak(self, options: Sequence[str], head: str) -> int:
         return estimate_with_head(self.corrected, dict(zip(self.names, options)), head).peak_bytes
@@ -288,7 +299,7 @@ class _Timing:
         with self.run.fake_mode, self._config(self.run.model, self.run.named, options, head, segments):
             fake = attribute(*StepRunner(functools.partial(twin.marked, saves=True), twin.model,
                                          spec=twin.spec).traced()[:2], n)
-        blocks: list[_Scratch] = [{k: r[k] - f[k] for k in ("fwd_peak", "bwd_peak", "stop_peak") if k in r and k in f}
+        blocks: list[_Scratch] = [{k: r[k] - f[k] for k in ("kept", "fwd_peak", "bwd_peak", "stop_peak") if k in r and k in f}
                                   for r, f in zip(real[2], fake[2])]
         parts = {"pre_fwd": real[0].fwd_peak_bytes - fake[0].fwd_peak_bytes,
                  "pre_bwd": real[0].bwd_peak_bytes - fake[0].bwd_peak_bytes,
@@ -306,7 +317,7 @@ class _Timing:
             self.runner.marked(lambda _: None)  # warm-up: lazy state, the allocator
         blocks, parts = self._measure([plan.choices[n] for n in self.names], plan.head, plan.segments)
         s = self.scratch
-        s.margin = max(0, *parts.values(), *(v for b in blocks for v in b.values()))
+        s.margin = max(0, *(v for b in blocks for k, v in b.items() if k != "kept"))
         order = [b.name for b in self.fake.blocks]
         inside = {n for a, b in plan.segments for n in order[order.index(a):order.index(b) + 1]}
         for i, name in enumerate(self.names):  # a block in a segment ran no option of its own
