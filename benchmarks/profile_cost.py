@@ -7,7 +7,7 @@ and scratch from real steps predicted within the budget). Real and fake steps ar
 ``remat.measure.step.train_step``; CPU time is this process's, one torch thread. The configurations
 run in turns, ``--rounds`` times, and the table has the medians.
 
-    python benchmarks/profile_cost.py [--rounds 3] [--out benchmarks/results/profile_cost.md]
+    python benchmarks/profile_cost.py [--rounds 3] [--out bench-out/profile_cost.md]
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ class _Count:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/profile_cost.md"))
+    parser.add_argument("--out", type=Path, default=Path("bench-out/profile_cost.md"))
     args = parser.parse_args()
     torch.set_num_threads(1)
     rows = []

@@ -86,8 +86,9 @@ def _torch_every_block(model: nn.Module) -> list[tuple[nn.Module, Any]]:
     return done
 
 
-def digest(model: nn.Module, batch: Any, loss_fn: Any) -> str:
-    """A hash of one step's loss and gradients, bit for bit (the weights as they are)."""
+def digest(model: nn.Module, batch: Any, loss_fn: Any) -> dict[str, Any]:
+    """One step's loss and gradients (the weights as they are): a hash, bit for bit, and each
+    gradient's sum of squares, for plans that sum in another order (a chunked head, a tiled MLP)."""
     import hashlib
 
     from remat.measure import step as _step
@@ -97,11 +98,13 @@ def digest(model: nn.Module, batch: Any, loss_fn: Any) -> str:
     loss = _step.forward_loss(model, batch, _step.resolve_loss_fn(loss_fn))
     loss.backward()
     h = hashlib.sha256(loss.detach().numpy().tobytes())
+    squares = [float(loss.detach())]
     for name, p in sorted(model.named_parameters()):
         if p.grad is not None:
             h.update(name.encode() + p.grad.numpy().tobytes())
+            squares.append(float(p.grad.double().square().sum()))
     model.zero_grad(set_to_none=True)
-    return h.hexdigest()
+    return {"hash": h.hexdigest(), "squares": squares}
 
 
 def main() -> None:

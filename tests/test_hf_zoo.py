@@ -12,6 +12,7 @@ table counts how often it had to.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import logging
@@ -28,7 +29,6 @@ import _hf_zoo
 
 import remat
 from remat.manual.blocks import find_blocks
-from remat.plan.costmodel import smallest_feasible
 from remat.units import format_bytes
 
 SHARES = (0.6, 0.4, 0.0)
@@ -93,6 +93,15 @@ def test_blocks_in_every_stack(name: str) -> None:
     assert len(found) == sum(len(model.get_submodule(s)) for s in stacks) >= 2 * len(stacks)
 
 
+@contextlib.contextmanager
+def _without_plan(model: Any, plan: Any) -> Iterator[None]:
+    remat.remove(model)
+    try:
+        yield
+    finally:
+        remat.apply(model, plan)
+
+
 @pytest.mark.slow  # 72 cases of 1-5 s: about 3 minutes on one core, 1.5 on two (-n 2)
 @pytest.mark.parametrize("share", SHARES, ids=lambda s: f"{s:.0%}" if s else "smallest")
 @pytest.mark.parametrize("name", list(_hf_zoo.ZOO))
@@ -105,10 +114,20 @@ def test_verified_plan_fits_and_is_exact(
     caplog.set_level(logging.WARNING, logger="remat.autoplan")
     row: dict[str, Any] = {"name": name, "share": share, "measured": None, "resolves": 0}
     budget: int | str = f"{share:.0%}"
-    if not share:
-        budget = smallest_feasible(remat.profile(model, batch, repeats=1))[0]
+    if not share:  # the floor remat names when asked for less, as a user finds it
+        with pytest.raises(remat.InfeasibleBudget) as floor:
+            remat.auto(model, batch, 1, repeats=1)
+        budget = floor.value.smallest_bytes or 0
     try:
-        plan, report = remat.auto(model, batch, budget, verify=True, repeats=1)
+        try:
+            plan, report = remat.auto(model, batch, budget, verify=True, repeats=1)
+        except remat.InfeasibleBudget as e:
+            # the floor named before any step ran is the fake tensors'; the lean steps then measure
+            # what kernels allocate besides and name it with that (NOTE [ What no tensor holds ])
+            if share or not e.smallest_bytes or e.smallest_bytes <= int(budget) or "below the smallest" not in str(e):
+                raise
+            budget = e.smallest_bytes
+            plan, report = remat.auto(model, batch, budget, verify=True, repeats=1)
     except remat.InfeasibleBudget as e:
         assert share, f"the plan for the smallest feasible peak measured over it: {e}"
         assert e.smallest_bytes > e.budget_bytes
@@ -122,7 +141,15 @@ def test_verified_plan_fits_and_is_exact(
             assert abs(report.measured_peak_bytes / report.predicted_peak_bytes - 1) <= 0.01, report
         else:  # a lean profile: bytes from fake tensors, which take transformers' tracing branches
             assert report.measured_peak_bytes <= report.predicted_peak_bytes, report
-        assert report.grads_equal, report.max_grad_diff
+        if report.reference.startswith("none"):  # no reference fits the budget: this process holds plain
+            from remat.verifier import _compare, _grads
+
+            planned = _grads(model, batch, None, None, 0)
+            with _without_plan(model, plan):
+                plain = _grads(model, batch, None, None, 0)
+            assert _compare(plain, planned, exact=plan.head == "keep" and "tiled" not in plan.choices.values())[1]
+        else:
+            assert report.grads_equal, report.max_grad_diff
         assert set(plan.choices) == {n for n, _ in find_blocks(model)}
         resolves = sum("solving again" in r.getMessage() for r in caplog.records)
         table.append(row | {"budget": plan.budget_bytes, "predicted": report.predicted_peak_bytes,
