@@ -101,7 +101,7 @@ FLOORS = [
     ("remat.manual",),
     ("remat.measure",),
     ("remat.applier",),
-    ("remat.distributed", "remat.verifier"),
+    ("remat.distributed", "remat.verify_steps", "remat.verifier"),
     ("remat.autoplan",),
     ("remat.report", "remat.gradnorm"),
     ("remat.train", "remat.demo"),

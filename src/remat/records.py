@@ -260,9 +260,8 @@ class Profile:
     plain_step_ms: float
     """Time of the plain step, milliseconds (median)."""
     plain_ran: bool = True
-    """Whether the plain step ran while profiling. False when it was predicted over the budget:
-    every byte comes from the step on fake tensors, and ``plain_peak_bytes`` and ``plain_step_ms``
-    are predicted (NOTE [ Planning what does not fit ] in ``remat.measure.lean``)."""
+    """Whether the plain step ran while profiling; False when it was predicted over the budget, and
+    then its peak and time here are predicted (NOTE [ Planning what does not fit ] in measure.lean)."""
     gather_bytes: int = 0
     """Under FSDP: bytes the cost model adds to every block's forward and backward for gathered
     parameters (the running block's and one all-gather buffer: twice the largest block's
@@ -360,9 +359,8 @@ class Plan:
     head_causal_lm: bool = False
     """Whether the head is routed through a transformers causal LM's loss (from the profile)."""
     plain_ran: bool = True
-    """Whether the profile ran the plain step (from the profile): False when the plain step was
-    predicted over the budget, and then ``verify`` does not run it either (NOTE [ Verifying
-    without the plain step ] in ``remat.verifier``)."""
+    """From the profile: False when the plain step was predicted over the budget; ``verify`` then
+    does not run it either (NOTE [ Verifying without the plain step ] in ``remat.verifier``)."""
     schema_version: int = PLAN_SCHEMA
     """The record's schema version; files of another version are refused."""
     notes: list[str] = field(default_factory=list)

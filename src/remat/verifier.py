@@ -39,6 +39,7 @@ from remat.measure.lean import lean_spec
 from remat.measure.tracer import StepMemory, measure_step
 from remat.models.hf import every_layer, without_cache
 from remat.records import Plan
+from remat.verify_steps import compare, loss_and_grads, plan_key, reserved_peak, times_in_turns
 
 __all__ = ["Report", "verify", "verify_many"]
 
@@ -166,7 +167,7 @@ def verify_many(
     unique: dict[tuple[tuple[str, str], ...], Plan] = {}
     for plan in plans:
         if plan.head != "keep" or plan.segments or any(o != "keep" for o in plan.choices.values()):
-            unique.setdefault(_key(plan), plan)
+            unique.setdefault(plan_key(plan), plan)
     previous = applied_plan(model)
     budgets = [p.budget_bytes for p in plans if p.budget_bytes is not None]
     if budgets and not all(p.plain_ran for p in plans):
@@ -185,15 +186,15 @@ def verify_many(
         try:
             remove(model)
             plain_mem = measure_step(model, batch, loss_fn=loss_fn, optimizer=optimizer, repeats=0)
-            plain_grads = _grads(model, batch, loss_fn, optimizer, seed)
+            plain_grads = loss_and_grads(model, batch, loss_fn, optimizer, seed)
             measured: dict[tuple[tuple[str, str], ...], tuple[StepMemory, list[torch.Tensor]]] = {}
             for key, plan in unique.items():
                 apply(model, plan)
                 mem = measure_step(model, batch, loss_fn=loss_fn, optimizer=optimizer, repeats=0)
-                measured[key] = (mem, _grads(model, batch, loss_fn, optimizer, seed))
+                measured[key] = (mem, loss_and_grads(model, batch, loss_fn, optimizer, seed))
                 remove(model)
             configs: list[Plan | None] = [None, *unique.values(), None]
-            times = _times_in_turns(model, configs, batch, loss_fn, optimizer, repeats)
+            times = times_in_turns(model, configs, batch, loss_fn, optimizer, repeats)
         finally:
             remove(model)
             if previous is not None:
@@ -206,11 +207,11 @@ def verify_many(
     self_overhead = statistics.median(times[-1]) / plain_ms - 1.0
     reports = []
     for plan in plans:
-        key = _key(plan)
+        key = plan_key(plan)
         mem, grads = measured.get(key, (plain_mem, plain_grads))
         ms = plan_ms.get(key, plain_ms)
         exact = plan.head == "keep" and not any(o == "tiled" or o.startswith("compiled:") for o in plan.choices.values())
-        diff, equal = _compare(plain_grads, grads, exact=exact)
+        diff, equal = compare(plain_grads, grads, exact=exact)
         reports.append(Report(
             method=plan.method,
             budget_bytes=plan.budget_bytes,
@@ -283,16 +284,16 @@ def _verify_lean(model: nn.Module, batch: Any, plans: Sequence[Plan], loss_fn: A
             ref_grads: list[torch.Tensor] = []
             if lean.reference is not None:
                 apply(model, lean.reference)
-                ref_grads = _grads(model, batch, loss_fn, optimizer, seed)
+                ref_grads = loss_and_grads(model, batch, loss_fn, optimizer, seed)
             for plan in plans:
-                if _key(plan) not in measured:
+                if plan_key(plan) not in measured:
                     apply(model, plan)
-                    reserved = _reserved(model, batch, loss_fn, optimizer)
+                    reserved = reserved_peak(model, batch, loss_fn, optimizer)
                     mem = measure_step(model, batch, loss_fn=loss_fn, optimizer=optimizer, repeats=0)
-                    measured[_key(plan)] = (mem, _grads(model, batch, loss_fn, optimizer, seed), reserved)
+                    measured[plan_key(plan)] = (mem, loss_and_grads(model, batch, loss_fn, optimizer, seed), reserved)
             keys = list(measured)
-            by_key = {_key(p): p for p in plans}
-            times = _times_in_turns(model, [by_key[k] for k in keys], batch, loss_fn, optimizer, repeats)
+            by_key = {plan_key(p): p for p in plans}
+            times = times_in_turns(model, [by_key[k] for k in keys], batch, loss_fn, optimizer, repeats)
         finally:
             remove(model)
             if previous is not None:
@@ -301,12 +302,12 @@ def _verify_lean(model: nn.Module, batch: Any, plans: Sequence[Plan], loss_fn: A
     spread = {key: statistics.median(t) / min(t) - 1.0 for key, t in zip(keys, times)}
     reports = []
     for plan in plans:
-        key = _key(plan)
+        key = plan_key(plan)
         mem, grads, reserved = measured[key]
         plain_ms = plan.estimate.step_ms / (1.0 + plan.estimate.overhead)  # predicted
         exact = plan.head == "keep" and lean.reference is not None and lean.reference.head == "keep" and not any(
             o == "tiled" or o.startswith("compiled:") for o in plan.choices.values())
-        diff, equal = _compare(ref_grads, grads, exact=exact) if ref_grads else (float("nan"), False)
+        diff, equal = compare(ref_grads, grads, exact=exact) if ref_grads else (float("nan"), False)
         reports.append(Report(
             method=plan.method, budget_bytes=plan.budget_bytes, predicted_peak_bytes=plan.estimate.peak_bytes,
             measured_peak_bytes=mem.peak_bytes, plain_peak_bytes=lean.plain_peak_bytes,
@@ -316,88 +317,3 @@ def _verify_lean(model: nn.Module, batch: Any, plans: Sequence[Plan], loss_fn: A
             reserved_peak_bytes=reserved, planned=mem,
         ))  # fmt: skip
     return reports
-
-
-def _reserved(model: nn.Module, batch: Any, loss_fn: Any, optimizer: Any) -> int | None:
-    """The caching allocator's most reserved bytes in one step, on CUDA (None elsewhere)."""
-    device = _step.batch_device(model, batch)
-    if device.type != "cuda":
-        return None
-    with _step.preserved(model, optimizer):
-        torch.cuda.reset_peak_memory_stats(device)
-        _step.train_step(model, batch, loss_fn, optimizer)
-        return int(torch.cuda.max_memory_reserved(device))
-
-
-def _key(plan: Plan) -> tuple[tuple[str, str], ...]:
-    """What makes two plans run alike: the choices, the head and the segments (a plan of
-    segments over blocks that all 'keep' is no plain step)."""
-    segments = tuple(("(segment)", f"{a}..{b}") for a, b in plan.segments)
-    return (*sorted(plan.choices.items()), ("(head)", plan.head), *segments)
-
-
-def _compare(plain: list[torch.Tensor], planned: list[torch.Tensor], *, exact: bool = True) -> tuple[float, bool]:
-    """(largest absolute difference, equal) of two lists of loss and gradients: bit for bit, or
-    with ``exact=False`` to round-off (within 1% of each tensor's largest magnitude)."""
-    diff = max(
-        (float((a - b).abs().max()) if a.numel() else 0.0 for a, b in zip(plain, planned)),
-        default=0.0,
-    )
-
-    def same(a: torch.Tensor, b: torch.Tensor) -> bool:
-        if exact or a.shape != b.shape or not a.numel():
-            return torch.equal(a, b)
-        return float((a - b).abs().max()) <= 0.01 * float(a.abs().max()) + 1e-12
-
-    equal = len(plain) == len(planned) and all(same(a, b) for a, b in zip(plain, planned))
-    return diff, equal
-
-
-def _grads(model: nn.Module, batch: Any, loss_fn: Any, optimizer: Any, seed: int) -> list[torch.Tensor]:
-    """The loss and every gradient of one forward+backward from a fixed RNG state."""
-    with _step.preserved(model, optimizer):
-        torch.manual_seed(seed)
-        model.zero_grad(set_to_none=True)
-        loss = _step.forward_loss(model, batch, loss_fn)
-        loss.backward()
-        out = [loss.detach().clone()]
-        out += [p.grad.detach().clone() for p in model.parameters() if p.grad is not None]
-    return out
-
-
-def _times_in_turns(
-    model: nn.Module,
-    configs: list[Plan | None],
-    batch: Any,
-    loss_fn: Any,
-    optimizer: Any,
-    repeats: int,
-) -> list[list[float]]:
-    """Step times (ms) of each configuration (None: plain), ``repeats`` each, taken in turns
-    (NOTE [ Step times in turns ])."""
-    device = _step.batch_device(model, batch)
-    times: list[list[float]] = [[] for _ in configs]
-    n = len(configs)
-
-    def run(i: int, timed: bool) -> None:
-        plan = configs[i]
-        if plan is not None:
-            apply(model, plan)
-        try:
-            if timed:
-                times[i].append(_step.timed_step(model, batch, loss_fn, optimizer, device=device))
-            else:
-                _step.train_step(model, batch, loss_fn, optimizer)
-        finally:
-            remove(model)
-
-    with _step.preserved(model, optimizer):
-        for i in range(n):  # one untimed step of each: lazy state, the allocator's caches
-            run(i, timed=False)
-        for r in range(repeats):
-            shift = r * n // repeats
-            order = list(range(shift, n)) + list(range(shift))
-            with _step.no_gc():  # collected between rounds, never inside a timed step
-                for i in reversed(order) if r % 2 else order:
-                    run(i, timed=True)
-    return times

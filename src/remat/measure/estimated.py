@@ -34,7 +34,19 @@ from remat.measure.tracer import Trace
 from remat.models.hf import cache_off, layerdrop_off
 from remat.records import OptionCost, Profile, SideInput
 
-__all__ = ["FakeRun", "fake_copy", "fake_optimizer", "fake_run", "plain_peak"]
+__all__ = ["FAKE_LIMITS", "FakeRun", "fake_copy", "fake_optimizer", "fake_run", "plain_peak"]
+
+
+def _fake_limits() -> tuple[type[Exception], ...]:
+    from torch._subclasses import fake_tensor as ft
+
+    names = ("DataDependentOutputException", "DynamicOutputShapeException", "UnsupportedOperatorException")
+    return tuple(getattr(ft, n) for n in names if hasattr(ft, n))
+
+
+#: What a model's step raises on fake tensors when its forward reads tensor values (``.item()``,
+#: a data-dependent shape) or runs an op fake tensors do not support.
+FAKE_LIMITS = _fake_limits()
 
 _RUN_OPTIONS = ("keep", "selective", "recompute")
 

@@ -48,10 +48,18 @@ from remat.manual.lm_head import HEAD_KEEP
 from remat.manual.segments import apply_segments, remove_segments
 from remat.measure import step as _step
 from remat.measure.attribution import attribute
-from remat.measure.estimated import FakeRun, fake_copy, fake_optimizer, fake_run, plain_peak
+from remat.measure.estimated import (
+    FAKE_LIMITS,
+    FakeRun,
+    fake_copy,
+    fake_optimizer,
+    fake_run,
+    plain_peak,
+)
 from remat.measure.heads import HeadMeasures, head_option
 from remat.measure.marked import base_keys, marked_step
 from remat.measure.runner import StepRunner, every_block
+from remat.measure.scratch import Scratch
 from remat.measure.tracer import host_link_bytes_per_s
 from remat.plan.costmodel import estimate
 from remat.plan.head import estimate_with_head
@@ -77,10 +85,18 @@ class Lean:
 
 def resolve_budget(model: nn.Module, batch: Any, loss_fn: Any, optimizer: torch.optim.Optimizer | None,
                    budget: int | str) -> Lean | None:
-    """None when the plain step is predicted within ``budget``; else what a lean profile needs."""
+    """None when the plain step is predicted within ``budget`` (or cannot be predicted: a model
+    whose forward reads tensor values runs no step on fake tensors); else what a lean profile
+    needs."""
     device = _step.batch_device(model, batch)
     spec = lean_spec(device)
-    plain = plain_peak(model, batch, loss_fn, optimizer, spec)
+    try:
+        plain = plain_peak(model, batch, loss_fn, optimizer, spec)
+    except FAKE_LIMITS as e:
+        log.warning("remat: %s runs no step on fake tensors (%s: its forward reads tensor values), so the "
+                    "plain step cannot be predicted: it is profiled by running it, which needs it to fit "
+                    "the device", type(model).__name__, type(e).__name__)
+        return None
     budget_bytes = parse_budget(budget, plain_peak_bytes=plain,
                                 device_memory_bytes=spec.memory_bytes if device.type == "cuda" else None)
     if plain <= budget_bytes:
@@ -127,80 +143,6 @@ def lean_profile(model: nn.Module, batch: Any, loss_fn: Any, optimizer: torch.op
     prof = measured.scratch.onto(prof)
     # rule 5: the plain step's peak with what no tensor holds (the fake step's was without it)
     return dataclasses.replace(prof, plain_peak_bytes=estimate(prof, {b.name: "keep" for b in prof.blocks}).peak_bytes)
-
-
-@dataclasses.dataclass(kw_only=True)
-class Scratch:
-    """What the real steps peaked above their fake twins, phase by phase (NOTE [ What no tensor
-    holds ]), as far as they have run."""
-
-    blocks: dict[str, dict[str, dict[str, int]]] = dataclasses.field(default_factory=dict)
-    """Option -> block name -> phase (``fwd_peak``, ``bwd_peak``, ``stop_peak``) -> bytes."""
-    parts: dict[str, int] = dataclasses.field(default_factory=dict)
-    """The same for the parts around the blocks, with the head as written (``pre_fwd``,
-    ``pre_bwd``, ``post_fwd``, ``post_bwd``, ``optimizer``)."""
-    heads: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
-    """The same for each chunked head option."""
-    kinds: list[list[str]] = dataclasses.field(default_factory=list)
-    """Blocks of one kind and size: what one of them measured under an option stands for all."""
-    margin: int = 0
-    """The most any block's phase of the first step peaked above its fake twin: what a block's
-    option no step ran is charged (the parts around the blocks are measured in every step)."""
-
-    def add(self, option: str, names: Sequence[str], numbers: Sequence[dict[str, int]]) -> None:
-        self.blocks.setdefault(option, {}).update(zip(names, numbers))
-
-    def onto(self, prof: Profile) -> Profile:
-        """``prof`` (bytes from fake tensors) with this scratch added to every phase peak.
-
-        # NOTE [ What no tensor holds ]
-        A kernel's scratch space is no tensor, so fake tensors never see it: on the CPU a
-        convolution's backward allocates its own buffers (the pure-torch UNet's down.0: 271,296
-        bytes in every option's backward, 9,088 in its forward), and the plans of a lean profile
-        measured up to 24 KiB over their prediction. The real steps measure it: each runs once
-        more under the memory tracer and once on fake tensors, and the difference, phase by phase,
-        is what no tensor holds. The first is the floor plan's step (the lowest predicted peak,
-        so the most room for what it cannot predict); then every block recomputed, each option of
-        a kind in the step that ran it, each head option in its own. A phase's scratch is the same
-        whatever runs around it, so it is added to the profile's peaks (and a block of one kind
-        and size stands for the others). A block's option no step ran is charged the largest scratch of any block's phase in the first step (over, never
-        under: a kept up.4 of that UNet is 267,072 bytes in its backward, its recompute 0; a
-        transformer's blocks have none, and lose nothing), and every real step after the first
-        runs only when this corrected profile predicts it within the budget.
-        """
-        unmeasured = {"fwd_peak": self.margin, "bwd_peak": self.margin, "stop_peak": self.margin}
-        own = {"offload": "keep", "recompute_offload": "recompute"}
-
-        def peaks(cost: Any, d: dict[str, int]) -> Any:
-            return dataclasses.replace(cost, kept_bytes=cost.kept_bytes + d.get("kept", 0),
-                                       fwd_peak_bytes=cost.fwd_peak_bytes + d.get("fwd_peak", 0),
-                                       bwd_peak_bytes=cost.bwd_peak_bytes + d.get("bwd_peak", 0))
-
-        kind = {name: k for k in self.kinds for name in k}
-
-        def measured(option: str, name: str) -> dict[str, int]:
-            seen = self.blocks.get(own.get(option, option), {})
-            return next((seen[n] for n in [name, *kind.get(name, [])] if n in seen), unmeasured)
-
-        blocks = []
-        for b in prof.blocks:
-            found = {o: measured(o, b.name) for o in b.options}
-            stop = b.stop_peak_bytes
-            if stop is not None:  # a replay runs the forward's kernels up to the last save
-                stop += max(found["keep"].get("stop_peak", 0), found["keep"].get("fwd_peak", 0))
-            blocks.append(dataclasses.replace(
-                b, options={o: peaks(c, found[o]) for o, c in b.options.items()}, stop_peak_bytes=stop))
-        parts = self.parts or dict.fromkeys(("pre_fwd", "pre_bwd", "post_fwd", "post_bwd", "optimizer"), self.margin)
-
-        def part(seg: Any, d: dict[str, int], name: str) -> Any:
-            return peaks(seg, {"fwd_peak": d[f"{name}_fwd"], "bwd_peak": d[f"{name}_bwd"]})
-
-        return dataclasses.replace(
-            prof, blocks=blocks, pre=part(prof.pre, parts, "pre"), post=part(prof.post, parts, "post"),
-            post_fwd_peak_held_bytes=prof.post_fwd_peak_held_bytes + parts["post_fwd"],
-            optimizer_peak_bytes=prof.optimizer_peak_bytes + parts["optimizer"],
-            head_options={h: part(seg, self.heads.get(h, parts), "post") for h, seg in prof.head_options.items()},
-        )  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -301,7 +243,8 @@ class _Timing:
                                          spec=twin.spec).traced()[:2], n)
         blocks: list[_Scratch] = [{k: r[k] - f[k] for k in ("kept", "fwd_peak", "bwd_peak", "stop_peak") if k in r and k in f}
                                   for r, f in zip(real[2], fake[2])]
-        parts = {"pre_fwd": real[0].fwd_peak_bytes - fake[0].fwd_peak_bytes,
+        parts = {"post_kept": real[1].kept_bytes - fake[1].kept_bytes,  # NOTE [ What no tensor holds ]
+                 "pre_fwd": real[0].fwd_peak_bytes - fake[0].fwd_peak_bytes,
                  "pre_bwd": real[0].bwd_peak_bytes - fake[0].bwd_peak_bytes,
                  "post_fwd": real[1].fwd_peak_bytes - fake[1].fwd_peak_bytes,
                  "post_bwd": real[1].bwd_peak_bytes - fake[1].bwd_peak_bytes,

@@ -20,6 +20,7 @@ from remat.plan.baselines import baseline, option_index
 from remat.plan.costmodel import ChainConstraints, chain_constraints, smallest_feasible
 from remat.plan.handovers import Remake, Search, fitted, lowest
 from remat.plan.head import HEAD_KEEP, best_of_heads, frontier_of_heads, head_names, with_head
+from remat.plan.refusals import exact_bytes, in_eval_mode, infeasible
 from remat.plan.search import (
     NO_LIMIT_BYTES,
     PerBlock,
@@ -140,18 +141,6 @@ def check_method(method: str) -> None:
         )
 
 
-def in_eval_mode(error: InfeasibleBudget) -> InfeasibleBudget:
-    """``error`` for a model that was profiled in ``eval()`` mode: say so, since the likely fix
-    is ``model.train()``, not a larger budget."""
-    head = str(error).rsplit("; ", 1)[0]
-    return InfeasibleBudget(
-        f"{head}; the model is in eval() mode, but remat plans training steps: call model.train() "
-        "before planning (if it still does not fit, raise the budget or lower the batch).",
-        budget_bytes=error.budget_bytes, smallest_bytes=error.smallest_bytes,
-        dominant=error.dominant,
-    )
-
-
 def frontier(profile: Profile, *, points: int | None = 16, segments: bool = True) -> list[Plan]:
     """Optimal plans from the fastest (lowest peak among the fastest) down to the smallest feasible
     peak (``smallest_any``: with segments), by decreasing peak and increasing step time; each is on
@@ -248,10 +237,10 @@ def _greedy_picks(profile: Profile, chain: ChainConstraints, budget_bytes: int) 
         reached = peak()
     if reached > budget_bytes:
         raise InfeasibleBudget(
-            f"greedy could not bring the peak under the budget {_bytes(budget_bytes, smallest)}: "
+            f"greedy could not bring the peak under the budget {exact_bytes(budget_bytes, smallest)}: "
             f"switching blocks by bytes saved per extra millisecond stops at "
             f"{format_bytes(reached)}, while the smallest feasible is "
-            f"{_bytes(smallest, budget_bytes)} ({dominant}); use method='optimal' or raise the budget",
+            f"{exact_bytes(smallest, budget_bytes)} ({dominant}); use method='optimal' or raise the budget",
             budget_bytes=budget_bytes,
             smallest_bytes=smallest,
             dominant=dominant,
@@ -379,24 +368,4 @@ def _segments_run(profile: Profile, chain: ChainConstraints) -> bool:
 
 
 def _infeasible(profile: Profile, budget_bytes: int, segments: bool = True) -> InfeasibleBudget:
-    smallest, dominant = (smallest_any if segments else smallest_feasible)(profile)
-    assert smallest > budget_bytes, (smallest, budget_bytes)
-    if 2 * (profile.param_bytes + profile.optimizer_bytes) >= smallest:
-        advice = (
-            "raise the budget, or shard the parameters and optimizer state over more devices (FSDP)"
-        )
-    else:
-        advice = "raise the budget or lower the batch"
-    return InfeasibleBudget(
-        f"budget {_bytes(budget_bytes, smallest)} is below the smallest feasible "
-        f"{_bytes(smallest, budget_bytes)} ({dominant}); {advice}.",
-        budget_bytes=budget_bytes,
-        smallest_bytes=smallest,
-        dominant=dominant,
-    )
-
-
-def _bytes(n: int, other: int) -> str:
-    """``n`` for people, with the exact count when it would read the same as ``other``."""
-    text = format_bytes(n)
-    return f"{text} ({n} bytes)" if text == format_bytes(other) else text
+    return infeasible(profile, budget_bytes, *(smallest_any if segments else smallest_feasible)(profile))

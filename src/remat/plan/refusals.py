@@ -1,0 +1,47 @@
+"""What a refusal says: a budget below the smallest feasible, with what dominates it and what to do.
+"""
+
+from __future__ import annotations
+
+from remat.errors import InfeasibleBudget
+from remat.records import Profile
+from remat.units import format_bytes
+
+__all__ = ["exact_bytes", "in_eval_mode", "infeasible"]
+
+
+def infeasible(profile: Profile, budget_bytes: int, smallest: int, dominant: str) -> InfeasibleBudget:
+    """The refusal of ``budget_bytes`` for ``profile``, whose smallest feasible peak is ``smallest``
+    (``dominant``: what dominates it, or where it falls)."""
+    assert smallest > budget_bytes, (smallest, budget_bytes)
+    if 2 * (profile.param_bytes + profile.optimizer_bytes) >= smallest:
+        advice = (
+            "raise the budget, or shard the parameters and optimizer state over more devices (FSDP)"
+        )
+    else:
+        advice = "raise the budget or lower the batch"
+    return InfeasibleBudget(
+        f"budget {exact_bytes(budget_bytes, smallest)} is below the smallest feasible "
+        f"{exact_bytes(smallest, budget_bytes)} ({dominant}); {advice}.",
+        budget_bytes=budget_bytes,
+        smallest_bytes=smallest,
+        dominant=dominant,
+    )
+
+
+def in_eval_mode(error: InfeasibleBudget) -> InfeasibleBudget:
+    """``error`` for a model that was profiled in ``eval()`` mode: say so, since the likely fix
+    is ``model.train()``, not a larger budget."""
+    head = str(error).rsplit("; ", 1)[0]
+    return InfeasibleBudget(
+        f"{head}; the model is in eval() mode, but remat plans training steps: call model.train() "
+        "before planning (if it still does not fit, raise the budget or lower the batch).",
+        budget_bytes=error.budget_bytes, smallest_bytes=error.smallest_bytes,
+        dominant=error.dominant,
+    )
+
+
+def exact_bytes(n: int, other: int) -> str:
+    """``n`` for people, with the exact count when it would read the same as ``other``."""
+    text = format_bytes(n)
+    return f"{text} ({n} bytes)" if text == format_bytes(other) else text

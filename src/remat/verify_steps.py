@@ -1,0 +1,102 @@
+"""The steps ``verify`` runs and how it holds them together: gradients of one step, their
+comparison, the key that makes two plans run alike, step times in turns (NOTE [ Step times in
+turns ] in ``remat.verifier``), and what the caching allocator reserved.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from remat.applier import apply, remove
+from remat.measure import step as _step
+from remat.records import Plan
+
+__all__ = ["compare", "loss_and_grads", "plan_key", "reserved_peak", "times_in_turns"]
+
+
+def reserved_peak(model: nn.Module, batch: Any, loss_fn: Any, optimizer: Any) -> int | None:
+    """The caching allocator's most reserved bytes in one step, on CUDA (None elsewhere)."""
+    device = _step.batch_device(model, batch)
+    if device.type != "cuda":
+        return None
+    with _step.preserved(model, optimizer):
+        torch.cuda.reset_peak_memory_stats(device)
+        _step.train_step(model, batch, loss_fn, optimizer)
+        return int(torch.cuda.max_memory_reserved(device))
+
+
+def plan_key(plan: Plan) -> tuple[tuple[str, str], ...]:
+    """What makes two plans run alike: the choices, the head and the segments (a plan of
+    segments over blocks that all 'keep' is no plain step)."""
+    segments = tuple(("(segment)", f"{a}..{b}") for a, b in plan.segments)
+    return (*sorted(plan.choices.items()), ("(head)", plan.head), *segments)
+
+
+def compare(plain: list[torch.Tensor], planned: list[torch.Tensor], *, exact: bool = True) -> tuple[float, bool]:
+    """(largest absolute difference, equal) of two lists of loss and gradients: bit for bit, or
+    with ``exact=False`` to round-off (within 1% of each tensor's largest magnitude)."""
+    diff = max(
+        (float((a - b).abs().max()) if a.numel() else 0.0 for a, b in zip(plain, planned)),
+        default=0.0,
+    )
+
+    def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+        if exact or a.shape != b.shape or not a.numel():
+            return torch.equal(a, b)
+        return float((a - b).abs().max()) <= 0.01 * float(a.abs().max()) + 1e-12
+
+    equal = len(plain) == len(planned) and all(same(a, b) for a, b in zip(plain, planned))
+    return diff, equal
+
+
+def loss_and_grads(model: nn.Module, batch: Any, loss_fn: Any, optimizer: Any, seed: int) -> list[torch.Tensor]:
+    """The loss and every gradient of one forward+backward from a fixed RNG state."""
+    with _step.preserved(model, optimizer):
+        torch.manual_seed(seed)
+        model.zero_grad(set_to_none=True)
+        loss = _step.forward_loss(model, batch, loss_fn)
+        loss.backward()
+        out = [loss.detach().clone()]
+        out += [p.grad.detach().clone() for p in model.parameters() if p.grad is not None]
+    return out
+
+
+def times_in_turns(
+    model: nn.Module,
+    configs: list[Plan | None],
+    batch: Any,
+    loss_fn: Any,
+    optimizer: Any,
+    repeats: int,
+) -> list[list[float]]:
+    """Step times (ms) of each configuration (None: plain), ``repeats`` each, taken in turns
+    (NOTE [ Step times in turns ])."""
+    device = _step.batch_device(model, batch)
+    times: list[list[float]] = [[] for _ in configs]
+    n = len(configs)
+
+    def run(i: int, timed: bool) -> None:
+        plan = configs[i]
+        if plan is not None:
+            apply(model, plan)
+        try:
+            if timed:
+                times[i].append(_step.timed_step(model, batch, loss_fn, optimizer, device=device))
+            else:
+                _step.train_step(model, batch, loss_fn, optimizer)
+        finally:
+            remove(model)
+
+    with _step.preserved(model, optimizer):
+        for i in range(n):  # one untimed step of each: lazy state, the allocator's caches
+            run(i, timed=False)
+        for r in range(repeats):
+            shift = r * n // repeats
+            order = list(range(shift, n)) + list(range(shift))
+            with _step.no_gc():  # collected between rounds, never inside a timed step
+                for i in reversed(order) if r % 2 else order:
+                    run(i, timed=True)
+    return times
