@@ -157,7 +157,7 @@ def test_remat_fits_the_peak_of_torch_checkpointing_every_block(name: str) -> No
     assert smallest_feasible(prof)[0] <= torch_peak
     # solved on the profile that ran the plain step (a budget given to auto profiles lean, without
     # it: NOTE [ Planning what does not fit ], and tests/test_lean.py holds that to the byte)
-    plan = solve(prof, torch_peak)
+    plan = remat.solve(prof, torch_peak)
     remat.apply(model, plan)
     report = remat.verify(model, batch, plan, loss_fn=loss_fn, repeats=1)
     assert report.plain_ran and report.fits and report.measured_peak_bytes <= torch_peak, report
