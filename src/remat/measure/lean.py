@@ -92,10 +92,11 @@ def resolve_budget(model: nn.Module, batch: Any, loss_fn: Any, optimizer: torch.
     spec = lean_spec(device)
     try:
         plain = plain_peak(model, batch, loss_fn, optimizer, spec)
-    except FAKE_LIMITS as e:
-        log.warning("remat: %s runs no step on fake tensors (%s: its forward reads tensor values), so the "
-                    "plain step cannot be predicted: it is profiled by running it, which needs it to fit "
-                    "the device", type(model).__name__, type(e).__name__)
+    except Exception as e:  # a forward that reads tensor values, an op fake tensors cannot run
+        why = "its forward reads tensor values" if isinstance(e, FAKE_LIMITS) else str(e).split("\n")[0][:200]
+        log.warning("remat: %s runs no step on fake tensors (%s: %s), so the plain step cannot be "
+                    "predicted: it is profiled by running it, which needs it to fit the device",
+                    type(model).__name__, type(e).__name__, why)
         return None
     budget_bytes = parse_budget(budget, plain_peak_bytes=plain,
                                 device_memory_bytes=spec.memory_bytes if device.type == "cuda" else None)

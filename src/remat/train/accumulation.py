@@ -80,7 +80,8 @@ def plan_accumulation(
             plain = plain_peak(model, whole, loss_fn, make_optimizer(model.parameters()), lean_spec(device))
         budget_bytes = parse_budget(budget, plain_peak_bytes=plain)
     else:
-        budget_bytes = parse_budget(budget)
+        memory = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
+        budget_bytes = parse_budget(budget, device_memory_bytes=memory)
     profiles: dict[int, Profile | None] = {}
 
     def get(m: int) -> Profile | None:
