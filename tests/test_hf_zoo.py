@@ -124,7 +124,7 @@ def test_verified_plan_fits_and_is_exact(
         except remat.InfeasibleBudget as e:
             # the floor named before any step ran is the fake tensors'; the lean steps then measure
             # what kernels allocate besides and name it with that (NOTE [ What no tensor holds ])
-            if share or not e.smallest_bytes or e.smallest_bytes <= int(budget) or "below the smallest" not in str(e):
+            if share or not e.smallest_bytes or not int(budget) < e.smallest_bytes <= 1.1 * int(budget):
                 raise
             budget = e.smallest_bytes
             plan, report = remat.auto(model, batch, budget, verify=True, repeats=1)
@@ -140,12 +140,11 @@ def test_verified_plan_fits_and_is_exact(
         if report.plain_ran:
             assert abs(report.measured_peak_bytes / report.predicted_peak_bytes - 1) <= 0.01, report
         else:  # a lean profile: bytes from fake tensors, which take transformers' tracing branches
-            assert report.measured_peak_bytes <= report.predicted_peak_bytes, report
+            assert report.measured_peak_bytes <= 1.01 * report.predicted_peak_bytes, report
         if report.reference.startswith("none"):  # no reference fits the budget: this process holds plain
+            from remat.models.hf import without_cache
             from remat.verify_steps import compare as _compare
             from remat.verify_steps import loss_and_grads as _grads
-
-            from remat.models.hf import without_cache
 
             with without_cache(model):  # as verify runs its steps (NOTE [ No K/V cache in a planned ... ])
                 planned = _grads(model, batch, None, None, 0)

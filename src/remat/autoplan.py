@@ -96,9 +96,9 @@ def auto(
     remove(model)  # profile the model as the user wrote it
     # No step runs above the budget, the profiler's included (NOTE [ Planning what does not fit ]
     # in remat.measure.lean); NOTE [ Compiled blocks ] in remat.manual.compiled
-    prof = profile(model, batch, loss_fn=loss_fn, optimizer=optimizer, blocks=blocks, repeats=repeats,
-                   compile_budgets=compile_budgets, budget=budget)
     try:
+        prof = profile(model, batch, loss_fn=loss_fn, optimizer=optimizer, blocks=blocks, repeats=repeats,
+                       compile_budgets=compile_budgets, budget=budget)
         plan = solve(prof, budget, method=method, segments=not layerdrop_blocks(model))  # NOTE [ layerdrop ]
     except InfeasibleBudget as e:
         if model.training:
