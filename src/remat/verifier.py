@@ -277,6 +277,13 @@ def _lean(model: nn.Module, batch: Any, loss_fn: Any, optimizer: Any, plans: Seq
 def _verify_lean(model: nn.Module, batch: Any, plans: Sequence[Plan], loss_fn: Any,
                  optimizer: Any, repeats: int, seed: int, lean: _Lean) -> list[Report]:
     """``verify_many`` without the plain step (NOTE [ Verifying without the plain step ])."""
+    over = next((p for p in plans if p.budget_bytes is not None and p.estimate.peak_bytes > p.budget_bytes), None)
+    if over is not None:
+        raise InvalidValue(
+            f"the {over.method} plan is predicted at {over.estimate.peak_bytes} bytes, over its budget of "
+            f"{over.budget_bytes}, and the plain step does not fit that budget either: verify runs no step "
+            "above the budget. Verify a plan solved for the budget (remat.solve), or raise the budget"
+        )
     previous = applied_plan(model)
     measured: dict[tuple[tuple[str, str], ...], tuple[StepMemory, list[torch.Tensor], int | None]] = {}
     with without_cache(model), every_layer(model):  # NOTE [ layerdrop ] in remat.models.hf

@@ -157,6 +157,7 @@ def plain_peak(model: nn.Module, batch: Any, loss_fn: Any, optimizer: torch.opti
         fake_batch = to_fake(fake_mode, batch)
         opt = fake_optimizer(optimizer, model)(fake) if optimizer is not None else None
         cache_off(fake)
+        layerdrop_off(fake)  # a fake copy, thrown away after: nothing to put back
         if configure is not None:
             configure(fake)
         _create_state(fake, opt)

@@ -150,15 +150,26 @@ class FakeMeter(TorchDispatchMode):
         self._peak_since = self.live
 
     def __enter__(self) -> FakeMeter:
-        if self.spec.name == "cpu":  # NOTE [ RNG states on the CPU ]
+        self._get_rng_state = None
+        if self.spec.name == "cpu" and torch.get_rng_state != self._counted_rng_state:  # NOTE [ RNG states on the CPU ]
             self._get_rng_state = torch.get_rng_state
             torch.get_rng_state = self._counted_rng_state
-        return super().__enter__()  # type: ignore[no-any-return]
+        try:
+            return super().__enter__()  # type: ignore[no-any-return]
+        except BaseException:
+            self._restore()
+            raise
 
     def __exit__(self, *exc: Any) -> None:
-        super().__exit__(*exc)
-        if self.spec.name == "cpu":
+        try:
+            super().__exit__(*exc)
+        finally:
+            self._restore()
+
+    def _restore(self) -> None:
+        if self._get_rng_state is not None:
             torch.get_rng_state = self._get_rng_state
+            self._get_rng_state = None
 
     def _counted_rng_state(self) -> torch.Tensor:
         """``torch.get_rng_state``, its tensor counted while it lives.
@@ -169,6 +180,7 @@ class FakeMeter(TorchDispatchMode):
         meter would not see it, and on the CPU device it is device memory: each checkpointed block
         measured 5056 bytes over its fake prediction. The meter counts it while it is in use (on
         a GPU it is host memory and stays uncounted)."""
+        assert self._get_rng_state is not None
         state = self._get_rng_state()
         self._track(state)
         return state

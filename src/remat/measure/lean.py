@@ -44,6 +44,8 @@ import torch
 from torch import nn
 
 from remat.devices import DeviceSpec, get_device
+from remat.errors import RematError
+from remat.manual.blocks import find_blocks
 from remat.manual.lm_head import HEAD_KEEP
 from remat.manual.segments import apply_segments, remove_segments
 from remat.measure import step as _step
@@ -92,6 +94,8 @@ def resolve_budget(model: nn.Module, batch: Any, loss_fn: Any, optimizer: torch.
     spec = lean_spec(device)
     try:
         plain = plain_peak(model, batch, loss_fn, optimizer, spec)
+    except RematError:  # what the user can act on (a model that cannot be copied, ...)
+        raise
     except Exception as e:  # a forward that reads tensor values, an op fake tensors cannot run
         why = "its forward reads tensor values" if isinstance(e, FAKE_LIMITS) else str(e).split("\n")[0][:200]
         log.warning("remat: %s runs no step on fake tensors (%s: %s), so the plain step cannot be "
@@ -122,6 +126,8 @@ def lean_profile(model: nn.Module, batch: Any, loss_fn: Any, optimizer: torch.op
     """The profile of a step the plain step does not fit (NOTE [ Planning what does not fit ])."""
     device = _step.batch_device(model, batch)
     make_opt = fake_optimizer(optimizer, model) if optimizer is not None else None
+    if blocks is not None:  # by name: the fake copy's modules are not the user's
+        blocks = [name for name, _ in find_blocks(model, blocks)]
     run = fake_run(functools.partial(fake_copy, model), batch, loss_fn, make_opt, blocks, lean.spec)
     cuda = device.type == "cuda"
     if cuda:
@@ -223,8 +229,8 @@ class _Timing:
                 order = [b.name for b in self.fake.blocks]
                 modules = dict(named)
                 blocks = [modules[name] for name in order]
+                stack.callback(remove_segments, blocks)  # first: undone even if applying fails
                 apply_segments(blocks, [(order.index(a), order.index(b)) for a, b in segments], order)
-                stack.callback(remove_segments, blocks)
             yield
 
     def _real(self, options: Sequence[str], head: str) -> Callable[[], contextlib.AbstractContextManager[Any]]:

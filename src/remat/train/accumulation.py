@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from remat.errors import InfeasibleBudget
+from remat.errors import InfeasibleBudget, ProfileError
 from remat.measure import step as _step
 from remat.measure.estimated import plain_peak
 from remat.measure.lean import lean_spec
@@ -111,8 +111,10 @@ def _profile(model: nn.Module, m: int, *, seq_len: int, loss_fn: Any, make_optim
         with autocast() if autocast is not None else contextlib.nullcontext():
             return profile(model, batch, loss_fn=loss_fn, optimizer=make_optimizer, repeats=repeats,
                            budget=budget_bytes)
-    except InfeasibleBudget as e:
+    except (InfeasibleBudget, ProfileError, torch.OutOfMemoryError) as e:  # this size does not fit
         log.info("micro-batch %d: %s", m, e)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
         return None
 
 
