@@ -29,7 +29,7 @@ MiB = 2**20
 CASES = {
     "gpt": 80 * MiB,  # plain step 135 MiB, every block 33 MiB
     "unet": 110 * MiB,  # plain step 151 MiB, every block 60 MiB (not a chain: long skips)
-    "hf-llama": 500 * MiB,  # plain step 569 MiB, every block 431 MiB: the head's logits dominate
+    "hf-llama": 515 * MiB,  # plain step 569 MiB, every block 431 MiB: the head's logits dominate
 }
 
 
@@ -80,7 +80,7 @@ def test_auto_plans_verifies_and_trains_where_the_plain_step_does_not_fit(model:
 
 
 def test_remat_train_plans_and_trains_where_the_plain_step_does_not_fit(tmp_path: Path) -> None:
-    result = _child("train", "gpt-tiny", str(200 * MiB), "40%", str(tmp_path / "run"))
+    result = _child("train", "gpt-tiny", str(240 * MiB), "40%", str(tmp_path / "run"))
     assert not result["plain"]["ok"] and "can't allocate memory" in result["plain"]["message"]
     got = _ran(result, "train")
     assert got["exit_code"] == 0, got["output"]
