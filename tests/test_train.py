@@ -6,6 +6,7 @@ a minute and a half on two cores."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 from pathlib import Path
@@ -18,7 +19,7 @@ from torch import nn
 from remat import apply, checkpoint_module
 from remat.cli.train import accumulation_table, train_command
 from remat.gradnorm import GradNorm
-from remat.measure.tracer import measure_step
+from remat.measure.tracer import MemoryTracer, measure_step
 from remat.models import GPTConfig, build_model
 from remat.report import render_text
 from remat.train import (
@@ -32,6 +33,7 @@ from remat.train import (
 )
 from remat.train.accumulation import micro_batch_sizes, summary
 from remat.train.data import VOCAB_SIZE, Sampler, eval_windows, load_text
+from remat.train.steps import base_bytes, peak_meter
 
 TINY = GPTConfig(n_layer=3, n_head=2, n_embd=32, dropout=0.1)
 BASE = TrainConfig(model=TINY, steps=5, global_batch=4, seq_len=32, warmup=2, eval_every=0,
@@ -200,6 +202,28 @@ def test_accumulated_gradients_equal_one_big_batch() -> None:
         torch.testing.assert_close(g_acc, g_big, rtol=1e-5, atol=1e-7)
     with pytest.raises(ValueError, match="does not divide"):
         accumulate(model, ids, micro_batch=3)
+
+
+def test_a_step_traced_in_parts_has_the_peak_of_one_trace() -> None:
+    """NOTE [ Tracing a step in parts ]: the same accumulated step with AdamW state, traced whole
+    and traced a micro-batch at a time, peaks at the same byte."""
+    torch.manual_seed(0)
+    model = build_text_model(dataclasses.replace(TINY, dropout=0.0), seq_len=32)
+    ids = torch.randint(VOCAB_SIZE, (8, 32))
+    optimizer = torch.optim.AdamW(model.parameters())
+    peaks = []
+    for parts in (False, True, False, True):
+        optimizer.zero_grad(set_to_none=True)
+        with (peak_meter(model, optimizer, ids, torch.device("cpu"), trace=parts) as meter,
+              contextlib.nullcontext() if parts else MemoryTracer("cpu") as whole):
+            accumulate(model, ids, micro_batch=2, loss_fn=text_loss, part=meter.part)
+            with meter.part():
+                optimizer.step()
+        if parts:
+            peaks.append(meter.peak_bytes)
+        else:
+            peaks.append(base_bytes(model, optimizer, ids) + whole.trace.peak_bytes)
+    assert peaks[1] == peaks[2] == peaks[3] and peaks[1] > 0, peaks  # the first step builds AdamW's state
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])

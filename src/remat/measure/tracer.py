@@ -154,6 +154,7 @@ class MemoryTracer:
         self._prof.__exit__(*exc)
         if exc[0] is None:
             self._trace = self._read_profile()
+        self._prof = None  # its event records are host memory: freed as soon as they are read
 
     def _read_profile(self) -> Trace:
         events = self._prof.profiler.kineto_results.events()

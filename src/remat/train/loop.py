@@ -232,12 +232,13 @@ class _Run:
         optimizer.zero_grad(set_to_none=True)
         with peak_meter(self.model, optimizer, ids, self.device, trace=trace) as meter:
             loss = accumulate(self.model, ids, micro_batch=self.micro, loss_fn=text_loss,
-                              autocast=self.autocast, scaler=scaler)
-            scaler.unscale_(optimizer)
-            norm = nn.utils.clip_grad_norm_(self.params, config.clip) if config.clip else None
-            scale = scaler.get_scale()
-            scaler.step(optimizer)
-            scaler.update()
+                              autocast=self.autocast, scaler=scaler, part=meter.part)
+            with meter.part():
+                scaler.unscale_(optimizer)
+                norm = nn.utils.clip_grad_norm_(self.params, config.clip) if config.clip else None
+                scale = scaler.get_scale()
+                scaler.step(optimizer)
+                scaler.update()
             if scaler.get_scale() >= scale:  # a lower fp16 scale: inf grads, step skipped
                 self.scheduler.step()
         loss_value = float(loss)  # waits for the device
