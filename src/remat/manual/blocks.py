@@ -1,8 +1,9 @@
-"""Which modules are the blocks: found in the model, or named by the user.
+"""Which modules are the blocks: found in the model and in what runs, or named by the user.
 
 Found automatically: every stack of repeated blocks (NOTE [ Every stack ]), or, when there is
-none, the children of a top-level ``nn.Sequential``. Named: glob patterns over module names
-(``["model.layers.*"]``) or the modules themselves.
+none, the children of a top-level ``nn.Sequential``; then the module calls of a real or fake
+forward settle them (NOTE [ Blocks by what runs ], ``by_calls``). Named: glob patterns over module
+names (``["model.layers.*"]``) or the modules themselves.
 
 # NOTE [ Every stack ]
 A stack is a container (``nn.ModuleList`` / ``nn.Sequential``) of >= 2 children in which one class
@@ -21,12 +22,13 @@ import fnmatch
 import hashlib
 from collections import Counter
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from torch import nn
 
-from remat.errors import BlockError, InvalidType, did_you_mean
+from remat.errors import BlockError, InvalidType, ProfileError, did_you_mean
 
-__all__ = ["BlockError", "find_blocks", "fingerprint"]
+__all__ = ["BlockError", "Calls", "by_calls", "find_blocks", "fingerprint"]
 
 
 def _param_count(module: nn.Module) -> int:
@@ -49,14 +51,18 @@ def _candidates(model: nn.Module) -> list[tuple[str, nn.Module, int]]:
 
 
 def find_blocks(
-    model: nn.Module, blocks: Sequence[str] | Sequence[nn.Module] | None = None
+    model: nn.Module, blocks: Sequence[str] | Sequence[nn.Module] | None = None, *, required: bool = True
 ) -> list[tuple[str, nn.Module]]:
-    """The blocks of ``model`` as (qualified name, module), in definition order."""
+    """The blocks of ``model`` as (qualified name, module), in definition order: by the model's
+    containers alone (``by_calls`` settles them by what runs). ``required=False``: no blocks found
+    is an empty list, not an error."""
     if not isinstance(model, nn.Module):
         raise InvalidType(f"expected an nn.Module, got {type(model).__name__}")
     names = {id(m): n for n, m in model.named_modules()}
     if blocks is None:
-        found = _auto(model)
+        found = _auto(model, required=required)
+        if not found:
+            return found
     elif isinstance(blocks, str):
         raise InvalidType(f"blocks= takes a list of patterns, e.g. [{blocks!r}], not a string")
     elif all(isinstance(b, str) for b in blocks):
@@ -103,7 +109,7 @@ def _stacks(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return sorted(taken, key=lambda t: order[t[0]])
 
 
-def _auto(model: nn.Module) -> list[tuple[str, nn.Module]]:
+def _auto(model: nn.Module, *, required: bool = True) -> list[tuple[str, nn.Module]]:
     stacks = _stacks(model)
     if stacks:
         return [
@@ -113,14 +119,114 @@ def _auto(model: nn.Module) -> list[tuple[str, nn.Module]]:
         ]
     if isinstance(model, nn.Sequential) and len(model) >= 2:
         return list(model.named_children())
+    if not required:
+        return []
+    raise no_blocks(model)
+
+
+def no_blocks(model: nn.Module) -> BlockError:
     seen = [f"{n or '<root>'} ({type(m).__name__}, {len(list(m.children()))} children)"
             for n, m in model.named_modules() if len(list(m.children())) >= 2][:8]
-    raise BlockError(
+    return BlockError(
         f"found no repeated blocks in {type(model).__name__}: no nn.ModuleList/nn.Sequential holds "
         f"two or more modules of one class. Containers seen: {', '.join(seen) or 'none'}. "
         "Name the blocks yourself, e.g. blocks=['encoder.layer.*'] (glob patterns over module "
         "names) or blocks=[model.part1, model.part2]."
     )
+
+
+# NOTE [ Blocks by what runs ]
+# Containers say what repeats; only a forward says what runs. ``by_calls`` takes the module calls of
+# one forward with gradients (``Calls``) and settles the blocks:
+# 1. A found block that ran is a block. One that never runs but whose modules do (a ``ModuleList`` of
+#    ``ModuleList``s that the model iterates in its own loop, ``for attn, ff in self.layers``) gives
+#    way to its outermost modules that run, hold parameters and return what requires grad; those
+#    without parameters (a residual wrapper) are the model's code between blocks.
+# 2. A found stack of which nothing runs is left out (a T5's decoder in an encoder-only step); one
+#    of which some blocks run and others do not skips layers at random, and is refused.
+# 3. What no block covers and runs before the last block ends is the trunk's too: from the root,
+#    through the blocks' ancestors and containers that are never called, every module that runs
+#    once, holds parameters, has modules of its own, and takes and returns what requires grad is a
+#    block (a frozen embedding has no backward to replay in; a stem fed the batch is left to the
+#    part before the blocks, as a first block whose input needs no gradient is mispredicted by a
+#    hidden state, issue 28's LoRA case) (a UNet's down path of different
+#    classes, its lone middle block, a ViT's patch embedding). A bare layer (an embedding, a norm)
+#    holds little; what runs after the last block is the head's (its own options). Such a module
+#    with two or more such modules inside gives way to them (a UNet stage's resnets, attentions
+#    and downsampler, the granularity diffusers' own checkpointing takes): a block's backward
+#    holds its whole forward again, so the floor falls with the largest block.
+# So every block remat chooses has run once in that forward: a block that does not run is never the
+# user's error.
+
+
+@dataclass(frozen=True)
+class Calls:
+    """The module calls of one forward with gradients, by qualified name."""
+
+    count: dict[str, int]
+    """How many times each module that ran was called."""
+    start: dict[str, int]
+    """The position of each module's first call among all calls' starts and ends."""
+    end: dict[str, int]
+    """The position where that first call ended."""
+    grads: set[str]
+    """The modules whose first call returned a tensor that requires grad (a backward runs)."""
+    grad_inputs: set[str]
+    """The modules whose first call's hidden input (first floating-point tensor) requires grad."""
+
+
+def by_calls(model: nn.Module, found: list[tuple[str, nn.Module]], calls: Calls) -> list[tuple[str, nn.Module]]:
+    """The blocks found by containers, settled by what ran (NOTE [ Blocks by what runs ])."""
+    blocks: list[tuple[str, nn.Module]] = []
+    stacks: dict[str, list[bool]] = {}
+    for name, module in found:
+        within = [(name, module)] if name in calls.count else _running_within(name, module, calls)
+        stacks.setdefault(name.rpartition(".")[0], []).append(bool(within))
+        blocks += within
+    if skipped := [stack for stack, ran in stacks.items() if any(ran) and not all(ran)]:
+        missing = [n for n, _ in found if n.rpartition(".")[0] in skipped and not any(
+            b == n or b.startswith(n + ".") for b, _ in blocks)]
+        raise ProfileError(f"blocks {missing} did not run in the training step while others of their stack did; "
+                           "remat plans blocks that run in every step (turn off layerdrop or other random layer "
+                           "skips, or name the blocks with blocks=)")
+    last_end = max((calls.end[n] for n, _ in blocks), default=None)
+    taken = {n for n, _ in blocks}
+    above = {""} | {n[:i] for n in taken for i, c in enumerate(n) if c == "."}
+    blocks += _uncovered(model, "", taken, above, calls, last_end)
+    order = {n: i for i, (n, _) in enumerate(model.named_modules())}
+    return sorted(blocks, key=lambda b: order[b[0]])
+
+
+def _running_within(name: str, module: nn.Module, calls: Calls) -> list[tuple[str, nn.Module]]:
+    """The outermost modules inside ``module`` that ran and hold parameters (rule 1)."""
+    found: list[tuple[str, nn.Module]] = []
+    for child_name, child in module.named_children():
+        full = f"{name}.{child_name}"
+        if full not in calls.count:
+            found += _running_within(full, child, calls)
+        elif _param_count(child) > 0 and full in calls.grads:
+            found.append((full, child))
+    return found
+
+
+def _uncovered(model: nn.Module, prefix: str, taken: set[str], above: set[str], calls: Calls,
+               last_end: int | None) -> list[tuple[str, nn.Module]]:
+    """The modules of the trunk that no block covers (rule 3)."""
+    found: list[tuple[str, nn.Module]] = []
+    for child_name, child in model.named_children():
+        full = f"{prefix}.{child_name}" if prefix else child_name
+        if full in taken:
+            continue
+        if full in above or (full not in calls.count and isinstance(child, _CONTAINERS)):
+            found += _uncovered(child, full, taken, above, calls, last_end)
+        elif (calls.count.get(full) == 1 and full in calls.grads and full in calls.grad_inputs and _param_count(child) > 0
+              and (last_end is None or calls.start[full] < last_end) and any(True for _ in child.children())):
+            parts = _uncovered(child, full, taken, above, calls, last_end)
+            found += parts if len(parts) >= 2 else [(full, child)]
+    return found
+
+
+_CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
 
 
 def _by_pattern(model: nn.Module, patterns: list[str]) -> list[tuple[str, nn.Module]]:

@@ -180,8 +180,19 @@ def run(
         return _torch_checkpoint(fn, *args, use_reentrant=False, **torch_kwargs, **kwargs)
     if mode == "recompute_offload":
         return _recompute_offloaded(fn, args, kwargs, torch_kwargs)
-    staged = _Staged(fn, kwargs, policy, allow_cache_entry_mutation, args)
-    return _torch_checkpoint(staged, *args, use_reentrant=False, **torch_kwargs)
+    # NOTE [ One tensor, passed twice ]
+    # 1. torch's checkpoint saves each argument for the recompute as its own saved tensor. Under a
+    #    saved-tensor hook of the caller's (``save_on_cpu``, a memory tracer's), they unpack as
+    #    distinct objects, so ``mha(q, x, x)`` recomputes with ``key is not value``: torch's
+    #    MultiheadAttention then projects key and value apart, and torch raises that the recompute
+    #    saved other shapes (SigLIP's pooling head, torch 2.13; tests/test_checkpoint.py).
+    # 2. So an argument that is the object of an earlier one is passed once, and the repeat
+    #    rebuilt from it on every call: the recompute sees the identities the forward saw.
+    first = {id(a): i for i, a in reversed(list(enumerate(args))) if isinstance(a, torch.Tensor)}
+    same = {i: first[id(a)] for i, a in enumerate(args) if isinstance(a, torch.Tensor) and first[id(a)] != i}
+    staged = _Staged(fn, kwargs, policy, allow_cache_entry_mutation, args, same)
+    distinct = [None if i in same else a for i, a in enumerate(args)]
+    return _torch_checkpoint(staged, *distinct, use_reentrant=False, **torch_kwargs)
 
 
 # NOTE [ remat's contexts inside torch's ]
@@ -204,9 +215,10 @@ class _Staged:
     garbage collector runs, after the block's backward."""
 
     def __init__(
-        self, fn: Callable[..., Any], kwargs: dict[str, Any], policy: Any, allow_mutation: bool, args: Any
+        self, fn: Callable[..., Any], kwargs: dict[str, Any], policy: Any, allow_mutation: bool, args: Any,
+        same: dict[int, int],
     ) -> None:
-        self.fn, self.kwargs = fn, kwargs
+        self.fn, self.kwargs, self.same = fn, kwargs, same  # NOTE [ One tensor, passed twice ]
         # Modules among the arguments, found now: holding the arguments themselves would keep
         # the inputs alive past torch's own saved (and maybe packed) copies.
         self.arg_roots = module_roots(args)
@@ -217,6 +229,8 @@ class _Staged:
             self.fwd, self.rec = create_selective_checkpoint_contexts(policy, allow_mutation)
 
     def __call__(self, *args: Any) -> Any:
+        if self.same:
+            args = tuple(args[self.same[i]] if i in self.same else a for i, a in enumerate(args))
         if not self.started:
             self.started = True
             with self.fwd:
@@ -263,7 +277,7 @@ def _recompute_offloaded(
     devices = {a.device for a in [*host_args, *host_kwargs.values()] if isinstance(a, _OnHost)}
     markers = [torch.empty(0, device=d) for d in sorted(devices, key=str)]
     run_fn = functools.partial(_run_offloaded, fn, host_args, host_kwargs)
-    staged = _Staged(run_fn, {}, None, False, ())
+    staged = _Staged(run_fn, {}, None, False, (), {})
     return _torch_checkpoint(staged, *markers, use_reentrant=False, **torch_kwargs)
 
 

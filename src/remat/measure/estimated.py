@@ -106,11 +106,11 @@ def fake_run(make_model: Callable[[Any], nn.Module], batch: Any, loss_fn: Any,
         model = make_model(fake_mode)
         fake_batch = batch() if callable(batch) else to_fake(fake_mode, batch)
         opt = make_optimizer(model) if make_optimizer is not None else None
-        named = find_blocks(model, blocks)
+        named = find_blocks(model, blocks, required=False)
         layerdrop_off(model)  # a fake model, thrown away after: nothing to put back
         cache_off(model)  # on a fake model, thrown away after: nothing to remove
         _create_state(model, opt)
-        named = running(named, blocks is not None, lambda: _step.train_step(model, fake_batch, loss_fn, opt))
+        named = running(model, named, blocks is not None, lambda: _step.train_step(model, fake_batch, loss_fn, opt))
         keys = base_keys(model, opt, fake_batch)
         for option in _RUN_OPTIONS:
             with every_block(named, option):

@@ -5,6 +5,7 @@ boundaries (``_Hooks``), which blocks run (``running``), and what the step's fix
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -13,6 +14,7 @@ import torch
 from torch import nn
 
 from remat.errors import ProfileError
+from remat.manual.blocks import Calls, by_calls, no_blocks
 from remat.measure import step as _step
 from remat.measure.handovers import note_handover_uses, note_returned
 from remat.measure.runner import every_block
@@ -123,23 +125,44 @@ def marked_step(
     return hooks
 
 
-def running(named: list[tuple[str, nn.Module]], explicit: bool, run: Callable[[], Any]) -> list[tuple[str, nn.Module]]:
-    """The blocks that run in ``run()``, a warm-up step; a found stack that does not run is left out."""
-    ran: set[str] = set()
-    handles = [m.register_forward_pre_hook(lambda *_, n=n: ran.add(n) if torch.is_grad_enabled() else None)
-               for n, m in named]
+def running(model: nn.Module, named: list[tuple[str, nn.Module]], explicit: bool,
+            run: Callable[[], Any]) -> list[tuple[str, nn.Module]]:
+    """The blocks, settled by what runs in ``run()``, a warm-up step: named ones must run; found
+    ones are settled by the module calls (NOTE [ Blocks by what runs ] in remat.manual.blocks)."""
+    calls = Calls(count={}, start={}, end={}, grads=set(), grad_inputs=set())
+    names = {id(m): n for n, m in model.named_modules()}
+    ticks = itertools.count()
+
+    def pre(module: nn.Module, args: Any, kwargs: Any) -> None:
+        if torch.is_grad_enabled() and (name := names.get(id(module))) is not None:
+            calls.count[name] = calls.count.get(name, 0) + 1
+            if name not in calls.start:
+                calls.start[name] = next(ticks)
+                if (x := _first_tensor((args, kwargs))) is not None and x.requires_grad:
+                    calls.grad_inputs.add(name)
+
+    def post(module: nn.Module, args: Any, output: Any) -> None:
+        if torch.is_grad_enabled() and (name := names.get(id(module))) is not None and name not in calls.end:
+            calls.end[name] = next(ticks)
+            if any(t.requires_grad for t in _step.tensors_in(output)):
+                calls.grads.add(name)
+
+    handles = [h for m in model.modules() for h in (m.register_forward_pre_hook(pre, with_kwargs=True), m.register_forward_hook(post))]
     try:
         run()
     finally:
         for h in handles:
             h.remove()
-    stacks = {n.rpartition(".")[0] for n in ran}
-    kept = [(n, m) for n, m in named if explicit or n.rpartition(".")[0] in stacks]
-    if missing := [n for n, _ in kept if n not in ran] or ([n for n, _ in named] if not ran else []):
-        raise ProfileError(f"blocks {missing} did not run in the training step; remat plans blocks that run "
-                           "once per step with gradients (check blocks=, and that the model trains)")
-    if len(kept) < len(named):
-        log.info("left out stacks that do not run in a training step: %s", sorted({n for n, _ in named} - ran))
+    if explicit:
+        if missing := [n for n, _ in named if n not in calls.count]:
+            raise ProfileError(f"blocks {missing} did not run in the training step; remat plans blocks that run "
+                               "once per step with gradients (check blocks=, and that the model trains)")
+        return named
+    kept = by_calls(model, named, calls)
+    if not kept:
+        raise no_blocks(model)
+    if left := sorted({n for n, _ in named} - {n for n, _ in kept}):
+        log.info("blocks found by the model's containers that do not run as blocks in a training step: %s", left)
     return kept
 
 

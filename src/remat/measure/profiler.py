@@ -149,14 +149,14 @@ def _measured(
     repeats: int,
     compiled: tuple[str, ...] = (),
 ) -> Profile:
-    named = find_blocks(model, blocks)
+    named = find_blocks(model, blocks, required=False)
     device = _step.batch_device(model, batch)
     cuda = device.type == "cuda"
     traces: dict[str, tuple[Trace, Hooks]] = {}
     times: dict[str, dict[str, float]] = {}
     with _step.preserved(model, optimizer):
         # warm-up: lazy state, allocator, and which blocks run
-        named = running(named, blocks is not None, lambda: _step.train_step(model, batch, loss_fn, optimizer))
+        named = running(model, named, blocks is not None, lambda: _step.train_step(model, batch, loss_fn, optimizer))
         model.zero_grad(set_to_none=True)
         base = base_bytes(model, optimizer, batch, device)
         opt_bytes = _step.optimizer_bytes(optimizer)

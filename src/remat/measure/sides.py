@@ -287,13 +287,14 @@ def with_skips(traced: SeenSides, profile: Profile) -> Profile:
     inputs), a first input that the forward holds for another block too, or a first input that is
     not the previous block's output (computed between the blocks, e.g. a pooling in the model's
     own forward)."""
-    names = [b.name for b in profile.blocks]
+    # The hooks number blocks as found; the profile lists them as they ran.
+    names = {i: block.name for i, block in zip(traced.order, profile.blocks)}
     first_keys, first_of = _keys(traced, "_first_keys"), _keys(traced, "_first_of")
     firsts = {key: i for i, key in first_keys.items()}
     skips: dict[str, int] = {}
 
     def add(j: int, nbytes: int) -> None:
-        if j < len(names):
+        if j in names:
             skips[names[j]] = skips.get(names[j], 0) + max(1, nbytes)
 
     for i in traced.order:

@@ -1,0 +1,141 @@
+"""Tiny models from libraries this project's code was not written against (random init).
+
+``LIBS[name]()`` gives ``(model, batch, loss_fn)``: the library's own classes, built with tiny
+configs so that a CPU step takes milliseconds; ``batch`` is what ``model(*batch)`` (a tuple) or
+``model(**batch)`` (a dict) takes, ``loss_fn(output, batch)`` a scalar. Each library is installed
+with ``--no-deps`` beside the pinned torch (``make install``); a model whose library does not
+import is skipped by the tests, with the reason.
+
+The shapes they bring: diffusers' UNets keep their down path as a list of different classes and
+their middle block as a lone attribute; vit-pytorch and x-transformers keep each layer as a
+``ModuleList`` of ``ModuleList``s iterated by their own loop (``for attn, ff in self.layers``);
+litgpt has its own layer loop with rotary tables passed to every block; peft freezes the base
+model, so the first block's input does not require grad.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+Built = tuple[nn.Module, Any, Callable[[Any, Any], torch.Tensor]]
+BATCH = 4
+
+
+def _gen() -> torch.Generator:
+    return torch.Generator().manual_seed(1)
+
+
+def _sample_loss(output: Any, batch: Any) -> torch.Tensor:
+    return output.sample.float().square().mean()
+
+
+def diffusers_unet() -> Built:
+    from diffusers import UNet2DModel
+
+    torch.manual_seed(0)
+    model = UNet2DModel(sample_size=16, in_channels=3, out_channels=3, layers_per_block=1,
+                        block_out_channels=(32, 64), norm_num_groups=8,
+                        down_block_types=("DownBlock2D", "AttnDownBlock2D"),
+                        up_block_types=("AttnUpBlock2D", "UpBlock2D"))
+    x = torch.randn(BATCH, 3, 16, 16, generator=_gen())
+    return model.train(), (x, torch.tensor([10] * BATCH)), _sample_loss
+
+
+def diffusers_cond_unet() -> Built:
+    from diffusers import UNet2DConditionModel
+
+    torch.manual_seed(0)
+    model = UNet2DConditionModel(sample_size=16, in_channels=4, out_channels=4, layers_per_block=1,
+                                 block_out_channels=(32, 64), norm_num_groups=8, cross_attention_dim=32,
+                                 attention_head_dim=8,
+                                 down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+                                 up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"))
+    x = torch.randn(BATCH, 4, 16, 16, generator=_gen())
+    text = torch.randn(BATCH, 8, 32, generator=_gen())
+    return model.train(), (x, torch.tensor([10] * BATCH), text), _sample_loss
+
+
+def _file_module(package: str, name: str) -> ModuleType:
+    """``package.name`` loaded from its file, without running the package's ``__init__`` (which
+    for vit-pytorch imports torchvision, which does not import beside this torch build)."""
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError(f"{package} is not installed")
+    path = f"{next(iter(spec.submodule_search_locations))}/{name}.py"
+    module_spec = importlib.util.spec_from_file_location(f"_zoo_{package}_{name}", path)
+    assert module_spec is not None and module_spec.loader is not None
+    module = importlib.util.module_from_spec(module_spec)
+    sys.modules[module_spec.name] = module
+    module_spec.loader.exec_module(module)
+    return module
+
+
+def _class_loss(output: Any, batch: Any) -> torch.Tensor:
+    return F.cross_entropy(output, torch.arange(output.shape[0]) % output.shape[-1])
+
+
+def vit_pytorch_vit() -> Built:
+    ViT = _file_module("vit_pytorch", "vit").ViT
+    torch.manual_seed(0)
+    model = ViT(image_size=32, patch_size=4, num_classes=10, dim=64, depth=4, heads=4, mlp_dim=128)
+    return model.train(), (torch.randn(BATCH, 3, 32, 32, generator=_gen()),), _class_loss
+
+
+def _lm_loss(output: Any, batch: Any) -> torch.Tensor:
+    logits = output if isinstance(output, torch.Tensor) else output.logits
+    ids = batch[0]
+    return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(), ids[:, 1:].reshape(-1))
+
+
+def _ids(vocab: int = 256, seq: int = 64) -> torch.Tensor:
+    return torch.randint(0, vocab, (BATCH, seq), generator=_gen())
+
+
+def x_transformers_gpt() -> Built:
+    from x_transformers import Decoder, TransformerWrapper
+
+    torch.manual_seed(0)
+    model = TransformerWrapper(num_tokens=256, max_seq_len=64,
+                               attn_layers=Decoder(dim=64, depth=4, heads=4, rotary_pos_emb=True))
+    return model.train(), (_ids(),), _lm_loss
+
+
+def litgpt_gpt() -> Built:
+    from litgpt.config import Config
+    from litgpt.model import GPT
+
+    torch.manual_seed(0)
+    config = Config(block_size=64, vocab_size=256, padded_vocab_size=256, n_layer=4, n_head=4, n_embd=64,
+                    rotary_percentage=1.0, parallel_residual=False, bias=False, norm_class_name="RMSNorm",
+                    mlp_class_name="LLaMAMLP", intermediate_size=128)
+    return GPT(config).train(), (_ids(),), _lm_loss
+
+
+def peft_lora_llama() -> Built:
+    import peft
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    base = transformers.LlamaForCausalLM(cfg)
+    model = peft.get_peft_model(base, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.0))
+    return model.train(), {"input_ids": _ids()}, lambda output, batch: _lm_loss(output, (batch["input_ids"],))
+
+
+LIBS: dict[str, Callable[[], Built]] = {
+    "diffusers-unet": diffusers_unet,
+    "diffusers-cond-unet": diffusers_cond_unet,
+    "vit-pytorch-vit": vit_pytorch_vit,
+    "x-transformers-gpt": x_transformers_gpt,
+    "litgpt-gpt": litgpt_gpt,
+    "peft-lora-llama": peft_lora_llama,
+}

@@ -1,0 +1,141 @@
+"""Models from other libraries (``tests/_libs_zoo.py``): remat finds their blocks by what runs and
+every plan it makes with ``verify=False`` fits.
+
+Per model: the blocks cover the step (remat's smallest feasible peak is at or below torch's
+checkpoint on every one of them, and below the library's own gradient checkpointing where it has
+one); plans at 60%, 40% and the smallest feasible budget, applied without verifying, measure at or
+below their prediction, within the budget, with the plain step's gradients; ``remove`` gives the
+model back as it was.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+from typing import Any
+
+import _libs_zoo
+import pytest
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+import remat
+from remat.measure.step import forward_loss, resolve_loss_fn
+from remat.measure.tracer import measure_step
+
+# The libraries' own deprecations (torch.jit.script in litgpt, diffusers' is_gradient_checkpointing).
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::FutureWarning")
+
+# issue 28: a frozen base (the first block's input needs no gradient) puts plans that mix options
+# off by a hidden state; measured 48 KiB over the prediction on this LoRA model.
+FROZEN_BASE = pytest.mark.xfail(strict=True, reason="issue 28: a frozen first input is mispredicted")
+# issue 28: a segment over blocks whose outputs the model keeps in its own list (diffusers' down
+# path collects every resnet's output for the up path): 246 KiB over the prediction here.
+KEPT_BY_MODEL = pytest.mark.xfail(strict=True, reason="issue 28: outputs the model keeps are not seen in a segment")
+KNOWN = {("peft-lora-llama", "60%"): FROZEN_BASE, ("peft-lora-llama", "smallest"): FROZEN_BASE,
+         ("diffusers-unet", "smallest"): KEPT_BY_MODEL}
+
+
+def _build(name: str) -> Any:
+    try:
+        return _libs_zoo.LIBS[name]()
+    except ImportError as e:
+        pytest.skip(f"{name}: its library does not import here ({e})")
+
+
+def _grads(model: nn.Module, batch: Any, loss_fn: Any) -> tuple[float, dict[str, torch.Tensor]]:
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(1)
+    loss = forward_loss(model, batch, resolve_loss_fn(loss_fn))
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return float(loss.detach()), grads
+
+
+def _peak(model: nn.Module, batch: Any, loss_fn: Any) -> int:
+    return measure_step(model, batch, loss_fn=loss_fn, repeats=0).peak_bytes
+
+
+def _torch_every_block(model: nn.Module, names: list[str], batch: Any, loss_fn: Any) -> int:
+    """The peak with torch's own checkpoint on each of ``names`` (the instance's forward)."""
+    modules = dict(model.named_modules())
+    for name in names:
+        block = modules[name]
+        block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
+    try:
+        return _peak(model, batch, loss_fn)
+    finally:
+        for name in names:
+            del modules[name].forward
+
+
+def _library_checkpointing(model: nn.Module, batch: Any, loss_fn: Any) -> int | None:
+    """The peak with the library's own gradient checkpointing, where it has one."""
+    enable = getattr(model, "enable_gradient_checkpointing", None) or getattr(
+        model, "gradient_checkpointing_enable", None)
+    if enable is None:
+        return None
+    twin = copy.deepcopy(model)
+    enable()  # on the model only while measured
+    try:
+        return _peak(model, batch, loss_fn)
+    finally:
+        model.load_state_dict(twin.state_dict())
+        (getattr(model, "disable_gradient_checkpointing", None) or model.gradient_checkpointing_disable)()
+
+
+@pytest.fixture(scope="module", params=list(_libs_zoo.LIBS))
+def case(request: pytest.FixtureRequest) -> dict[str, Any]:
+    """A model, its profile, and the peaks of plain PyTorch, torch's checkpoint on remat's blocks
+    and the library's own checkpointing."""
+    name = request.param
+    model, batch, loss_fn = _build(name)
+    plain_grads = _grads(model, batch, loss_fn)
+    plain = _peak(model, batch, loss_fn)
+    prof = remat.profile(model, batch, loss_fn=loss_fn, repeats=1)
+    names = [b.name for b in prof.blocks]
+    with pytest.raises(remat.InfeasibleBudget) as refused:
+        remat.solve(prof, 1)
+    return {"name": name, "model": model, "batch": batch, "loss_fn": loss_fn, "grads": plain_grads,
+            "plain": plain, "profile": prof, "smallest": refused.value.smallest_bytes,
+            "torch": _torch_every_block(model, names, batch, loss_fn),
+            "library": _library_checkpointing(model, batch, loss_fn)}
+
+
+def test_blocks_cover_the_step(case: dict[str, Any]) -> None:
+    modules = dict(case["model"].named_modules())
+    assert all(b.name in modules for b in case["profile"].blocks)
+    assert case["smallest"] is not None and case["smallest"] <= case["torch"] < case["plain"], case
+    if case["library"] is not None:
+        assert case["smallest"] <= case["library"], case
+
+
+@pytest.mark.parametrize("budget", ["60%", "40%", "smallest"])
+def test_every_plan_fits_without_verifying(case: dict[str, Any], budget: str, request: pytest.FixtureRequest) -> None:
+    if (mark := KNOWN.get((case["name"], budget))) is not None:
+        request.applymarker(mark)
+    model, batch, loss_fn = case["model"], case["batch"], case["loss_fn"]
+    target = case["smallest"] if budget == "smallest" else round(case["plain"] * int(budget[:-1]) / 100)
+    if target < case["smallest"]:
+        pytest.skip(f"{budget} of the plain peak is below the floor ({target} < {case['smallest']} bytes)")
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    plan = remat.solve(case["profile"], target)
+    remat.apply(model, plan)
+    try:
+        measured = _peak(model, batch, loss_fn)
+        loss, grads = _grads(model, batch, loss_fn)
+    finally:
+        remat.remove(model)
+    assert plan.estimate is not None
+    assert measured <= plan.estimate.peak_bytes <= target, (measured, plan.estimate.peak_bytes, plan.choices)
+    plain_loss, plain_grads = case["grads"]
+    assert loss == plain_loss and grads.keys() == plain_grads.keys()
+    exact = plan.head == "keep" and "tiled" not in plan.choices.values()
+    for n, g in grads.items():
+        if exact:
+            assert torch.equal(g, plain_grads[n]), n
+        else:
+            torch.testing.assert_close(g, plain_grads[n], rtol=1e-4, atol=1e-6)
+    assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
