@@ -4,7 +4,7 @@ every plan it makes with ``verify=False`` fits.
 Per model: the blocks cover the step (remat's smallest feasible peak is at or below torch's
 checkpoint on every one of them, and below the library's own gradient checkpointing where it has
 one); plans at 60%, 40% and the smallest feasible budget, applied without verifying, measure at or
-below their prediction, within the budget, with the plain step's gradients; ``remove`` gives the
+below their prediction (but the known misses of ``KNOWN``), with the plain step's gradients; ``remove`` gives the
 model back as it was.
 """
 
@@ -27,15 +27,15 @@ from remat.measure.tracer import measure_step
 # The libraries' own deprecations (torch.jit.script in litgpt, diffusers' is_gradient_checkpointing).
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::FutureWarning")
 
-# issue 28: a frozen base (the first block's input needs no gradient) puts plans that mix options
-# off by a hidden state; measured up to 130 KiB over the prediction on this LoRA model.
-FROZEN_BASE = pytest.mark.xfail(strict=True, reason="issue 28: a frozen first input is mispredicted")
-# issue 28: a segment over blocks whose outputs the model keeps in its own list (diffusers' down
-# path collects every resnet's output for the up path): 246 KiB over the prediction here.
-KEPT_BY_MODEL = pytest.mark.xfail(strict=True, reason="issue 28: outputs the model keeps are not seen in a segment")
-KNOWN = {("peft-lora-llama", "60%"): FROZEN_BASE, ("peft-lora-llama", "40%"): FROZEN_BASE,
-         ("peft-lora-llama", "smallest"): FROZEN_BASE,
-         ("diffusers-unet", "smallest"): KEPT_BY_MODEL}
+# Known misses, each a tensor crossing a block boundary that the cost model does not see yet
+# (issue 28), allowed up to a bound that still fails if they grow:
+# - a frozen base (peft: the first block's input needs no gradient) puts plans that mix options
+#   off by a hidden state (4 x 128 x 64 floats, 128 KiB): measured 128-130 KiB over;
+# - a segment over blocks whose outputs the model keeps in its own list (diffusers' down path
+#   collects every resnet's output for the up path): 6-246 KiB over, by which plan the times pick.
+KiB = 1024
+KNOWN = {("peft-lora-llama", b): 160 * KiB for b in ("60%", "40%", "smallest")} | {
+    ("diffusers-unet", "smallest"): 256 * KiB}
 
 
 def _build(name: str) -> Any:
@@ -114,9 +114,8 @@ def test_blocks_cover_the_step(case: dict[str, Any]) -> None:
 
 
 @pytest.mark.parametrize("budget", ["60%", "40%", "smallest"])
-def test_every_plan_fits_without_verifying(case: dict[str, Any], budget: str, request: pytest.FixtureRequest) -> None:
-    if (mark := KNOWN.get((case["name"], budget))) is not None:
-        request.applymarker(mark)
+def test_every_plan_fits_without_verifying(case: dict[str, Any], budget: str) -> None:
+    slack = KNOWN.get((case["name"], budget), 0)
     model, batch, loss_fn = case["model"], case["batch"], case["loss_fn"]
     target = case["smallest"] if budget == "smallest" else round(case["plain"] * int(budget[:-1]) / 100)
     if target < case["smallest"]:
@@ -130,7 +129,8 @@ def test_every_plan_fits_without_verifying(case: dict[str, Any], budget: str, re
     finally:
         remat.remove(model)
     assert plan.estimate is not None
-    assert measured <= plan.estimate.peak_bytes <= target, (measured, plan.estimate.peak_bytes, plan.choices)
+    assert measured <= plan.estimate.peak_bytes + slack and plan.estimate.peak_bytes <= target, (
+        measured, plan.estimate.peak_bytes, plan.choices)
     plain_loss, plain_grads = case["grads"]
     assert loss == plain_loss and grads.keys() == plain_grads.keys()
     exact = plan.head == "keep" and "tiled" not in plan.choices.values()
