@@ -1,0 +1,123 @@
+"""Blocks by what runs (NOTE [ Blocks by what runs ] in ``remat.manual.blocks``), on pure-torch
+models in the shapes that container rules miss: layers kept as lists of lists and iterated by the
+model's own loop, a stage list of different classes, a lone middle block, code between blocks.
+Each gives the blocks expected, and the plans at 60% and 40% of the plain peak and at the floor
+(nested segments there) measure at their prediction, the last with the plain step's gradients."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import remat
+from remat.measure.tracer import measure_step
+
+
+class Mlp(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.norm, self.up, self.down = nn.LayerNorm(d), nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.nn.functional.gelu(self.up(self.norm(x))))
+
+
+class Attn(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.norm, self.qkv, self.out = nn.LayerNorm(d), nn.Linear(d, 3 * d), nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(self.norm(x)).chunk(3, dim=-1)
+        return x + self.out(torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True))
+
+
+class ListsOfLists(nn.Module):
+    """``for attn, ff in self.layers``: the inner lists are never called (vit-pytorch's shape)."""
+
+    def __init__(self, d: int = 32, depth: int = 6) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(64, d)
+        self.layers = nn.ModuleList([nn.ModuleList([Attn(d), Mlp(d)]) for _ in range(depth)])
+        self.head = nn.Linear(d, 64)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        for attn, ff in self.layers:
+            x = ff(attn(x))
+        return self.head(x)
+
+
+class Stage(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.a, self.b = Mlp(d), Mlp(d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.a(x))
+
+
+class Stages(nn.Module):
+    """A stage list of different classes, a lone middle block, code between them, and skips kept
+    in a Python list (a UNet's shape, on sequences)."""
+
+    def __init__(self, d: int = 32) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(64, d)
+        self.down = nn.ModuleList([Stage(d), Mlp(d), Attn(d)])
+        self.middle = Stage(d)
+        self.up = nn.ModuleList([Attn(d), Mlp(d), Attn(d)])
+        self.head = nn.Linear(d, 64)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        skips = []
+        for block in self.down:
+            x = block(x)
+            skips.append(x)
+            x = x * 0.5  # the model's own code between blocks
+        x = self.middle(x)
+        for block in self.up:
+            x = block(x + skips.pop())
+        return self.head(x)
+
+
+def _loss(out: torch.Tensor, batch: tuple[torch.Tensor]) -> torch.Tensor:
+    return torch.nn.functional.cross_entropy(out.flatten(0, 1), batch[0].flatten())
+
+
+CASES = {
+    "lists-of-lists": (ListsOfLists, [f"layers.{i}.{j}" for i in range(6) for j in range(2)]),
+    "stages": (Stages, ["down.0.a", "down.0.b", "down.1", "down.2", "middle.a", "middle.b", "up.0", "up.1", "up.2"]),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_blocks_are_what_runs_and_a_plan_fits(name: str) -> None:
+    make, expected = CASES[name]
+    torch.manual_seed(0)
+    model = make()
+    batch = (torch.randint(0, 64, (8, 128), generator=torch.Generator().manual_seed(1)),)
+    ref = copy.deepcopy(model)
+    prof = remat.profile(model, batch, loss_fn=_loss, repeats=1)
+    assert sorted(b.name for b in prof.blocks) == sorted(expected)
+    plain = measure_step(model, batch, loss_fn=_loss, repeats=0).peak_bytes
+    with pytest.raises(remat.InfeasibleBudget) as refused:
+        remat.solve(prof, 1)
+    floor = refused.value.smallest_bytes
+    assert floor is not None
+    for budget in (round(0.6 * plain), round(0.4 * plain), floor):
+        plan = remat.solve(prof, budget)
+        remat.apply(model, plan)
+        measured = measure_step(model, batch, loss_fn=_loss, repeats=0).peak_bytes
+        assert plan.estimate is not None and measured <= plan.estimate.peak_bytes <= budget, (
+            measured, plan.estimate, plan.choices, plan.segments)
+    for m in (model, ref):
+        m.zero_grad(set_to_none=True)
+        _loss(m(*batch), batch).backward()
+    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert torch.equal(p.grad, q.grad), n
+    remat.remove(model)
