@@ -10,7 +10,6 @@ model back as it was.
 
 from __future__ import annotations
 
-import copy
 import functools
 from typing import Any
 
@@ -78,12 +77,10 @@ def _library_checkpointing(model: nn.Module, batch: Any, loss_fn: Any) -> int | 
         model, "gradient_checkpointing_enable", None)
     if enable is None:
         return None
-    twin = copy.deepcopy(model)
     enable()  # on the model only while measured
     try:
         return _peak(model, batch, loss_fn)
     finally:
-        model.load_state_dict(twin.state_dict())
         (getattr(model, "disable_gradient_checkpointing", None) or model.gradient_checkpointing_disable)()
 
 

@@ -147,14 +147,14 @@ def no_blocks(model: nn.Module) -> BlockError:
 # 3. What no block covers and runs before the last block ends is the trunk's too: from the root,
 #    through the blocks' ancestors and containers that are never called, every module that runs
 #    once, holds parameters, has modules of its own, and takes and returns what requires grad is a
-#    block (a frozen embedding has no backward to replay in; a stem fed the batch is left to the
-#    part before the blocks, as a first block whose input needs no gradient is mispredicted by a
-#    hidden state, issue 28's LoRA case) (a UNet's down path of different
-#    classes, its lone middle block, a ViT's patch embedding). A bare layer (an embedding, a norm)
-#    holds little; what runs after the last block is the head's (its own options). Such a module
-#    with two or more such modules inside gives way to them (a UNet stage's resnets, attentions
-#    and downsampler, the granularity diffusers' own checkpointing takes): a block's backward
-#    holds its whole forward again, so the floor falls with the largest block.
+#    block (a UNet's down path of different classes, its lone middle block). A bare layer (an
+#    embedding, a norm) holds little; what runs after the last block is the head's (its own
+#    options); a frozen embedding has no backward to replay in; a stem fed the batch is left to the
+#    part before the blocks (a first block whose input needs no gradient is mispredicted by a
+#    hidden state: issue 28's LoRA case).
+# 4. Such a module with two or more such modules inside gives way to them (a UNet stage's resnets,
+#    attentions and downsampler, the granularity diffusers' own checkpointing takes): a block's
+#    backward holds its whole forward again, so the floor falls with the largest block.
 # So every block remat chooses has run once in that forward: a block that does not run is never the
 # user's error.
 
@@ -191,7 +191,7 @@ def by_calls(model: nn.Module, found: list[tuple[str, nn.Module]], calls: Calls)
                            "skips, or name the blocks with blocks=)")
     last_end = max((calls.end[n] for n, _ in blocks), default=None)
     taken = {n for n, _ in blocks}
-    above = {""} | {n[:i] for n in taken for i, c in enumerate(n) if c == "."}
+    above = {".".join(n.split(".")[:k]) for n in taken for k in range(n.count(".") + 1)}  # with the root, ""
     blocks += _uncovered(model, "", taken, above, calls, last_end)
     order = {n: i for i, (n, _) in enumerate(model.named_modules())}
     return sorted(blocks, key=lambda b: order[b[0]])
@@ -219,11 +219,17 @@ def _uncovered(model: nn.Module, prefix: str, taken: set[str], above: set[str], 
             continue
         if full in above or (full not in calls.count and isinstance(child, _CONTAINERS)):
             found += _uncovered(child, full, taken, above, calls, last_end)
-        elif (calls.count.get(full) == 1 and full in calls.grads and full in calls.grad_inputs and _param_count(child) > 0
-              and (last_end is None or calls.start[full] < last_end) and any(True for _ in child.children())):
+        elif _in_trunk(full, child, calls, last_end):
             parts = _uncovered(child, full, taken, above, calls, last_end)
-            found += parts if len(parts) >= 2 else [(full, child)]
+            found += parts if len(parts) >= 2 else [(full, child)]  # rule 4
     return found
+
+
+def _in_trunk(name: str, module: nn.Module, calls: Calls, last_end: int | None) -> bool:
+    """Whether ``module``, which no block covers, is a block of the trunk (rule 3)."""
+    ran_once = calls.count.get(name) == 1 and (last_end is None or calls.start[name] < last_end)
+    with_grads = name in calls.grads and name in calls.grad_inputs
+    return ran_once and with_grads and _param_count(module) > 0 and any(True for _ in module.children())
 
 
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)

@@ -188,8 +188,9 @@ def run(
     #    saved other shapes (SigLIP's pooling head, torch 2.13; tests/test_checkpoint.py).
     # 2. So an argument that is the object of an earlier one is passed once, and the repeat
     #    rebuilt from it on every call: the recompute sees the identities the forward saw.
-    first = {id(a): i for i, a in reversed(list(enumerate(args))) if isinstance(a, torch.Tensor)}
-    same = {i: first[id(a)] for i, a in enumerate(args) if isinstance(a, torch.Tensor) and first[id(a)] != i}
+    first: dict[int, int] = {}  # id -> the position it first came at
+    same = {i: first.setdefault(id(a), i) for i, a in enumerate(args) if isinstance(a, torch.Tensor)}
+    same = {i: j for i, j in same.items() if j != i}
     staged = _Staged(fn, kwargs, policy, allow_cache_entry_mutation, args, same)
     distinct = [None if i in same else a for i, a in enumerate(args)]
     return _torch_checkpoint(staged, *distinct, use_reentrant=False, **torch_kwargs)

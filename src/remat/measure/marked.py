@@ -134,7 +134,8 @@ def running(model: nn.Module, named: list[tuple[str, nn.Module]], explicit: bool
     ticks = itertools.count()
 
     def pre(module: nn.Module, args: Any, kwargs: Any) -> None:
-        if torch.is_grad_enabled() and (name := names.get(id(module))) is not None:
+        if torch.is_grad_enabled():
+            name = names[id(module)]
             calls.count[name] = calls.count.get(name, 0) + 1
             if name not in calls.start:
                 calls.start[name] = next(ticks)
@@ -142,7 +143,7 @@ def running(model: nn.Module, named: list[tuple[str, nn.Module]], explicit: bool
                     calls.grad_inputs.add(name)
 
     def post(module: nn.Module, args: Any, output: Any) -> None:
-        if torch.is_grad_enabled() and (name := names.get(id(module))) is not None and name not in calls.end:
+        if torch.is_grad_enabled() and (name := names[id(module)]) not in calls.end:
             calls.end[name] = next(ticks)
             if any(t.requires_grad for t in _step.tensors_in(output)):
                 calls.grads.add(name)

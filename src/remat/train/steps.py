@@ -53,13 +53,13 @@ def accumulate(
     Each micro-batch's mean loss is divided by the number of micro-batches before its backward, so
     the gradients that add up in ``.grad`` are those of the whole batch's mean loss (micro-batches
     of equal size: the mean of their means is the mean). Returns that mean loss, detached. Each
-    micro-batch runs inside ``part()`` (``PeakMeter.part``), the returned loss made in the last.
+    micro-batch runs inside ``part()`` (``PeakMeter.part``), and so does making the returned loss.
     """
     if ids.shape[0] % micro_batch:
         raise InvalidValue(f"micro_batch={micro_batch} does not divide the batch of {ids.shape[0]}")
     chunks = ids.split(micro_batch)
     losses = []
-    for i, chunk in enumerate(chunks):
+    for chunk in chunks:
         with part():
             with autocast() if autocast is not None else contextlib.nullcontext():
                 loss = _step.forward_loss(model, (chunk,), loss_fn)
@@ -68,9 +68,8 @@ def accumulate(
                 loss = loss / len(chunks)
             (scaler.scale(loss) if scaler is not None else loss).backward()
             del loss
-            if i == len(chunks) - 1:
-                mean = torch.stack(losses).float().mean() if len(losses) > 1 else losses[0].float()
-    return mean
+    with part():
+        return torch.stack(losses).float().mean() if len(losses) > 1 else losses[0].float()
 
 
 def evaluate(
