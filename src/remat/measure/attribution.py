@@ -61,7 +61,7 @@ import dataclasses
 import statistics
 from collections import defaultdict
 from collections.abc import Mapping
-from typing import Any, Protocol
+from typing import Any
 
 from torch import nn
 
@@ -69,22 +69,14 @@ from remat.errors import ProfileError
 from remat.manual.blocks import fingerprint
 from remat.measure import step as _step
 from remat.measure.handovers import handovers
-from remat.measure.sides import head_frees_last_input, hooks_of, replay_holds_output
+from remat.measure.notes import StepNotes
+from remat.measure.sides import head_frees_last_input, replay_holds_output
 from remat.measure.tracer import Trace
 from remat.plan.schedule import Phase, step_phases
 from remat.plan.sides import SideGroups
 from remat.records import BlockProfile, OptionCost, Profile, Segment, SideInput
 
-__all__ = ["Boundaries", "assemble", "attribute", "attribute_over_keep", "median_times", "phase_times", "run_numbers", "span"]
-
-
-class Boundaries(Protocol):
-    """What a traced step's block hooks saw: the order the blocks ran in (indices into the list
-    of blocks) and the bytes of each block's input and output."""
-
-    order: list[int]
-    in_bytes: dict[int, int]
-    out_bytes: dict[int, int]
+__all__ = ["assemble", "attribute", "attribute_over_keep", "median_times", "phase_times", "run_numbers", "span"]
 
 
 def span(phase: Phase, order: list[int], labels: Any) -> tuple[str, str]:
@@ -109,7 +101,7 @@ def span(phase: Phase, order: list[int], labels: Any) -> tuple[str, str]:
 
 
 def attribute(
-    trace: Trace, hooks: Boundaries, n: int
+    trace: Trace, hooks: StepNotes, n: int
 ) -> tuple[Segment, Segment, list[dict[str, int]], int]:
     """Replay the cost model along the trace (NOTE [ From a trace to a Profile ]): the ``pre``
     and ``post`` segments, each block's numbers (by index), the optimizer step's peak."""
@@ -147,19 +139,19 @@ def attribute(
     return pre, post, [parts[i] for i in range(n)], optimizer_peak
 
 
-def run_numbers(run: tuple[Trace, Boundaries], keep: Boundaries, n: int,
+def run_numbers(run: tuple[Trace, StepNotes], keep: StepNotes, n: int,
                 numbers: list[dict[str, int]] | None = None) -> list[dict[str, int]]:
     """One option's run's block numbers (``numbers``, if read already), the last block's kept
     bytes restated where that run and the kept one freed its input in the head (NOTE [ The last block's input ])."""
     numbers = attribute(*run, n)[2] if numbers is None else numbers
-    if (freed := head_frees_last_input(hooks_of(keep))) and head_frees_last_input(hooks_of(run[1])):
+    if (freed := head_frees_last_input(keep)) and head_frees_last_input(run[1]):
         numbers[run[1].order[-1]]["kept"] -= freed
     return numbers
 
 
-def _last_input_restated(post: Segment, keep_blocks: list[dict[str, int]], hooks: Boundaries) -> Segment:
+def _last_input_restated(post: Segment, keep_blocks: list[dict[str, int]], hooks: StepNotes) -> Segment:
     """The kept step's head (its last block's numbers in place) restated: NOTE [ The last block's input ]."""
-    if freed := head_frees_last_input(hooks_of(hooks)):
+    if freed := head_frees_last_input(hooks):
         for key in ("kept", "grad"):
             keep_blocks[hooks.order[-1]][key] -= freed
         post = dataclasses.replace(post, kept_bytes=post.kept_bytes + freed, grad_bytes=post.grad_bytes + freed,
@@ -167,7 +159,7 @@ def _last_input_restated(post: Segment, keep_blocks: list[dict[str, int]], hooks
     return post
 
 
-def attribute_over_keep(run: tuple[Trace, Boundaries], keep: tuple[Trace, Boundaries],
+def attribute_over_keep(run: tuple[Trace, StepNotes], keep: tuple[Trace, StepNotes],
                         named: list[tuple[str, nn.Module]], sides: list[SideInput]) -> list[dict[str, int]]:
     """One option's run's block numbers, backward peaks over the cost model's level as ``assemble``
     restates its runs (NOTE [ Gradients live as long as the plain step's ]), for an option that
@@ -179,7 +171,7 @@ def attribute_over_keep(run: tuple[Trace, Boundaries], keep: tuple[Trace, Bounda
     return numbers
 
 
-def _boundary(key: Any, hooks: Boundaries) -> tuple[int, int]:
+def _boundary(key: Any, hooks: StepNotes) -> tuple[int, int]:
     """The bytes a part receives as input and hands on as output. A part's input is charged to
     it, its output to the part that consumes it (NOTE [ How a block's bytes are attributed ])."""
     order = hooks.order
@@ -219,7 +211,7 @@ def assemble(
     *,
     model: nn.Module,
     named: list[tuple[str, nn.Module]],
-    traces: Mapping[str, tuple[Trace, Boundaries]],
+    traces: Mapping[str, tuple[Trace, StepNotes]],
     times: dict[str, dict[str, float]],
     host_link_bytes_per_s: float | None,
     smooth: bool,
@@ -244,8 +236,8 @@ def assemble(
                     numbers[index[side.dies_after]]["kept"] -= side.size_bytes
             _peaks_over_model_level(numbers, keep_blocks, pre, post, order, named, sides or [])
     if "selective" in per_option and "recompute" in traces:  # NOTE [ A replay's cache holds the block's output ] in sides
-        selective, recompute = (hooks_of(traces[o][1]) for o in ("selective", "recompute"))
-        for i in replay_holds_output(selective, recompute, hooks_of(hooks_keep)):
+        selective, recompute = (traces[o][1] for o in ("selective", "recompute"))
+        for i in replay_holds_output(selective, recompute, hooks_keep):
             per_option["selective"][i]["kept"] += hooks_keep.out_bytes[i]
     # The head's forward with the side inputs still held: every block recomputed holds them.
     held = runs["recompute"][1].fwd_peak_bytes if sides and "recompute" in runs else post.fwd_peak_bytes

@@ -31,9 +31,10 @@ from torch import nn
 
 from remat.errors import InvalidType, InvalidValue
 from remat.manual.compiled import PREFIX, compiled_option
-from remat.measure.attribution import Boundaries, attribute_over_keep
+from remat.measure.attribution import attribute_over_keep
+from remat.measure.notes import StepNotes
 from remat.measure.runner import StepRunner, every_block
-from remat.measure.sides import hooks_of, side_inputs
+from remat.measure.sides import side_inputs
 from remat.measure.tracer import Trace
 from remat.records import OptionCost, Profile, SideInput
 
@@ -50,7 +51,7 @@ def check_budgets(budgets: Sequence[float] | None) -> tuple[str, ...]:
 
 
 def measure_compiled(named: Sequence[tuple[str, nn.Module]], runner: StepRunner, options: Sequence[str],
-                     sides: list[SideInput], kept: tuple[Trace, Boundaries]) -> dict[str, dict[str, OptionCost]]:
+                     sides: list[SideInput], kept: tuple[Trace, StepNotes]) -> dict[str, dict[str, OptionCost]]:
     """Block name -> option -> its cost, for each compiled option (the module's docstring).
     ``sides``: the profile's side inputs, as the kept step saves and frees them; ``kept``: the
     profile's traced step with every block kept, and its hooks."""
@@ -66,7 +67,7 @@ def measure_compiled(named: Sequence[tuple[str, nn.Module]], runner: StepRunner,
             run, run_hooks, _ = runner.traced()
             saved: dict[Any, set[int]] = {}
             saving = runner.marked(lambda _: None, saved=saved) if sides else run_hooks
-        if sides and (mine := side_inputs(hooks_of(run_hooks), hooks_of(saving), saved, [n for n, _ in named])) != sides:
+        if sides and (mine := side_inputs(run_hooks, saving, saved, [n for n, _ in named])) != sides:
             _warn(option, _difference(sides, mine))
             continue
         numbers[option] = attribute_over_keep((run, run_hooks), kept, list(named), sides)

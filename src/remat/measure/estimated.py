@@ -27,8 +27,9 @@ from remat.measure import step as _step
 from remat.measure.attribution import assemble, phase_times
 from remat.measure.heads import HeadMeasures, add_heads, measure_heads
 from remat.measure.marked import Hooks, base_keys, dtype_name, marked_step, running, sides_of
+from remat.measure.notes import StepNotes
 from remat.measure.runner import StepRunner, every_block
-from remat.measure.sides import hooks_of, with_skips
+from remat.measure.sides import with_skips
 from remat.measure.tiles import add_tiles, measure_tiles
 from remat.measure.tracer import Trace
 from remat.models.hf import cache_off, layerdrop_off
@@ -64,6 +65,8 @@ class FakeRun:
     times: dict[str, dict[str, float]]
     """Option -> the roofline's phase times of that step (``phase_times``'s keys)."""
     sides: list[SideInput]
+    unsaved: StepNotes
+    """The notes of a forward that saved nothing (``sides_of``)."""
     heads: HeadMeasures | None
     """The head's chunked options (bytes, and the roofline's times), when the loss has a head."""
     tiles: dict[str, OptionCost]
@@ -86,7 +89,7 @@ class FakeRun:
                         **(self.fixed | fixed))  # fmt: skip
         prof = add_tiles(add_heads(prof, heads if heads is not None else self.heads),
                          tiles if tiles is not None else self.tiles)
-        return with_skips(hooks_of(self.traces["keep"][1]), prof)
+        return with_skips(self.traces["keep"][1], prof, self.unsaved)
 
 
 def fake_run(make_model: Callable[[Any], nn.Module], batch: Any, loss_fn: Any,
@@ -121,7 +124,7 @@ def fake_run(make_model: Callable[[Any], nn.Module], batch: Any, loss_fn: Any,
                                         saves=option == "keep")
                 traces[option] = (meter.trace, hooks)
                 times[option] = phase_times({m.label: m.t_ms for m in meter.marks}, hooks.order)
-        sides = sides_of(model, named, fake_batch, loss_fn, opt, keys, traces["keep"][1])
+        sides, unsaved = sides_of(model, named, fake_batch, loss_fn, keys, traces["keep"][1])
         param_bytes = _step.param_bytes(model)
         opt_bytes = _step.optimizer_bytes(opt)
         data = _step.batch_bytes(fake_batch)
@@ -130,7 +133,7 @@ def fake_run(make_model: Callable[[Any], nn.Module], batch: Any, loss_fn: Any,
         runner = StepRunner(marked, model, spec=spec)
         heads, tiles = measure_heads(model, named, runner), measure_tiles(named, runner, times["keep"])
     return FakeRun(
-        model=model, named=named, traces=traces, times=times, sides=sides, heads=heads, tiles=tiles,
+        model=model, named=named, traces=traces, times=times, sides=sides, unsaved=unsaved, heads=heads, tiles=tiles,
         fake_mode=fake_mode, runner=runner,
         host_link_bytes_per_s=spec.host_link_bytes_per_s * ROOFLINE_EFFICIENCY["host_link"]
         if spec.name != "cpu" else None,

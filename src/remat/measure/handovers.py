@@ -1,12 +1,24 @@
 """The handovers of traced steps, as ``Handover`` records (NOTE [ Handovers ] in ``remat.records``).
 
-A block's forward hook notes the storages it returns besides its hidden output (and besides its
-inputs and what lived before the step), and when each one is freed: the forward position of the
-last block started and whether it had ended, as for side inputs (NOTE [ Where a side input dies ]).
+A block's forward hook notes the storages it returns (besides its inputs and what lived before the
+step), and when each one is freed: the forward position of the last block started and whether it
+had ended, as for side inputs (NOTE [ Where a side input dies ]).
 One freed after a later block ended and before the next one started (or the head ran) is a
 handover in that run; one that outlives the forward is saved (or held to the end) in that run. A
 storage that enters a later block is a side input, not a handover. The runs of each option are
 matched by the order in which a block returns them (the same calls in the same order).
+
+# NOTE [ A hidden output the model's code holds ]
+A block's hidden output is usually the next block's first input, charged to that block (NOTE [ How
+a block's bytes are attributed ] in remat.records), and so no handover: it enters a block. One that
+enters no block is consumed by the model's code (diffusers' upsampler output, concatenated with a
+skip before the next resnet runs) and may be held by it for longer: diffusers' UNet holds it in the
+caller's frame until the next up block returns, so the plain step frees it in the head's forward.
+Its life then depends on the maker's option like any handover's: ``selective`` keeps a last matmul's
+output in its replay's cache until the block's backward, ``keep`` and ``recompute`` do not. It is a
+handover when some option saves it (one no option saves moves nothing): before, a selective
+upsampler put a plan 256 KiB over its prediction (tests/test_libs_zoo.py), and a selective block
+after it 256 KiB under.
 """
 
 from __future__ import annotations
@@ -18,65 +30,61 @@ from typing import Any
 import torch
 
 from remat.measure import step as _step
-from remat.measure.sides import SeenSides, death_point, noted_dict, storage_key
+from remat.measure.notes import StepNotes
+from remat.measure.sides import death_point, storage_key
 from remat.records import Handover
 
 __all__ = ["handovers", "note_handover_uses", "note_returned"]
 
-_FOUND = "_handovers"  # on the hooks object: block -> [bytes] of what it returned besides its output
-_DEATHS = "_handover_deaths"  # (block, n) -> (forward position, ended) when freed in the forward
-_ALIVE = "_handovers_alive"  # storage key -> (block, n), while the storage lives
-_USED = "_handovers_used"  # (block, n) -> True: entered a later block (a side input)
-_INPUTS = "_handover_inputs"  # block -> the storage keys of its inputs
-
-
-def note_returned(hooks: SeenSides, i: int, output: Any, y: torch.Tensor | None) -> None:
-    """Note what block i returned besides its hidden output ``y`` and its inputs (the forward
-    hook's; ``note_handover_uses`` noted the inputs)."""
+def note_returned(hooks: StepNotes, i: int, output: Any, y: torch.Tensor | None) -> None:
+    """Note what block i returned besides its inputs, its hidden output ``y`` among them (the
+    forward hook's; ``note_handover_uses`` noted the inputs)."""
     if y is None:
         return
-    skip = {storage_key(y), *hooks.base_keys, *noted_dict(hooks, _INPUTS).get(i, ())}
-    found = noted_dict(hooks, _FOUND).setdefault(i, [])
-    alive = noted_dict(hooks, _ALIVE)
+    skip = {*hooks.base_keys, *hooks.input_keys.get(i, ())}
+    found = hooks.returned.setdefault(i, [])
+    alive = hooks.returned_alive
     for t in _step.tensors_in(output):
         if t.layout != torch.strided or t.device != y.device or storage_key(t) in skip | alive.keys():
             continue  # a sparse tensor has no storage; one another block returned is that block's
         skip.add(storage_key(t))
+        if storage_key(t) == storage_key(y):  # NOTE [ A hidden output the model's code holds ]
+            hooks.returned_hidden.add((i, len(found)))
         alive[storage_key(t)] = (i, len(found))
         weakref.finalize(t.untyped_storage(), _freed, hooks, i, len(found), storage_key(t))
         found.append(t.untyped_storage().nbytes())
 
 
-def note_handover_uses(hooks: SeenSides, i: int, inputs: Any) -> None:
+def note_handover_uses(hooks: StepNotes, i: int, inputs: Any) -> None:
     """Note block i's inputs (the pre-hook's): a returned storage entering a block is a side
     input there, not a handover."""
-    alive, used = noted_dict(hooks, _ALIVE), noted_dict(hooks, _USED)
+    alive = hooks.returned_alive
     keys = [storage_key(t) for t in _step.tensors_in(inputs) if t.layout == torch.strided]
-    noted_dict(hooks, _INPUTS)[i] = keys
+    hooks.input_keys[i] = keys
     for key in keys:
         if (who := alive.get(key)) is not None:
-            used[who] = True
+            hooks.returned_used.add(who)
 
 
-def _freed(hooks: SeenSides, i: int, n: int, key: int) -> None:
-    alive = noted_dict(hooks, _ALIVE)
+def _freed(hooks: StepNotes, i: int, n: int, key: int) -> None:
+    alive = hooks.returned_alive
     if alive.get(key) == (i, n):
         del alive[key]
     if (at := death_point(hooks)) is not None:
-        noted_dict(hooks, _DEATHS)[(i, n)] = at
+        hooks.returned_deaths[(i, n)] = at
 
 
-def handovers(names: list[str], runs: Mapping[str, Any]) -> list[Handover]:
+def handovers(names: list[str], runs: Mapping[str, StepNotes]) -> list[Handover]:
     """The handovers of the steps ``runs`` (option -> the hooks of a step with every block on it;
     ``keep`` among them), one record per maker and place of death, in forward order."""
     keep = runs["keep"]
     order: list[int] = keep.order
     found: dict[tuple[int, int | None], tuple[int, list[str]]] = {}
     for i in order:
-        sizes = noted_dict(keep, _FOUND).get(i, [])
+        sizes = keep.returned.get(i, [])
         for n, nbytes in enumerate(sizes):
             deaths = {o: _death(h, order, i, n) for o, h in runs.items()}
-            if any((i, n) in noted_dict(h, _USED) or noted_dict(h, _FOUND).get(i, [])[n:n + 1] != [nbytes]
+            if any((i, n) in h.returned_used or h.returned.get(i, [])[n:n + 1] != [nbytes]
                    for h in runs.values()):
                 continue  # a side input, or the runs disagree
             places = {d for d in deaths.values() if d != "saved"}
@@ -84,6 +92,8 @@ def handovers(names: list[str], runs: Mapping[str, Any]) -> list[Handover]:
                 continue  # saved under every option, freed where it is made, or freed in two places
             place = places.pop()
             kept_by = [o for o, d in deaths.items() if d == "saved"]
+            if (i, n) in keep.returned_hidden and not kept_by:
+                continue  # NOTE [ A hidden output the model's code holds ]
             key = (i, place if isinstance(place, int) else None)
             total, kept = found.get(key, (0, kept_by))
             if kept != kept_by:
@@ -95,12 +105,12 @@ def handovers(names: list[str], runs: Mapping[str, Any]) -> list[Handover]:
     ]
 
 
-def _death(hooks: SeenSides, order: list[int], i: int, n: int) -> int | str | None:
+def _death(hooks: StepNotes, order: list[int], i: int, n: int) -> int | str | None:
     """Where returned storage n of block i died in that step: ``"saved"`` (it outlived the
     forward), the index of the block in whose forward phase it died after that block ended (a
     later block's), ``"head"`` (after the last block, one made before it), or None (anywhere else:
     in the phase that made it, inside a block)."""
-    died = noted_dict(hooks, _DEATHS).get((i, n))
+    died = hooks.returned_deaths.get((i, n))
     if died is None:
         return "saved"
     position, ended = died

@@ -17,10 +17,10 @@ from remat.errors import ProfileError
 from remat.manual.blocks import Calls, by_calls, no_blocks
 from remat.measure import step as _step
 from remat.measure.handovers import note_handover_uses, note_returned
+from remat.measure.notes import StepNotes
 from remat.measure.runner import every_block
 from remat.measure.sides import (
     backward_mark,
-    hooks_of,
     note_output,
     note_sides,
     noting_deaths,
@@ -36,20 +36,26 @@ __all__ = ["Hooks", "base_keys", "dtype_name", "marked_step", "running", "sides_
 log = logging.getLogger(__name__)
 
 
-class Hooks:
-    """Marks at each block's forward start/end and backward start/end, and its boundary bytes."""
+# NOTE [ A first input that needs no gradient ]
+# A block's bytes are charged its hidden input on the grounds that whatever runs it, kept or
+# checkpointed, holds that input until its backward (NOTE [ How a block's bytes are attributed ] in
+# remat.records). An input that needs no gradient (behind a frozen embedding: a LoRA model's first
+# layer) breaks that: a kept block saves nothing of it, a checkpoint holds it, and the model's code
+# may hold it past the block (transformers' ``inputs_embeds``). Its life is that of a side input:
+# made outside the block, held under a plan by a checkpointed consumer, freed where the plain step
+# frees it. So it is noted as one (``in_bytes`` 0, not the block's first input), and the side
+# inputs' rule (NOTE [ A side input's extra life ] in remat.plan.sides) gives its life under every
+# plan. peft's LoRA Llama (tests/test_libs_zoo.py): the plans that mixed options on its first or
+# last layer were 128 KiB (one hidden state) off their prediction, either way; now all exact.
+
+
+class Hooks(StepNotes):
+    """Marks at each block's forward start/end and backward start/end; what they see is noted on
+    the ``StepNotes`` it is."""
 
     def __init__(self, named: list[tuple[str, nn.Module]], mark: Callable[[str], None]) -> None:
+        super().__init__()
         self.mark = mark
-        self.order: list[int] = []
-        self.in_bytes: dict[int, int] = {}
-        self.out_bytes: dict[int, int] = {}
-        self.base_keys: set[int] = set()
-        self.sides: dict[int, list[tuple[int, int]]] = {}  # block -> (storage key, bytes) of side inputs
-        self.firsts: set[int] = set()  # storages of the blocks' first inputs and outputs
-        self.running: list[int] = []
-        self.deaths: dict[int, tuple[int, bool]] = {}  # NOTE [ Where a side input dies ]
-        self.forward_done = False
         self.handles = []
         for i, (_, module) in enumerate(named):
             self.handles.append(module.register_forward_pre_hook(self._pre(i), with_kwargs=True))
@@ -68,6 +74,8 @@ class Hooks:
             self.running.append(i)
             self.mark(f"fs{i}")
             x = _first_tensor((args, kwargs))
+            if x is not None and not x.requires_grad:
+                x = None  # NOTE [ A first input that needs no gradient ]
             note_sides(self, i, x, (args, kwargs))
             note_handover_uses(self, i, (args, kwargs))
             self.in_bytes[i] = 0
@@ -180,11 +188,18 @@ def dtype_name(model: nn.Module) -> str:
 
 
 def sides_of(model: nn.Module, named: list[tuple[str, nn.Module]], batch: Any, loss_fn: Any,
-           optimizer: Any, keys: set[int], traced: Hooks) -> list[SideInput]:
-    """The side inputs of the step ``traced`` saw, after a plain step that notes what each block
-    saves: which side inputs a kept block holds (NOTE [ Side inputs ])."""
+             keys: set[int], traced: Hooks) -> tuple[list[SideInput], StepNotes]:
+    """The side inputs of the step ``traced`` saw, and the notes of a forward with every block
+    kept that notes what each part saves and holds none of it: which side inputs a kept block
+    holds (NOTE [ Side inputs ]), and what the model's code holds on its own (NOTE [ A first input
+    the model's code holds ] in remat.measure.sides)."""
     saved: dict[Any, set[int]] = {}
     with every_block(named, "keep"):
-        saving = marked_step(model, named, batch, loss_fn, optimizer, lambda _: None, keys, saved)
-    model.zero_grad(set_to_none=True)
-    return side_inputs(hooks_of(traced), hooks_of(saving), saved, [n for n, _ in named])
+        unsaved = Hooks(named, lambda _: None)
+        unsaved.base_keys = keys
+        try:
+            with noting_saved(unsaved, saved, hold=False), noting_deaths(unsaved, model):
+                _step.forward_loss(model, batch, loss_fn)
+        finally:
+            unsaved.remove()
+    return side_inputs(traced, unsaved, saved, [n for n, _ in named]), unsaved

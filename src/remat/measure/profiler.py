@@ -36,7 +36,7 @@ from remat.measure.heads import add_heads, measure_heads
 from remat.measure.lean import lean_profile, resolve_budget
 from remat.measure.marked import Hooks, base_keys, dtype_name, marked_step, running, sides_of
 from remat.measure.runner import StepRunner, every_block
-from remat.measure.sides import hooks_of, with_skips
+from remat.measure.sides import with_skips
 from remat.measure.tiles import add_tiles, measure_tiles
 from remat.measure.tracer import MemoryTracer, Trace, base_bytes, host_link_bytes_per_s
 from remat.models.hf import every_layer, without_cache
@@ -168,7 +168,7 @@ def _measured(
                     hooks = marked_step(model, named, batch, loss_fn, optimizer, tracer.mark, keys,
                                          saves=option == "keep")
                 traces[option] = (tracer.trace, hooks)
-        sides = sides_of(model, named, batch, loss_fn, optimizer, keys, traces["keep"][1])
+        sides, unsaved = sides_of(model, named, batch, loss_fn, keys, traces["keep"][1])
         # Timed in turns, so that a change in the machine's load hits both options alike.
         marked = functools.partial(marked_step, model, named, batch, loss_fn, optimizer, base_keys=keys)
         runner = StepRunner(marked, model, device=device, repeats=repeats)
@@ -177,7 +177,7 @@ def _measured(
         # NOTE [ The head's options ] in remat.records; NOTE [ The tiled MLP ] in remat.manual.tiled
         heads, tiles = measure_heads(model, named, runner), measure_tiles(named, runner)
         extra = measure_compiled(named, runner, compiled, sides, traces["keep"])  # NOTE [ Compiled blocks ]
-    return without_compiled(add_options(with_skips(hooks_of(traces["keep"][1]), add_tiles(add_heads(assemble(
+    return without_compiled(add_options(with_skips(traces["keep"][1], unsaved=unsaved, profile=add_tiles(add_heads(assemble(
         model=model,
         named=named,
         traces=traces,

@@ -22,7 +22,8 @@ from torch import nn
 from remat.devices import DeviceSpec
 from remat.manual.options import option_of, set_option
 from remat.measure import step as _step
-from remat.measure.attribution import Boundaries, median_times, phase_times
+from remat.measure.attribution import median_times, phase_times
+from remat.measure.notes import StepNotes
 from remat.measure.tracer import MemoryTracer, Trace
 
 __all__ = ["StepRunner", "every_block"]
@@ -33,7 +34,7 @@ class StepRunner:
 
     def __init__(
         self,
-        marked: Callable[..., Boundaries],
+        marked: Callable[..., StepNotes],
         model: nn.Module,
         *,
         device: torch.device | None = None,
@@ -47,7 +48,7 @@ class StepRunner:
     def estimated(self) -> bool:
         return self.spec is not None
 
-    def traced(self) -> tuple[Trace, Boundaries, dict[str, float]]:
+    def traced(self) -> tuple[Trace, StepNotes, dict[str, float]]:
         """One step under the memory tracer: its trace, hooks, and (estimated mode) phase times.
         The step starts without gradients, as the profiler's traced steps do (a step that starts
         with them frees them first, and every level of its trace would be off by their bytes)."""

@@ -16,40 +16,27 @@ import gc
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
 from remat.errors import ProfileError
 from remat.measure import step as _step
+from remat.measure.notes import StepNotes
 from remat.records import Profile, SideInput
 
 __all__ = [
-    "SeenSides",
+    "StepNotes",
     "death_point",
     "first_tensor",
-    "hooks_of",
     "note_output",
     "note_sides",
-    "noted_dict",
     "noting_deaths",
     "noting_saved",
     "side_inputs",
     "storage_key",
     "with_skips",
 ]  # fmt: skip
-
-
-class SeenSides(Protocol):
-    order: list[int]
-    sides: dict[int, list[tuple[int, int]]]
-    firsts: set[int]
-    base_keys: set[int]
-    running: list[int]
-    deaths: dict[int, tuple[int, bool]]
-    """Storage key -> (forward position of the last block started, whether it had ended) when
-    the storage was freed before the model's forward returned (NOTE [ Where a side input dies ])."""
-    forward_done: bool
 
 
 def storage_key(t: torch.Tensor) -> int:
@@ -65,57 +52,52 @@ def first_tensor(obj: Any) -> torch.Tensor | None:
     return None
 
 
-def note_sides(hooks: SeenSides, i: int, x: torch.Tensor | None, inputs: Any) -> None:
+def note_sides(hooks: StepNotes, i: int, x: torch.Tensor | None, inputs: Any) -> None:
     """Note the tensors entering block i besides ``x``, once per storage, on ``hooks``."""
     seen = set(hooks.base_keys)
-    alive = _noted(hooks, "_live_firsts")  # NOTE [ Storage keys are reused ]
+    alive = hooks.live_firsts  # NOTE [ Storage keys are reused ]
     if x is not None:
         _note_live(hooks, x)
         hooks.firsts.add(storage_key(x))
         seen.add(storage_key(x))
-        _keys(hooks, "_first_keys")[i] = storage_key(x)
+        hooks.first_keys[i] = storage_key(x)
         weakref.finalize(x.untyped_storage(), _first_died, hooks, i)  # NOTE [ The last block's input ]
-        live = _keys(hooks, "_output_keys")  # NOTE [ Storage keys are reused ]
-        _keys(hooks, "_first_of")[i] = next((j for j, key in live.items() if key == storage_key(x)), -1)
+        live = hooks.output_keys  # NOTE [ Storage keys are reused ]
+        hooks.first_of[i] = next((j for j, key in live.items() if key == storage_key(x)), -1)
     hooks.sides[i] = []
     for t in _step.tensors_in(inputs):
         if storage_key(t) not in seen and (x is None or t.device == x.device):
             seen.add(storage_key(t))
             hooks.sides[i].append((storage_key(t), t.untyped_storage().nbytes()))
             if storage_key(t) in alive:  # a block's first input or output, alive: a skip
-                _noted(hooks, "_skips_in").add((i, storage_key(t)))
+                hooks.skips_in.add((i, storage_key(t)))
             if storage_key(t) not in hooks.deaths:
                 weakref.finalize(t.untyped_storage(), _died, hooks, storage_key(t))
 
 
-def _first_died(hooks: SeenSides, i: int) -> None:
+def _first_died(hooks: StepNotes, i: int) -> None:
     if (at := death_point(hooks)) is not None:
-        _first_deaths(hooks)[i] = at
+        hooks.first_deaths[i] = at
 
 
-def _first_deaths(hooks: SeenSides) -> dict[int, tuple[int, bool]]:
-    """Block -> where its first input died in the forward (``death_point``), on the hooks object."""
-    return noted_dict(hooks, "_first_deaths")
-
-
-def head_frees_last_input(hooks: SeenSides) -> int:
+def head_frees_last_input(hooks: StepNotes) -> int:
     """The bytes of the last block's first input when the step freed it in the head's forward,
     after that block ended (NOTE [ The last block's input ] in ``remat.measure.attribution``);
     else 0."""
     if not hooks.order:
         return 0
     last = hooks.order[-1]
-    if _first_deaths(hooks).get(last) != (len(hooks.order) - 1, True):
+    if hooks.first_deaths.get(last) != (len(hooks.order) - 1, True):
         return 0
-    return int(getattr(hooks, "in_bytes", {}).get(last, 0))
+    return hooks.in_bytes.get(last, 0)
 
 
-def _died(hooks: SeenSides, key: int) -> None:
+def _died(hooks: StepNotes, key: int) -> None:
     if (at := death_point(hooks)) is not None:
         hooks.deaths[key] = at
 
 
-def death_point(hooks: SeenSides) -> tuple[int, bool] | None:
+def death_point(hooks: StepNotes) -> tuple[int, bool] | None:
     """Where in the forward a storage freed now dies: the position of the last block started and
     whether it has ended; None after the forward (NOTE [ Where a side input dies ])."""
     if hooks.forward_done or not hooks.order:
@@ -124,7 +106,7 @@ def death_point(hooks: SeenSides) -> tuple[int, bool] | None:
 
 
 @contextmanager
-def noting_deaths(hooks: SeenSides, model: torch.nn.Module) -> Iterator[None]:
+def noting_deaths(hooks: StepNotes, model: torch.nn.Module) -> Iterator[None]:
     """Note on ``hooks`` where the side inputs die before ``model``'s forward returns."""
     hooks.forward_done = False
     handle = model.register_forward_hook(lambda *_: setattr(hooks, "forward_done", True))
@@ -135,50 +117,41 @@ def noting_deaths(hooks: SeenSides, model: torch.nn.Module) -> Iterator[None]:
         hooks.forward_done = True  # a storage freed later, in the backward or after, dies there
 
 
-def note_output(hooks: SeenSides, i: int, y: torch.Tensor | None) -> None:
+def note_output(hooks: StepNotes, i: int, y: torch.Tensor | None) -> None:
     """Note block i's first output (``y``), a storage that is no side input of later blocks."""
     if y is not None:
         _note_live(hooks, y)
         hooks.firsts.add(storage_key(y))
-        _keys(hooks, "_output_keys")[i] = storage_key(y)
+        hooks.output_keys[i] = storage_key(y)
         weakref.finalize(y.untyped_storage(), _output_died, hooks, i, storage_key(y))
 
 
-def _noted(hooks: SeenSides, name: str) -> set[Any]:
-    """A set noted on the hooks object (not part of the SeenSides protocol)."""
-    found = getattr(hooks, name, None)
-    if found is None:
-        found = set()
-        setattr(hooks, name, found)
-    return found  # type: ignore[no-any-return]
-
-
-def _note_live(hooks: SeenSides, t: torch.Tensor) -> None:
+def _note_live(hooks: StepNotes, t: torch.Tensor) -> None:
     """Note ``t``'s storage as a block's first input or output while it lives."""
     key = storage_key(t)
-    live = _noted(hooks, "_live_firsts")
+    live = hooks.live_firsts
     if key not in live:
         live.add(key)
         weakref.finalize(t.untyped_storage(), live.discard, key)
 
 
-def _output_died(hooks: SeenSides, i: int, key: int) -> None:
+def _output_died(hooks: StepNotes, i: int, key: int) -> None:
     """# NOTE [ Storage keys are reused ]
     A storage key is an address, and a freed storage's address is soon another's: a UNet's
     interpolated and concatenated input can take the key of the output it was computed from,
     once that output is freed. So an output's key is dropped when its storage dies, and a
     block's first input is matched, when it arrives, only against the outputs still alive."""
-    live = _keys(hooks, "_output_keys")
+    live = hooks.output_keys
     if live.get(i) == key:
         del live[i]
-    if i in _noted(hooks, "_began"):  # NOTE [ A replay's cache holds the block's output ]
-        _noted(hooks, "_outlived").add(i)
+    if i in hooks.began:  # NOTE [ A replay's cache holds the block's output ]
+        hooks.outlived.add(i)
 
 
-def backward_mark(hooks: SeenSides, i: int, mark: Callable[[str], None]) -> Callable[[Any], None]:
+def backward_mark(hooks: StepNotes, i: int, mark: Callable[[str], None]) -> Callable[[Any], None]:
     """The hook on block i's output: marks ``bs{i}`` and notes that block i's backward began."""
     def hook(grad: Any) -> None:
-        _noted(hooks, "_began").add(i)
+        hooks.began.add(i)
         mark(f"bs{i}")
 
     return hook
@@ -195,57 +168,55 @@ def backward_mark(hooks: SeenSides, i: int, mark: Callable[[str], None]) -> Call
 # before a kept block, an over-estimate by the output's bytes before a checkpointed one.
 
 
-def replay_holds_output(selective: SeenSides, recompute: SeenSides, keep: SeenSides) -> list[int]:
+def replay_holds_output(selective: StepNotes, recompute: StepNotes, keep: StepNotes) -> list[int]:
     """The blocks whose output outlived the start of their own backward with every block on
     ``selective`` (a replay's cache held it) but not on ``recompute``, and whose next block, kept,
     let it go in the forward (NOTE [ A replay's cache holds the block's output ])."""
-    held = _noted(selective, "_outlived") - _noted(recompute, "_outlived")
-    deaths, first_of = _first_deaths(keep), _keys(keep, "_first_of")
+    held = selective.outlived - recompute.outlived
+    deaths, first_of = keep.first_deaths, keep.first_of
     return sorted(i for i in held if any(first_of.get(j) == i and j in deaths for j in first_of))
 
 
 @contextmanager
 def noting_saved(
-    hooks: SeenSides, saved: dict[Any, set[int]] | None, mark: Callable[[str], None] | None = None
+    hooks: StepNotes, saved: dict[Any, set[int]] | None, mark: Callable[[str], None] | None = None,
+    hold: bool = True,
 ) -> Iterator[None]:
     """With ``saved``, note there the storages each part (block index, "pre", "post") saves for
     the backward while the step runs; with ``mark``, mark ``sv{i}`` each time block i saves one
     (the last such mark is where a replay of the block stops: ``BlockProfile.stop_peak_bytes``);
-    nothing without either. The tensors are saved as they are: the step's memory is unchanged."""
+    nothing without either. The tensors are saved as they are, so the step's memory is unchanged;
+    ``hold=False``: nothing is saved (a forward with no backward after it)."""
     if saved is None and mark is None:
         yield
         return
 
-    def pack(t: torch.Tensor) -> torch.Tensor:
+    def pack(t: torch.Tensor) -> torch.Tensor | None:
         who = hooks.running[-1] if hooks.running else ("post" if hooks.order else "pre")
         if saved is not None:
             saved.setdefault(who, set()).add(storage_key(t))
         if mark is not None and hooks.running:
             mark(f"sv{who}")
-        return t
+        return t if hold else None
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         yield
     gc.collect()  # the packed outputs hold themselves
 
 
-def hooks_of(hooks: Any) -> SeenSides:
-    return hooks  # type: ignore[no-any-return]
-
-
-def _in_order(hooks: SeenSides) -> list[tuple[int, int, list[int]]]:
+def _in_order(hooks: StepNotes) -> list[tuple[int, int, list[int]]]:
     """(storage key, bytes, consumers) of each side input, in order of first appearance."""
     found: dict[int, tuple[int, list[int]]] = {}
     for i in hooks.order:
         for key, nbytes in hooks.sides.get(i, []):
-            if (i, key) in _noted(hooks, "_skips_in"):  # judged when it arrived
+            if (i, key) in hooks.skips_in:  # judged when it arrived
                 continue
             found.setdefault(key, (nbytes, []))[1].append(i)
     return [(key, nbytes, users) for key, (nbytes, users) in found.items()]
 
 
 def side_inputs(
-    traced: SeenSides, saving: SeenSides, saved: dict[Any, set[int]], names: list[str]
+    traced: StepNotes, saving: StepNotes, saved: dict[Any, set[int]], names: list[str]
 ) -> list[SideInput]:
     """The records of the traced step's side inputs; ``saving`` is the step that noted ``saved``."""
     seen, again = _in_order(traced), _in_order(saving)
@@ -269,7 +240,7 @@ def side_inputs(
     return records
 
 
-def _dies_after(hooks: SeenSides, key: int, names: list[str]) -> str | None:
+def _dies_after(hooks: StepNotes, key: int, names: list[str]) -> str | None:
     """The block in whose forward phase the side input died, or None: in the head's forward
     (after the last block ended) or later."""
     if key not in hooks.deaths:
@@ -280,16 +251,28 @@ def _dies_after(hooks: SeenSides, key: int, names: list[str]) -> str | None:
     return names[hooks.order[position]]
 
 
-def with_skips(traced: SeenSides, profile: Profile) -> Profile:
+# NOTE [ A first input the model's code holds ]
+# A segment keeps only its first block's input; the later blocks' inputs it makes and lets go as it
+# runs (NOTE [ A segment's costs from per-block numbers ] in remat.plan.segments). The model's code
+# may hold one longer: diffusers' down blocks collect each block's output in a tuple for the up
+# path, so the next block's input lives on whoever runs it. Every measured step hides that (a kept
+# block saves its input, a checkpoint holds it), so ``sides_of`` runs one forward in which nothing
+# is saved: a first input that outlives its block's forward there is held by the model's code, and
+# the block is put after the first of no segment (``skip_bytes``). Before, a segment over diffusers'
+# down path measured 88 KiB (and in another run's plan 246 KiB) over its prediction.
+
+
+def with_skips(traced: StepNotes, profile: Profile, unsaved: StepNotes) -> Profile:
     """``profile`` with ``skip_bytes``: per block, the bytes a segment holding it after its first
     block would hold that the segment cost model does not count: the long skips it receives
     (besides its first input, another block's first input or output: left out of the side
     inputs), a first input that the forward holds for another block too, or a first input that is
     not the previous block's output (computed between the blocks, e.g. a pooling in the model's
-    own forward)."""
+    own forward), or a first input the model's code holds past its block in ``unsaved``, a
+    forward that saves nothing (NOTE [ A first input the model's code holds ])."""
     # The hooks number blocks as found; the profile lists them as they ran.
     names = {i: block.name for i, block in zip(traced.order, profile.blocks)}
-    first_keys, first_of = _keys(traced, "_first_keys"), _keys(traced, "_first_of")
+    first_keys, first_of = traced.first_keys, traced.first_of
     firsts = {key: i for i, key in first_keys.items()}
     skips: dict[str, int] = {}
 
@@ -305,19 +288,9 @@ def with_skips(traced: SeenSides, profile: Profile) -> Profile:
     for a, b in zip(traced.order, traced.order[1:]):
         if b in first_keys and first_of.get(b) != a:
             add(b, 0)
+    position = {i: k for k, i in enumerate(unsaved.order)}
+    for i in unsaved.order[1:]:  # NOTE [ A first input the model's code holds ]
+        died = unsaved.first_deaths.get(i)
+        if i in unsaved.first_keys and (died is None or died[0] > position[i]):
+            add(i, unsaved.in_bytes.get(i, 0))
     return dataclasses.replace(profile, skip_bytes=skips)
-
-
-def _keys(hooks: SeenSides, name: str) -> dict[int, int]:
-    """[block]: a storage key noted on the hooks object (not part of the SeenSides protocol)."""
-    return noted_dict(hooks, name)
-
-
-def noted_dict(hooks: Any, name: str) -> dict[Any, Any]:
-    """A dict noted on the hooks object as ``name`` (not part of the SeenSides protocol), made
-    on first use."""
-    found = getattr(hooks, name, None)
-    if found is None:
-        found = {}
-        setattr(hooks, name, found)
-    return found  # type: ignore[no-any-return]

@@ -30,7 +30,7 @@ from remat.errors import InfeasibleBudget
 from remat.records import Handover, Plan, Profile
 from remat.units import format_bytes
 
-__all__ = ["Remake", "Search", "bounding", "fitted", "handed_over", "lowest"]
+__all__ = ["Remake", "Search", "bounding", "fitted", "handed_over", "lowest", "segment_neutral"]
 
 _RUN_OF = {"tiled": "keep", "offload": "keep", "recompute_offload": "recompute"}
 _OFFLOADS = ("offload", "recompute_offload")
@@ -44,6 +44,17 @@ def handed_over(profile: Profile, options: Sequence[str]) -> Profile:
     index = {b.name: i for i, b in enumerate(profile.blocks)}
     return _corrected(profile, lambda h: _saved(h, options[index[h.made_by]]),
                       lambda h: int(options[index[h.made_by]] in _OFFLOADS))
+
+
+def segment_neutral(profile: Profile) -> bool:
+    """Whether plans with segments count ``profile``'s handovers right: each lives the same with
+    its maker kept and recomputed. A segment runs its blocks' first forward as checkpoints and
+    replays them kept, so a block inside one is ``keep`` to ``handed_over``; that is its life in
+    the segment only when its maker's forward saves it under both or neither (a replay's cache
+    alone holds it: NOTE [ A hidden output the model's code holds ] in remat.measure.handovers).
+    BLOOM's probabilities, which ``keep`` saves and ``recompute`` does not, are not: the segment
+    model does not count them (NOTE [ Handovers ] in remat.records)."""
+    return all(_saved(h, "keep") == _saved(h, "recompute") for h in profile.handovers)
 
 
 Search = Callable[[Profile, int], Plan]

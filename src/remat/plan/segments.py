@@ -52,6 +52,7 @@ from dataclasses import dataclass
 
 from remat.errors import InvalidValue
 from remat.plan.costmodel import ChainConstraints, chain_constraints, estimate
+from remat.plan.handovers import handed_over
 from remat.plan.search import FreeOption
 from remat.plan.sides import side_groups
 from remat.records import Estimate, Profile
@@ -282,6 +283,8 @@ def estimate_segments(
     if not segments:
         return estimate(profile, choices)
     estimate(profile, choices)  # validates the choices
+    if profile.handovers:  # inside a segment a block is kept (segment_neutral)
+        profile = handed_over(profile, [choices[b.name] for b in profile.blocks])
     index = {b.name: i for i, b in enumerate(profile.blocks)}
     spans = []
     for seg in segments:

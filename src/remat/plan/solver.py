@@ -8,6 +8,7 @@ cost model, ``remat.plan.costmodel``. Pure: no torch, no I/O, deterministic.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import heapq
 import math
 from collections.abc import Sequence
@@ -18,7 +19,7 @@ import numpy as np
 from remat.errors import InfeasibleBudget, InvalidType, InvalidValue, did_you_mean
 from remat.plan.baselines import baseline, option_index
 from remat.plan.costmodel import ChainConstraints, chain_constraints, smallest_feasible
-from remat.plan.handovers import Remake, Search, fitted, lowest
+from remat.plan.handovers import Remake, Search, fitted, lowest, segment_neutral
 from remat.plan.head import HEAD_KEEP, best_of_heads, frontier_of_heads, head_names, with_head
 from remat.plan.refusals import exact_bytes, in_eval_mode, infeasible
 from remat.plan.search import (
@@ -109,7 +110,13 @@ def _searched(profile: Profile, chain: ChainConstraints, budget_bytes: int, meth
               segments: bool) -> Plan:
     """The plan ``method`` finds, checked against the handovers the searches do not see (``fitted``)."""
     found, remake = _searches(profile, chain, budget_bytes, method, notes, segments)
-    return fitted(profile, budget_bytes, found, remake, lambda on: smallest_feasible(on)[0])
+    return fitted(profile, budget_bytes, found, remake, functools.partial(_floor_of, segments=segments))
+
+
+def _floor_of(on: Profile, segments: bool) -> int:
+    """The lowest peak of ``on``'s plans by its numbers, its handovers not counted (the searches'
+    view, for ``remat.plan.handovers.fitted``)."""
+    return (smallest_any if segments else smallest_feasible)(dataclasses.replace(on, handovers=[]))[0]
 
 
 def _searches(profile: Profile, chain: ChainConstraints, budget_bytes: int | None, method: str,
@@ -120,8 +127,8 @@ def _searches(profile: Profile, chain: ChainConstraints, budget_bytes: int | Non
     def found(on: Profile, target: int) -> Plan:
         constraints = chain if on is profile else chain_constraints(on)
         spans: list[list[str]] = []
-        if method == "optimal":  # no segments with handovers (_segments_run), on its bounds too
-            picks, spans = _optimal(on, constraints, target, segments and not profile.handovers)
+        if method == "optimal":  # segments as _segments_run allows them, on the bounds too
+            picks, spans = _optimal(on, constraints, target, segments and segment_neutral(profile))
         else:
             picks = _greedy_picks(on, constraints, target)
         return _plan(profile, [constraints.options[o] for o in picks], budget_bytes, method, notes, spans)
@@ -321,8 +328,8 @@ def smallest_any(profile: Profile) -> tuple[int, str]:
         return low, why if head == HEAD_KEEP else f"{why} (head: {head})"
     chain = chain_constraints(profile)
     if profile.handovers:  # NOTE [ Handovers ] in remat.records: the lowest plan found, counted
-        low_plan = lowest(profile, *_searches(profile, chain, None, "optimal", [], False),
-                          lambda on: smallest_feasible(on)[0])
+        low_plan = lowest(profile, *_searches(profile, chain, None, "optimal", [], True),
+                          functools.partial(_floor_of, segments=True))
         return low_plan.estimate.peak_bytes, f"the peak falls at the {low_plan.estimate.peak_phase}"
     low, why = smallest_feasible(profile)
     seg = None
@@ -362,9 +369,9 @@ def _plan(
 
 def _segments_run(profile: Profile, chain: ChainConstraints) -> bool:
     """Whether plans with segments can run for ``profile``: blocks that keep and recompute, no
-    FSDP2 (``remat.distributed.apply_distributed`` refuses them there), and no handovers (the
-    segment model does not count them: NOTE [ Handovers ] in remat.records)."""
-    return {"keep", "recompute"} <= set(chain.options) and not profile.fsdp and not profile.handovers
+    FSDP2 (``remat.distributed.apply_distributed`` refuses them there), and no handovers that a
+    segment would hold otherwise than its blocks kept (``segment_neutral``)."""
+    return {"keep", "recompute"} <= set(chain.options) and not profile.fsdp and segment_neutral(profile)
 
 
 def _infeasible(profile: Profile, budget_bytes: int, segments: bool = True) -> InfeasibleBudget:

@@ -1,0 +1,81 @@
+"""What the block hooks note while one marked step runs: declared here, in one record.
+
+The profiler's hooks (``remat.measure.marked.Hooks``) fill a ``StepNotes`` as the step runs: the
+order the blocks ran in, their boundary bytes, the storages that cross block boundaries (side
+inputs, first inputs and outputs, what blocks return besides their output) and where each dies.
+``remat.measure.sides`` and ``remat.measure.handovers`` read them into ``SideInput`` and
+``Handover`` records; ``remat.measure.attribution`` reads the boundaries. Storage keys are
+addresses, valid while the storage lives (NOTE [ Storage keys are reused ] in
+``remat.measure.sides``). A death point is ``(position, ended)``: the forward position of the last
+block started when the storage was freed, and whether that block had ended (NOTE [ Where a side
+input dies ] in ``remat.plan.sides``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+__all__ = ["DeathPoint", "StepNotes"]
+
+DeathPoint = tuple[int, bool]
+
+
+@dataclass(eq=False)
+class StepNotes:
+    """What one marked step's hooks saw (blocks by their index in the list of blocks)."""
+
+    order: list[int] = field(default_factory=list)
+    """The blocks in the order they ran."""
+    in_bytes: dict[int, int] = field(default_factory=dict)
+    """[block]: bytes of its first input (0 for one that lived before the step, or needs no
+    gradient: a side input then, NOTE [ A first input that needs no gradient ])."""
+    out_bytes: dict[int, int] = field(default_factory=dict)
+    """[block]: bytes of its first output."""
+    base_keys: set[int] = field(default_factory=set)
+    """Storages live before the step: parameters, buffers, optimizer state, the batch."""
+    running: list[int] = field(default_factory=list)
+    """The blocks whose forward has started and not ended, innermost last."""
+    forward_done: bool = False
+    """Whether the model's forward has returned (deaths after it are not noted)."""
+    # --- side inputs (NOTE [ Side inputs ] in remat.records) ---
+    sides: dict[int, list[tuple[int, int]]] = field(default_factory=dict)
+    """[block]: (storage key, bytes) of each storage entering it besides its first input."""
+    skips_in: set[tuple[int, int]] = field(default_factory=set)
+    """(block, storage key): a side storage that is another block's first input or output, alive
+    when it arrived (a skip)."""
+    deaths: dict[int, DeathPoint] = field(default_factory=dict)
+    """Side storage key -> where it died, when before the model's forward returned."""
+    # --- first inputs and outputs ---
+    firsts: set[int] = field(default_factory=set)
+    """Storages that were some block's first input or output."""
+    live_firsts: set[int] = field(default_factory=set)
+    """Those still alive."""
+    first_keys: dict[int, int] = field(default_factory=dict)
+    """[block]: the storage key of its first input."""
+    output_keys: dict[int, int] = field(default_factory=dict)
+    """[block]: the storage key of its first output, while that lives."""
+    first_of: dict[int, int] = field(default_factory=dict)
+    """[block]: the block whose live output its first input is (-1: none)."""
+    first_deaths: dict[int, DeathPoint] = field(default_factory=dict)
+    """[block]: where its first input died, when in the forward (NOTE [ The last block's input ])."""
+    output_deaths: dict[int, DeathPoint] = field(default_factory=dict)
+    """[block]: where its first output died, when in the forward."""
+    began: set[int] = field(default_factory=set)
+    """The blocks whose backward has begun."""
+    outlived: set[int] = field(default_factory=set)
+    """The blocks whose output outlived the start of their own backward (NOTE [ A replay's cache
+    holds the block's output ])."""
+    # --- handovers (NOTE [ Handovers ] in remat.records) ---
+    returned: dict[int, list[int]] = field(default_factory=dict)
+    """[block]: bytes of each storage it returned besides its inputs."""
+    returned_hidden: set[tuple[int, int]] = field(default_factory=set)
+    """(block, n): returned storage n of that block is its hidden output (NOTE [ A hidden output
+    the model's code holds ] in remat.measure.handovers)."""
+    returned_alive: dict[int, tuple[int, int]] = field(default_factory=dict)
+    """Storage key -> (block, n): returned storage n of that block, while it lives."""
+    returned_deaths: dict[tuple[int, int], DeathPoint] = field(default_factory=dict)
+    """(block, n) -> where it died, when in the forward."""
+    returned_used: set[tuple[int, int]] = field(default_factory=set)
+    """(block, n) that entered a later block (a side input there, not a handover)."""
+    input_keys: dict[int, list[int]] = field(default_factory=dict)
+    """[block]: the storage keys of all its inputs."""
