@@ -1,0 +1,223 @@
+"""Tensors that cross a block boundary otherwise than as the hidden state from one block to the
+next, on pure-torch models in the shapes other libraries have (tests/test_libs_zoo.py has the
+libraries' own): a first input that needs no gradient (a frozen embedding, NOTE [ A first input
+that needs no gradient ] in remat.measure.marked), a hidden output the model's code consumes and
+holds (NOTE [ A hidden output the model's code holds ] in remat.measure.handovers), first inputs
+the model's code keeps in a list (NOTE [ A first input the model's code holds ] in
+remat.measure.sides). Each is recorded as such, every plan that changes one block's option from an
+all-kept or all-recomputed step is predicted to the byte, and the plans at 60%, 40% and the floor
+measure at or below their prediction with the plain step's gradients.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+
+import pytest
+import torch
+from torch import nn
+
+import remat
+from remat.measure.tracer import measure_step
+from remat.plan.segments import estimate_segments
+
+
+class Mlp(nn.Module):
+    """``affine=False``: its norm has no weight, so it saves nothing of an input that needs no
+    gradient (as a frozen RMSNorm: a LoRA model's)."""
+
+    def __init__(self, d: int, affine: bool = True) -> None:
+        super().__init__()
+        self.norm, self.up, self.down = nn.LayerNorm(d, elementwise_affine=affine), nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.nn.functional.gelu(self.up(self.norm(x))))
+
+
+class Proj(nn.Module):
+    """Ends in a matmul: ``selective`` keeps its output in the replay's cache (an upsampler's conv)."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.norm, self.lin = nn.LayerNorm(d), nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(torch.nn.functional.gelu(self.norm(x)))
+
+
+class FrozenBase(nn.Module):
+    """A frozen embedding; ``hold``: the model's forward holds its output to the end, as
+    transformers' ``inputs_embeds`` (peft's LoRA models)."""
+
+    def __init__(self, d: int = 32, depth: int = 4, hold: bool = True) -> None:
+        super().__init__()
+        self.hold = hold
+        self.embed = nn.Embedding(64, d).requires_grad_(False)
+        self.layers = nn.ModuleList([Mlp(d, affine=False) for _ in range(depth)])
+        self.head = nn.Linear(d, 64)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        embeds = self.embed(ids)
+        x = embeds
+        if not self.hold:
+            del embeds
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+class Join(nn.Module):
+    """The next stage: concatenates the skip in its own forward, then runs its layers."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([Mlp(d), Mlp(d)])
+
+    def forward(self, x: torch.Tensor, skip: torch.Tensor) -> torch.Tensor:
+        x = torch.cat([x, skip], dim=1)
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+class HeldOutput(nn.Module):
+    """``up``'s output enters no block: ``join`` concatenates it with a skip, and this forward
+    holds it until ``join`` returns (diffusers' upsampler in its UNet)."""
+
+    def __init__(self, d: int = 32) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(64, d)
+        self.down = nn.ModuleList([Mlp(d), Mlp(d)])
+        self.up, self.join = Proj(d), Join(d)
+        self.head = nn.Linear(d, 64)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        skip = self.down[0](self.embed(ids))
+        y = self.up(self.down[1](skip))
+        x = self.join(y, skip)
+        return self.head(x[:, : ids.shape[1]])
+
+
+class ListedOutputs(nn.Module):
+    """The down path's outputs kept in a list for the up path, which concatenates them in the
+    model's code (diffusers' down blocks and their ``output_states``)."""
+
+    def __init__(self, d: int = 32, depth: int = 3) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(64, d)
+        self.down = nn.ModuleList([Mlp(d) for _ in range(depth)])
+        self.up = nn.ModuleList([Mlp(d) for _ in range(depth)])
+        self.head = nn.Linear(d, 64)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        outs = []
+        for block in self.down:
+            x = block(x)
+            outs.append(x)
+        for block in self.up:
+            x = block(torch.cat([x, outs.pop()], dim=1)[:, : ids.shape[1]] + x)
+        return self.head(x)
+
+
+def _loss(out: torch.Tensor, batch: tuple[torch.Tensor]) -> torch.Tensor:
+    return torch.nn.functional.cross_entropy(out.flatten(0, 1), batch[0].flatten())
+
+
+BATCH = (torch.randint(0, 64, (8, 128), generator=torch.Generator().manual_seed(1)),)
+HIDDEN = 8 * 128 * 32 * 4  # bytes of one hidden state
+
+
+def _measured(model: nn.Module, prof: remat.Profile, choices: dict[str, str],
+              segments: list[list[str]] | None = None) -> tuple[int, int]:
+    """(predicted, measured) peak of a plan of ``choices`` (and ``segments``)."""
+    est = estimate_segments(prof, choices, segments or [])
+    plan = remat.Plan(choices=choices, budget_bytes=None, method="manual", estimate=est, model=prof.model,
+                      fingerprint=prof.fingerprint, device=prof.device, dtype=prof.dtype,
+                      batch_shape=prof.batch_shape, segments=segments or [])
+    remat.apply(model, plan)
+    try:
+        return est.peak_bytes, measure_step(model, BATCH, loss_fn=_loss, repeats=0).peak_bytes
+    finally:
+        remat.remove(model)
+
+
+def _profiled(make: Callable[[], nn.Module]) -> tuple[nn.Module, remat.Profile]:
+    torch.manual_seed(0)
+    model = make()
+    return model, remat.profile(model, BATCH, loss_fn=_loss, repeats=1)
+
+
+def _every_flip_exact(model: nn.Module, prof: remat.Profile) -> None:
+    names = [b.name for b in prof.blocks]
+    off = []
+    for base in ("keep", "recompute"):
+        for name in names:
+            for option in ("keep", "selective", "recompute"):
+                if option == base:
+                    continue
+                choices = dict.fromkeys(names, base) | {name: option}
+                predicted, measured = _measured(model, prof, choices)
+                if predicted != measured:
+                    off.append((choices, predicted, measured))
+    assert not off, off
+
+
+def _plans_fit(model: nn.Module, prof: remat.Profile) -> list[remat.Plan]:
+    """The plans at 60% and 40% of the plain peak and at the floor (those above it) measure at or
+    below their prediction, with the plain step's gradients."""
+    ref = copy.deepcopy(model)
+    with pytest.raises(remat.InfeasibleBudget) as refused:
+        remat.solve(prof, 1)
+    floor = refused.value.smallest_bytes
+    assert floor is not None
+    plans = []
+    for budget in (round(0.6 * prof.plain_peak_bytes), round(0.4 * prof.plain_peak_bytes), floor):
+        if budget < floor:
+            continue
+        plan = remat.solve(prof, budget)
+        assert plan.estimate is not None
+        predicted, measured = _measured(model, prof, plan.choices, plan.segments)
+        assert predicted == plan.estimate.peak_bytes <= budget
+        assert measured <= predicted, (measured, plan.choices, plan.segments)
+        plans.append(plan)
+    remat.apply(model, plans[-1])
+    for m in (model, ref):
+        m.zero_grad(set_to_none=True)
+        _loss(m(*BATCH), BATCH).backward()
+    remat.remove(model)
+    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert (p.grad is None and q.grad is None) or torch.equal(p.grad, q.grad), n
+    return plans
+
+
+@pytest.mark.parametrize("hold", [True, False], ids=["held", "dropped"])
+def test_a_frozen_first_input_is_a_side_input(hold: bool) -> None:
+    model, prof = _profiled(lambda: FrozenBase(hold=hold))
+    assert prof.blocks[0].input_bytes == 0 and prof.blocks[1].input_bytes == HIDDEN
+    frozen = [s for s in prof.side_inputs if s.consumers == ["layers.0"]]
+    assert len(frozen) == 1 and frozen[0].size_bytes == HIDDEN and frozen[0].saved_by == []
+    assert frozen[0].dies_after == (None if hold else "layers.0")
+    _every_flip_exact(model, prof)
+    _plans_fit(model, prof)
+
+
+def test_a_hidden_output_the_model_holds_is_a_handover() -> None:
+    model, prof = _profiled(HeldOutput)
+    assert [b.name for b in prof.blocks] == ["down.0", "down.1", "up", "join.layers.0", "join.layers.1"]
+    (held,) = prof.handovers
+    assert (held.made_by, held.dies_after, held.kept_by, held.size_bytes) == ("up", None, ["selective"], HIDDEN)
+    _every_flip_exact(model, prof)
+    _plans_fit(model, prof)
+
+
+def test_first_inputs_the_model_keeps_in_a_list_end_segments() -> None:
+    model, prof = _profiled(ListedOutputs)
+    assert {"down.1", "down.2"} <= set(prof.skip_bytes) and "down.0" not in prof.skip_bytes
+    _every_flip_exact(model, prof)
+    names = [b.name for b in prof.blocks]
+    for plan in _plans_fit(model, prof):
+        for first, last in plan.segments:
+            after_first = names[names.index(first) + 1 : names.index(last) + 1]
+            assert not set(after_first) & set(prof.skip_bytes), plan.segments
