@@ -188,18 +188,20 @@ def dtype_name(model: nn.Module) -> str:
 
 
 def sides_of(model: nn.Module, named: list[tuple[str, nn.Module]], batch: Any, loss_fn: Any,
-             keys: set[int], traced: Hooks) -> tuple[list[SideInput], StepNotes]:
-    """The side inputs of the step ``traced`` saw, and the notes of a forward with every block
-    kept that notes what each part saves and holds none of it: which side inputs a kept block
-    holds (NOTE [ Side inputs ]), and what the model's code holds on its own (NOTE [ A first input
-    the model's code holds ] in remat.measure.sides)."""
+             optimizer: Any, keys: set[int], traced: Hooks) -> tuple[list[SideInput], StepNotes]:
+    """The side inputs of the step ``traced`` saw, after a plain step that notes what each block
+    saves: which side inputs a kept block holds (NOTE [ Side inputs ]); and the notes of a forward
+    with every block kept that saves nothing, where what the model's code holds shows (NOTE [ A
+    first input the model's code holds ] in remat.measure.sides)."""
     saved: dict[Any, set[int]] = {}
     with every_block(named, "keep"):
+        saving = marked_step(model, named, batch, loss_fn, optimizer, lambda _: None, keys, saved)
+        model.zero_grad(set_to_none=True)
         unsaved = Hooks(named, lambda _: None)
         unsaved.base_keys = keys
-        try:
-            with noting_saved(unsaved, saved, hold=False), noting_deaths(unsaved, model):
+        try:  # storage keys saved by nothing are soon reused: this forward notes deaths, not keys
+            with noting_saved(unsaved, None, hold=False), noting_deaths(unsaved, model):
                 _step.forward_loss(model, batch, loss_fn)
         finally:
             unsaved.remove()
-    return side_inputs(traced, unsaved, saved, [n for n, _ in named]), unsaved
+    return side_inputs(traced, saving, saved, [n for n, _ in named]), unsaved

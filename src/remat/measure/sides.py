@@ -187,7 +187,7 @@ def noting_saved(
     (the last such mark is where a replay of the block stops: ``BlockProfile.stop_peak_bytes``);
     nothing without either. The tensors are saved as they are, so the step's memory is unchanged;
     ``hold=False``: nothing is saved (a forward with no backward after it)."""
-    if saved is None and mark is None:
+    if saved is None and mark is None and hold:
         yield
         return
 

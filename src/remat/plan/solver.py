@@ -110,12 +110,13 @@ def _searched(profile: Profile, chain: ChainConstraints, budget_bytes: int, meth
               segments: bool) -> Plan:
     """The plan ``method`` finds, checked against the handovers the searches do not see (``fitted``)."""
     found, remake = _searches(profile, chain, budget_bytes, method, notes, segments)
-    return fitted(profile, budget_bytes, found, remake, functools.partial(_floor_of, segments=segments))
+    floor = functools.partial(_floor_of, segments=segments and segment_neutral(profile))
+    return fitted(profile, budget_bytes, found, remake, floor)
 
 
 def _floor_of(on: Profile, segments: bool) -> int:
-    """The lowest peak of ``on``'s plans by its numbers, its handovers not counted (the searches'
-    view, for ``remat.plan.handovers.fitted``)."""
+    """The lowest peak of ``on``'s plans (with ``segments`` or not) by its numbers, its handovers
+    not counted: the searches' view, for ``remat.plan.handovers.fitted``."""
     return (smallest_any if segments else smallest_feasible)(dataclasses.replace(on, handovers=[]))[0]
 
 
@@ -329,7 +330,7 @@ def smallest_any(profile: Profile) -> tuple[int, str]:
     chain = chain_constraints(profile)
     if profile.handovers:  # NOTE [ Handovers ] in remat.records: the lowest plan found, counted
         low_plan = lowest(profile, *_searches(profile, chain, None, "optimal", [], True),
-                          functools.partial(_floor_of, segments=True))
+                          functools.partial(_floor_of, segments=segment_neutral(profile)))
         return low_plan.estimate.peak_bytes, f"the peak falls at the {low_plan.estimate.peak_phase}"
     low, why = smallest_feasible(profile)
     seg = None
