@@ -69,7 +69,7 @@ from remat.errors import ProfileError
 from remat.manual.blocks import fingerprint
 from remat.measure import step as _step
 from remat.measure.handovers import handovers
-from remat.measure.notes import StepNotes
+from remat.measure.notes import PartNumbers, StepNotes
 from remat.measure.sides import head_frees_last_input, replay_holds_output
 from remat.measure.tracer import Trace
 from remat.plan.schedule import Phase, step_phases
@@ -102,14 +102,14 @@ def span(phase: Phase, order: list[int], labels: Any) -> tuple[str, str]:
 
 def attribute(
     trace: Trace, hooks: StepNotes, n: int
-) -> tuple[Segment, Segment, list[dict[str, int]], int]:
+) -> tuple[Segment, Segment, list[PartNumbers], int]:
     """Replay the cost model along the trace (NOTE [ From a trace to a Profile ]): the ``pre``
     and ``post`` segments, each block's numbers (by index), the optimizer step's peak."""
     live = {m.label: m.live_bytes for m in trace.marks}
     first = {m.label: k for k, m in reversed(list(enumerate(trace.marks)))}
     last_save = {m.label: k for k, m in enumerate(trace.marks) if m.label.startswith("sv")}
     order = hooks.order
-    parts: dict[Any, dict[str, int]] = {"pre": {}, "post": {}, **{i: {} for i in range(n)}}
+    parts: dict[Any, PartNumbers] = {"pre": PartNumbers(), "post": PartNumbers(), **{i: PartNumbers() for i in range(n)}}
     level = optimizer_peak = 0
     for phase in step_phases(len(order)):
         start, end = span(phase, order, live)
@@ -121,46 +121,46 @@ def attribute(
         numbers = parts[key]
         if phase.stage == "forward":
             received, handed = _boundary(key, hooks)
-            numbers["kept"] = live[end] - live[start] + received - handed
-            numbers["fwd_peak"] = peak - level
+            numbers.kept = live[end] - live[start] + received - handed
+            numbers.fwd_peak = peak - level
             if (stop := last_save.get(f"sv{key}")) is not None:  # BlockProfile.stop_peak_bytes
-                numbers["stop_peak"] = trace.peak_over(first[start], stop) - level
-            level += numbers["kept"]
+                numbers.stop_peak = trace.peak_over(first[start], stop) - level
+            level += numbers.kept
         else:
-            numbers["bwd_peak"] = peak - level
-            numbers["bwd_level"] = level
-            numbers["grad"] = live[end] - live[start] + numbers["kept"]
-            level += numbers["grad"] - numbers["kept"]
+            numbers.bwd_peak = peak - level
+            numbers.bwd_level = level
+            numbers.grad = live[end] - live[start] + numbers.kept
+            level += numbers.grad - numbers.kept
     pre, post = (
-        Segment(kept_bytes=s["kept"], fwd_peak_bytes=s["fwd_peak"], bwd_peak_bytes=s["bwd_peak"],
-                grad_bytes=s["grad"], fwd_ms=0.0, bwd_ms=0.0)
+        Segment(kept_bytes=s.kept, fwd_peak_bytes=s.fwd_peak, bwd_peak_bytes=s.bwd_peak,
+                grad_bytes=s.grad, fwd_ms=0.0, bwd_ms=0.0)
         for s in (parts["pre"], parts["post"])
     )  # fmt: skip
     return pre, post, [parts[i] for i in range(n)], optimizer_peak
 
 
 def run_numbers(run: tuple[Trace, StepNotes], keep: StepNotes, n: int,
-                numbers: list[dict[str, int]] | None = None) -> list[dict[str, int]]:
+                numbers: list[PartNumbers] | None = None) -> list[PartNumbers]:
     """One option's run's block numbers (``numbers``, if read already), the last block's kept
     bytes restated where that run and the kept one freed its input in the head (NOTE [ The last block's input ])."""
     numbers = attribute(*run, n)[2] if numbers is None else numbers
     if (freed := head_frees_last_input(keep)) and head_frees_last_input(run[1]):
-        numbers[run[1].order[-1]]["kept"] -= freed
+        numbers[run[1].order[-1]].kept -= freed
     return numbers
 
 
-def _last_input_restated(post: Segment, keep_blocks: list[dict[str, int]], hooks: StepNotes) -> Segment:
+def _last_input_restated(post: Segment, keep_blocks: list[PartNumbers], hooks: StepNotes) -> Segment:
     """The kept step's head (its last block's numbers in place) restated: NOTE [ The last block's input ]."""
     if freed := head_frees_last_input(hooks):
-        for key in ("kept", "grad"):
-            keep_blocks[hooks.order[-1]][key] -= freed
+        keep_blocks[hooks.order[-1]].kept -= freed
+        keep_blocks[hooks.order[-1]].grad -= freed
         post = dataclasses.replace(post, kept_bytes=post.kept_bytes + freed, grad_bytes=post.grad_bytes + freed,
                                    fwd_peak_bytes=post.fwd_peak_bytes + freed)
     return post
 
 
 def attribute_over_keep(run: tuple[Trace, StepNotes], keep: tuple[Trace, StepNotes],
-                        named: list[tuple[str, nn.Module]], sides: list[SideInput]) -> list[dict[str, int]]:
+                        named: list[tuple[str, nn.Module]], sides: list[SideInput]) -> list[PartNumbers]:
     """One option's run's block numbers, backward peaks over the cost model's level as ``assemble``
     restates its runs (NOTE [ Gradients live as long as the plain step's ]), for an option that
     holds side inputs as ``keep`` does (``remat.plan.sides.saves_as_kept``)."""
@@ -233,12 +233,12 @@ def assemble(
         if numbers is not keep_blocks:
             for side in sides or []:  # NOTE [ Where a side input dies ] in remat.plan.sides
                 if side.dies_after is not None:
-                    numbers[index[side.dies_after]]["kept"] -= side.size_bytes
+                    numbers[index[side.dies_after]].kept -= side.size_bytes
             _peaks_over_model_level(numbers, keep_blocks, pre, post, order, named, sides or [])
     if "selective" in per_option and "recompute" in traces:  # NOTE [ A replay's cache holds the block's output ] in sides
         selective, recompute = (traces[o][1] for o in ("selective", "recompute"))
         for i in replay_holds_output(selective, recompute, hooks_keep):
-            per_option["selective"][i]["kept"] += hooks_keep.out_bytes[i]
+            per_option["selective"][i].kept += hooks_keep.out_bytes[i]
     # The head's forward with the side inputs still held: every block recomputed holds them.
     held = runs["recompute"][1].fwd_peak_bytes if sides and "recompute" in runs else post.fwd_peak_bytes
     handed = handovers([n for n, _ in named], {o: h for o, (_, h) in traces.items()})  # NOTE [ Handovers ]
@@ -258,12 +258,12 @@ def assemble(
             name=name,
             kind=type(module).__name__,
             param_bytes=param_bytes[i],
-            grad_bytes=keep_blocks[i]["grad"],
+            grad_bytes=keep_blocks[i].grad,
             input_bytes=hooks_keep.in_bytes[i],
             fwd_ms=fwd[i],
             bwd_ms=bwd[i],
             options=_options(i, per_option, fwd[i], sel_extra[i], host_link_bytes_per_s),
-            stop_peak_bytes=keep_blocks[i].get("stop_peak"),
+            stop_peak_bytes=keep_blocks[i].stop_peak,
         )
         for i, (name, module) in enumerate(named)
     ]
@@ -285,7 +285,7 @@ def assemble(
 
 
 def _peaks_over_model_level(
-    numbers: list[dict[str, int]], keep: list[dict[str, int]], pre: Segment, post: Segment,
+    numbers: list[PartNumbers], keep: list[PartNumbers], pre: Segment, post: Segment,
     order: list[int], named: list[tuple[str, nn.Module]], sides: list[SideInput], held_as: str = "recompute",
 ) -> None:
     """Restate the backward peaks of one option's run (every block checkpointed the same way)
@@ -298,7 +298,7 @@ def _peaks_over_model_level(
         savers=tuple(frozenset(names.index(n) for n in s.saved_by) for s in sides),
         post_held_extra_bytes=0,
     )
-    level = pre.kept_bytes + sum(numbers[i]["kept"] for i in order) + post.grad_bytes
+    level = pre.kept_bytes + sum(numbers[i].kept for i in order) + post.grad_bytes
     held, so_far = [], 0  # the groups held at each block's backward, as the cost model replays
     for k in range(len(order)):
         so_far |= groups.holds(k, held_as)
@@ -306,8 +306,8 @@ def _peaks_over_model_level(
     for k in range(len(order) - 1, -1, -1):
         own = numbers[order[k]]
         model = level + groups.delta_bytes(held[k], k)
-        own["bwd_peak"] += own["bwd_level"] - model
-        level += keep[order[k]]["grad"] - own["kept"]
+        own.bwd_peak += own.bwd_level - model
+        level += keep[order[k]].grad - own.kept
 
 
 def _check_every_block_ran(named: list[tuple[str, nn.Module]], order: list[int]) -> None:
@@ -339,11 +339,11 @@ def _block_times(times: dict[str, dict[str, float]], n: int) -> tuple[list[float
 
 def _share_medians(named: list[tuple[str, nn.Module]], series: list[list[float]],
                    param_bytes: list[int], in_bytes: dict[int, int],
-                   keep_blocks: list[dict[str, int]]) -> None:
+                   keep_blocks: list[PartNumbers]) -> None:
     """Blocks of one kind and size do the same work: give each the median of their times."""
     groups: dict[tuple[Any, ...], list[int]] = defaultdict(list)
     for i, (_, m) in enumerate(named):
-        groups[(type(m).__name__, param_bytes[i], in_bytes[i], keep_blocks[i]["kept"])].append(i)
+        groups[(type(m).__name__, param_bytes[i], in_bytes[i], keep_blocks[i].kept)].append(i)
     for members in groups.values():
         for values in series:
             med = statistics.median(values[i] for i in members)
@@ -351,38 +351,29 @@ def _share_medians(named: list[tuple[str, nn.Module]], series: list[list[float]]
                 values[i] = med
 
 
-def _options(i: int, per_option: dict[str, list[dict[str, int]]], fwd_ms: float,
+def _options(i: int, per_option: dict[str, list[PartNumbers]], fwd_ms: float,
              sel_extra_ms: float, host_link_bytes_per_s: float | None) -> dict[str, OptionCost]:
     """Block ``i``'s cost under each option: those run, and the offloads derived from them."""
-    options: dict[str, OptionCost] = {"keep": _cost(per_option["keep"][i], 0.0)}
+    options: dict[str, OptionCost] = {"keep": per_option["keep"][i].cost(0.0)}
     if "selective" in per_option:
-        options["selective"] = _cost(per_option["selective"][i], sel_extra_ms)
+        options["selective"] = per_option["selective"][i].cost(sel_extra_ms)
     if "recompute" in per_option:
-        options["recompute"] = _cost(per_option["recompute"][i], fwd_ms)
+        options["recompute"] = per_option["recompute"][i].cost(fwd_ms)
     if host_link_bytes_per_s:
         k, r = per_option["keep"][i], per_option["recompute"][i]
         options["offload"] = OptionCost(
             kept_bytes=0,
-            fwd_peak_bytes=k["fwd_peak"],
-            bwd_peak_bytes=k["bwd_peak"] + k["kept"],
-            extra_ms=2 * k["kept"] / host_link_bytes_per_s * 1e3,
+            fwd_peak_bytes=k.fwd_peak,
+            bwd_peak_bytes=k.bwd_peak + k.kept,
+            extra_ms=2 * k.kept / host_link_bytes_per_s * 1e3,
         )
         options["recompute_offload"] = OptionCost(
             kept_bytes=0,
-            fwd_peak_bytes=r["fwd_peak"],
-            bwd_peak_bytes=r["bwd_peak"] + r["kept"],
-            extra_ms=fwd_ms + 2 * r["kept"] / host_link_bytes_per_s * 1e3,
+            fwd_peak_bytes=r.fwd_peak,
+            bwd_peak_bytes=r.bwd_peak + r.kept,
+            extra_ms=fwd_ms + 2 * r.kept / host_link_bytes_per_s * 1e3,
         )
     return options
-
-
-def _cost(numbers: dict[str, int], extra_ms: float) -> OptionCost:
-    return OptionCost(
-        kept_bytes=numbers["kept"],
-        fwd_peak_bytes=numbers["fwd_peak"],
-        bwd_peak_bytes=numbers["bwd_peak"],
-        extra_ms=extra_ms,
-    )
 
 
 def _with_times(seg: Segment, fwd_ms: float, bwd_ms: float) -> Segment:

@@ -82,8 +82,7 @@ def measure_compiled(named: Sequence[tuple[str, nn.Module]], runner: StepRunner,
             groups[kind].append(times[f"fwd{i}"] + times[f"bwd{i}"] - keep[f"fwd{i}"] - keep[f"bwd{i}"])
         for i, ((name, _), kind) in enumerate(zip(named, kinds)):
             n = numbers[option][i]
-            out[name][option] = OptionCost(kept_bytes=n["kept"], fwd_peak_bytes=n["fwd_peak"],
-                                           bwd_peak_bytes=n["bwd_peak"], extra_ms=statistics.median(groups[kind]))
+            out[name][option] = n.cost(statistics.median(groups[kind]))
     return out
 
 

@@ -60,6 +60,7 @@ from remat.measure.estimated import (
 )
 from remat.measure.heads import HeadMeasures, head_option
 from remat.measure.marked import base_keys, marked_step
+from remat.measure.notes import PartNumbers
 from remat.measure.runner import StepRunner, every_block
 from remat.measure.scratch import Scratch
 from remat.measure.tracer import host_link_bytes_per_s
@@ -168,7 +169,7 @@ class Measured:
     """Whether the times are the roofline's (only nested segments fit: no lean step ran)."""
 
 
-_Scratch = dict[str, int]
+_Parts = dict[str, int]
 """Bytes a real step peaked above its fake twin in one phase (NOTE [ What no tensor holds ])."""
 
 
@@ -237,7 +238,7 @@ class _Timing:
         return functools.partial(self._config, self.runner.model, self.named, options, head)
 
     def _measure(self, options: Sequence[str], head: str,
-                 segments: Sequence[Sequence[str]] = ()) -> tuple[list[_Scratch], _Scratch]:
+                 segments: Sequence[Sequence[str]] = ()) -> tuple[list[PartNumbers], _Parts]:
         """Per block, and for the parts around them, what the real step of this configuration
         peaked above its fake twin (NOTE [ What no tensor holds ]); marks at every save, for the
         peak before a kept block's last save (``stop_peak``)."""
@@ -248,8 +249,7 @@ class _Timing:
         with self.run.fake_mode, self._config(self.run.model, self.run.named, options, head, segments):
             fake = attribute(*StepRunner(functools.partial(twin.marked, saves=True), twin.model,
                                          spec=twin.spec).traced()[:2], n)
-        blocks: list[_Scratch] = [{k: r[k] - f[k] for k in ("kept", "fwd_peak", "bwd_peak", "stop_peak") if k in r and k in f}
-                                  for r, f in zip(real[2], fake[2])]
+        blocks = [r.minus(f) for r, f in zip(real[2], fake[2])]
         parts = {"post_kept": real[1].kept_bytes - fake[1].kept_bytes,  # NOTE [ What no tensor holds ]
                  "pre_fwd": real[0].fwd_peak_bytes - fake[0].fwd_peak_bytes,
                  "pre_bwd": real[0].bwd_peak_bytes - fake[0].bwd_peak_bytes,
@@ -267,7 +267,7 @@ class _Timing:
             self.runner.marked(lambda _: None)  # warm-up: lazy state, the allocator
         blocks, parts = self._measure([plan.choices[n] for n in self.names], plan.head, plan.segments)
         s = self.scratch
-        s.margin = max(0, *(v for b in blocks for k, v in b.items() if k != "kept"))
+        s.margin = max(0, *(v for b in blocks for v in (b.fwd_peak, b.bwd_peak, b.stop_peak) if v is not None))
         order = [b.name for b in self.fake.blocks]
         inside = {n for a, b in plan.segments for n in order[order.index(a):order.index(b) + 1]}
         for i, name in enumerate(self.names):  # a block in a segment ran no option of its own

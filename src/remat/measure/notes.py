@@ -1,4 +1,5 @@
-"""What the block hooks note while one marked step runs: declared here, in one record.
+"""What a marked step's hooks note (``StepNotes``), and what attribution reads off its trace per
+part (``PartNumbers``): the measurement state, declared here.
 
 The profiler's hooks (``remat.measure.marked.Hooks``) fill a ``StepNotes`` as the step runs: the
 order the blocks ran in, their boundary bytes, the storages that cross block boundaries (side
@@ -15,7 +16,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-__all__ = ["DeathPoint", "StepNotes"]
+from remat.records import OptionCost
+
+__all__ = ["DeathPoint", "PartNumbers", "StepNotes"]
 
 DeathPoint = tuple[int, bool]
 
@@ -79,3 +82,37 @@ class StepNotes:
     """(block, n) that entered a later block (a side input there, not a handover)."""
     input_keys: dict[int, list[int]] = field(default_factory=dict)
     """[block]: the storage keys of all its inputs."""
+
+
+@dataclass(kw_only=True)
+class PartNumbers:
+    """One part's bytes in one traced step (a block with every block on one option, or the part
+    before or after them), as attribution reads them off the trace (NOTE [ From a trace to a
+    Profile ] in remat.measure.attribution), which then restates some of them."""
+
+    kept: int = 0
+    """Bytes kept from the part's forward until its backward: its input charged to it, its output
+    to its consumer."""
+    fwd_peak: int = 0
+    """Peak during its forward above the cost model's live level there."""
+    bwd_peak: int = 0
+    """Peak during its backward above the live level there (the run's own level, until restated)."""
+    bwd_level: int = 0
+    """The live level its backward peak was read against."""
+    grad: int = 0
+    """Net bytes its backward leaves besides the freed activations (its gradients)."""
+    stop_peak: int | None = None
+    """Peak of its kept forward up to its last save (``BlockProfile.stop_peak_bytes``); None when
+    it saved nothing."""
+
+    def cost(self, extra_ms: float) -> OptionCost:
+        """These numbers as an option's cost, with its extra time."""
+        return OptionCost(kept_bytes=self.kept, fwd_peak_bytes=self.fwd_peak, bwd_peak_bytes=self.bwd_peak,
+                          extra_ms=extra_ms)
+
+    def minus(self, other: PartNumbers) -> PartNumbers:
+        """These numbers less ``other``'s, phase by phase (a real step's over its fake twin's)."""
+        stop = None if self.stop_peak is None or other.stop_peak is None else self.stop_peak - other.stop_peak
+        return PartNumbers(kept=self.kept - other.kept, fwd_peak=self.fwd_peak - other.fwd_peak,
+                           bwd_peak=self.bwd_peak - other.bwd_peak, bwd_level=self.bwd_level - other.bwd_level,
+                           grad=self.grad - other.grad, stop_peak=stop)

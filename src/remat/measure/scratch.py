@@ -8,6 +8,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
+from remat.measure.notes import PartNumbers
 from remat.records import Profile
 
 __all__ = ["Scratch"]
@@ -18,8 +19,8 @@ class Scratch:
     """What the real steps peaked above their fake twins, phase by phase (NOTE [ What no tensor
     holds ]), as far as they have run."""
 
-    blocks: dict[str, dict[str, dict[str, int]]] = dataclasses.field(default_factory=dict)
-    """Option -> block name -> phase (``fwd_peak``, ``bwd_peak``, ``stop_peak``) -> bytes."""
+    blocks: dict[str, dict[str, PartNumbers]] = dataclasses.field(default_factory=dict)
+    """Option -> block name -> by phase (``fwd_peak``, ``bwd_peak``, ``stop_peak``; ``kept``)."""
     parts: dict[str, int] = dataclasses.field(default_factory=dict)
     """The same for the parts around the blocks, with the head as written (``pre_fwd``,
     ``pre_bwd``, ``post_fwd``, ``post_bwd``, ``optimizer``)."""
@@ -31,7 +32,7 @@ class Scratch:
     """The most any block's phase of the first step peaked above its fake twin: what a block's
     option no step ran is charged (the parts around the blocks are measured in every step)."""
 
-    def add(self, option: str, names: Sequence[str], numbers: Sequence[dict[str, int]]) -> None:
+    def add(self, option: str, names: Sequence[str], numbers: Sequence[PartNumbers]) -> None:
         self.blocks.setdefault(option, {}).update(zip(names, numbers))
 
     def onto(self, prof: Profile) -> Profile:
@@ -55,17 +56,17 @@ class Scratch:
         the same op on fake and real tensors, and the last block's input (NOTE [ The last block's
         input ]) died in the head of a real UNet step and not of its fake twin (48 KiB).
         """
-        unmeasured = {"fwd_peak": self.margin, "bwd_peak": self.margin, "stop_peak": self.margin}
+        unmeasured = PartNumbers(fwd_peak=self.margin, bwd_peak=self.margin, stop_peak=self.margin)
         own = {"offload": "keep", "recompute_offload": "recompute"}
 
-        def peaks(cost: Any, d: dict[str, int]) -> Any:
-            return dataclasses.replace(cost, kept_bytes=cost.kept_bytes + d.get("kept", 0),
-                                       fwd_peak_bytes=cost.fwd_peak_bytes + d.get("fwd_peak", 0),
-                                       bwd_peak_bytes=cost.bwd_peak_bytes + d.get("bwd_peak", 0))
+        def peaks(cost: Any, d: PartNumbers) -> Any:
+            return dataclasses.replace(cost, kept_bytes=cost.kept_bytes + d.kept,
+                                       fwd_peak_bytes=cost.fwd_peak_bytes + d.fwd_peak,
+                                       bwd_peak_bytes=cost.bwd_peak_bytes + d.bwd_peak)
 
         kind = {name: k for k in self.kinds for name in k}
 
-        def measured(option: str, name: str) -> dict[str, int]:
+        def measured(option: str, name: str) -> PartNumbers:
             seen = self.blocks.get(own.get(option, option), {})
             return next((seen[n] for n in [name, *kind.get(name, [])] if n in seen), unmeasured)
 
@@ -74,14 +75,14 @@ class Scratch:
             found = {o: measured(o, b.name) for o in b.options}
             stop = b.stop_peak_bytes
             if stop is not None:  # a replay runs the forward's kernels up to the last save
-                stop += max(found["keep"].get("stop_peak", 0), found["keep"].get("fwd_peak", 0))
+                stop += max(found["keep"].stop_peak or 0, found["keep"].fwd_peak)
             blocks.append(dataclasses.replace(
                 b, options={o: peaks(c, found[o]) for o, c in b.options.items()}, stop_peak_bytes=stop))
         parts = self.parts or dict.fromkeys(("pre_fwd", "pre_bwd", "post_fwd", "post_bwd", "optimizer"), self.margin)
 
         def part(seg: Any, d: dict[str, int], name: str) -> Any:
-            return peaks(seg, {"kept": d.get(f"{name}_kept", 0), "fwd_peak": d[f"{name}_fwd"],
-                               "bwd_peak": d[f"{name}_bwd"]})
+            return peaks(seg, PartNumbers(kept=d.get(f"{name}_kept", 0), fwd_peak=d[f"{name}_fwd"],
+                                          bwd_peak=d[f"{name}_bwd"]))
 
         return dataclasses.replace(
             prof, blocks=blocks, pre=part(prof.pre, parts, "pre"), post=part(prof.post, parts, "post"),

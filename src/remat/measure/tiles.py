@@ -56,8 +56,7 @@ def measure_tiles(
     out = {}
     for i, (_, kind, size) in extra.items():
         n = numbers[i]
-        out[named[i][0]] = OptionCost(kept_bytes=n["kept"], fwd_peak_bytes=n["fwd_peak"], bwd_peak_bytes=n["bwd_peak"],
-                                      extra_ms=statistics.median(groups[(kind, size)]))  # fmt: skip
+        out[named[i][0]] = n.cost(statistics.median(groups[(kind, size)]))
     return out
 
 
