@@ -19,6 +19,7 @@ from remat.manual.options import clear_option, set_option
 from remat.measure.profiler import profile
 from remat.measure.tracer import measure_step
 from remat.plan.costmodel import estimate
+from remat.plan.handovers import segment_neutral
 from remat.plan.solver import frontier, smallest_any, solve
 from remat.records import Profile
 
@@ -128,6 +129,16 @@ def test_every_plan_is_predicted_to_the_byte() -> None:
         if (d := _measured(model, batch, choices) - estimate(prof, choices).peak_bytes) != 0:
             off["".join(o[0] for o in choices.values())] = d
     assert off == {}
+
+
+def test_segments_are_planned_only_with_handovers_kept_and_recomputed_alike() -> None:
+    # NOTE [ Handovers ] in remat.records; remat.plan.handovers.segment_neutral
+    _, _, prof, _ = _every_plan()
+    assert [h.kept_by for h in prof.handovers] == [["keep"]] * len(prof.handovers) and not segment_neutral(prof)
+    for kept_by, neutral in ((["selective"], True), (["keep", "selective", "recompute"], True), ([], True),
+                             (["recompute"], False)):
+        alike = dataclasses.replace(prof, handovers=[dataclasses.replace(h, kept_by=kept_by) for h in prof.handovers])
+        assert segment_neutral(alike) is neutral, kept_by
 
 
 def test_solve_fits_and_is_the_fastest_per_block_plan() -> None:

@@ -39,9 +39,10 @@ under another saving than the plan's (``remat.plan.handovers``; one freed in the
 counts as live at the head's peak, which may come first). The solvers' searches do not see
 it (it ties a block's bytes to its neighbour's option); ``solve`` checks its plan with
 ``estimate``, searches again when the handovers put it over, and improves it a block at a time
-(``remat.plan.handovers.fitted``). The segment model does not count handovers either (on a loop
-that holds them, random segment plans measured up to 36 KiB over and 185 KiB under their
-prediction), so ``solve`` plans no segments for a profile with handovers.
+(``remat.plan.handovers.fitted``). The segment model counts a handover only as its maker kept
+would hold it, so ``solve`` plans segments only where ``keep`` and ``recompute`` save each alike
+(``remat.plan.handovers.segment_neutral``; on a loop that holds BLOOM-like ones, random segment
+plans measured up to 36 KiB over and 185 KiB under their prediction).
 """
 
 from __future__ import annotations
