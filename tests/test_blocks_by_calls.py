@@ -7,12 +7,14 @@ Each gives the blocks expected, and the plans at 60% and 40% of the plain peak a
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import pytest
 import torch
 from torch import nn
 
 import remat
+from remat.errors import ProfileError
 from remat.measure.tracer import measure_step
 
 
@@ -121,3 +123,71 @@ def test_blocks_are_what_runs_and_a_plan_fits(name: str) -> None:
     for (n, p), q in zip(model.named_parameters(), ref.parameters()):
         assert torch.equal(p.grad, q.grad), n
     remat.remove(model)
+
+
+class Shared(nn.Module):
+    """The same layers held under two containers, as reformer's reversible and plain paths: the
+    first (registered first, so it owns the layers' names) never runs."""
+
+    def __init__(self, d: int = 32, depth: int = 3) -> None:
+        super().__init__()
+        pairs = [(Mlp(d), Attn(d)) for _ in range(depth)]
+        self.reversible = nn.ModuleList([nn.ModuleList([nn.Sequential(f), nn.Sequential(g)]) for f, g in pairs])
+        self.plain = nn.ModuleList([nn.Sequential(f, g) for f, g in pairs])
+        self.embed, self.head = nn.Embedding(64, d), nn.Linear(d, 64)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        for block in self.plain:
+            x = block(x)
+        return self.head(x)
+
+
+def test_a_module_held_under_two_names_is_one_block() -> None:
+    # NOTE [ Blocks by what runs ] rule 5; it ran "twice in one step" before
+    torch.manual_seed(0)
+    model = Shared()
+    batch = (torch.randint(0, 64, (4, 32), generator=torch.Generator().manual_seed(1)),)
+    prof = remat.profile(model, batch, loss_fn=_loss, repeats=1)
+    assert [b.name for b in prof.blocks] == ["plain.0", "plain.1", "plain.2"]
+
+
+class _Reversible(torch.autograd.Function):
+    """Runs the layers without gradients, and again with them in its backward (a reversible net)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, layers: nn.ModuleList) -> torch.Tensor:
+        ctx.layers = layers
+        ctx.save_for_backward(x)
+        with torch.no_grad():
+            for layer in layers:
+                x = layer(x)
+        return x
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        (x,) = ctx.saved_tensors
+        with torch.enable_grad():
+            x = x.detach().requires_grad_()
+            y = x
+            for layer in ctx.layers:
+                y = layer(y)
+            torch.autograd.backward(y, grad)
+        return x.grad, None
+
+
+class Reversible(nn.Module):
+    def __init__(self, d: int = 32) -> None:
+        super().__init__()
+        self.embed, self.layers, self.head = nn.Embedding(64, d), nn.ModuleList([Mlp(d) for _ in range(3)]), nn.Linear(d, 64)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(_Reversible.apply(self.embed(ids), self.layers))
+
+
+@pytest.mark.parametrize("blocks", [None, ["layers.*"]])
+def test_blocks_run_only_in_the_backward_are_refused_with_the_reason(blocks: list[str] | None) -> None:
+    model = Reversible()
+    batch = (torch.randint(0, 64, (4, 32), generator=torch.Generator().manual_seed(1)),)
+    with pytest.raises(ProfileError, match=r"only after the model's forward returned.*reversible"):
+        remat.profile(model, batch, loss_fn=_loss, repeats=1, blocks=blocks)

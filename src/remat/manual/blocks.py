@@ -155,8 +155,13 @@ def no_blocks(model: nn.Module) -> BlockError:
 # 4. Such a module with two or more such modules inside gives way to them (a UNet stage's resnets,
 #    attentions and downsampler, the granularity diffusers' own checkpointing takes): a block's
 #    backward holds its whole forward again, so the floor falls with the largest block.
+# 5. A block inside another by object is left to it: a module held under two names (reformer's
+#    reversible and plain paths share their layers) is counted under its first name only, which
+#    may be in a path that never runs as a whole (a shared layer's name under the reversible
+#    blocks, while the plain blocks that hold it run).
 # So every block remat chooses has run once in that forward: a block that does not run is never the
-# user's error.
+# user's error. One that runs with gradients only after the forward (in the model's own backward: a
+# reversible network) has nothing to checkpoint, and is refused with that reason.
 
 
 @dataclass(frozen=True)
@@ -194,7 +199,14 @@ def by_calls(model: nn.Module, found: list[tuple[str, nn.Module]], calls: Calls)
     above = {".".join(n.split(".")[:k]) for n in taken for k in range(n.count(".") + 1)}  # with the root, ""
     blocks += _uncovered(model, "", taken, above, calls, last_end)
     order = {n: i for i, (n, _) in enumerate(model.named_modules())}
-    return sorted(blocks, key=lambda b: order[b[0]])
+    return sorted(_outermost(blocks), key=lambda b: order[b[0]])
+
+
+def _outermost(blocks: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
+    """The blocks inside no other, by object (rule 5): a module the model holds under two names
+    is one module, named once (``named_modules`` gives the first name)."""
+    inner = {id(m) for _, block in blocks for m in block.modules() if m is not block}
+    return [(n, b) for n, b in blocks if id(b) not in inner]
 
 
 def _running_within(name: str, module: nn.Module, calls: Calls) -> list[tuple[str, nn.Module]]:

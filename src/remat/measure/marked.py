@@ -140,10 +140,15 @@ def running(model: nn.Module, named: list[tuple[str, nn.Module]], explicit: bool
     calls = Calls(count={}, start={}, end={}, grads=set(), grad_inputs=set())
     names = {id(m): n for n, m in model.named_modules()}
     ticks = itertools.count()
+    late: set[str] = set()  # called with gradients only after the model's forward returned
+    done = False
 
     def pre(module: nn.Module, args: Any, kwargs: Any) -> None:
         if torch.is_grad_enabled():
             name = names[id(module)]
+            if done:
+                late.add(name)
+                return
             calls.count[name] = calls.count.get(name, 0) + 1
             if name not in calls.start:
                 calls.start[name] = next(ticks)
@@ -151,10 +156,12 @@ def running(model: nn.Module, named: list[tuple[str, nn.Module]], explicit: bool
                     calls.grad_inputs.add(name)
 
     def post(module: nn.Module, args: Any, output: Any) -> None:
-        if torch.is_grad_enabled() and (name := names[id(module)]) not in calls.end:
+        nonlocal done
+        if torch.is_grad_enabled() and not done and (name := names[id(module)]) not in calls.end:
             calls.end[name] = next(ticks)
             if any(t.requires_grad for t in _step.tensors_in(output)):
                 calls.grads.add(name)
+        done = done or module is model
 
     handles = [h for m in model.modules() for h in (m.register_forward_pre_hook(pre, with_kwargs=True), m.register_forward_hook(post))]
     try:
@@ -164,15 +171,28 @@ def running(model: nn.Module, named: list[tuple[str, nn.Module]], explicit: bool
             h.remove()
     if explicit:
         if missing := [n for n, _ in named if n not in calls.count]:
+            if set(missing) & late:
+                raise _in_backward(sorted(set(missing) & late))
             raise ProfileError(f"blocks {missing} did not run in the training step; remat plans blocks that run "
                                "once per step with gradients (check blocks=, and that the model trains)")
         return named
     kept = by_calls(model, named, calls)
     if not kept:
+        if inside := [b for b, _ in named if b in late] or sorted(
+                n for n in late if any(n.startswith(b + ".") for b, _ in named)):
+            raise _in_backward(inside)
         raise no_blocks(model)
     if left := sorted({n for n, _ in named} - {n for n, _ in kept}):
         log.info("blocks found by the model's containers that do not run as blocks in a training step: %s", left)
     return kept
+
+
+def _in_backward(names: list[str]) -> ProfileError:
+    return ProfileError(
+        f"{names[:4]}{' ...' if len(names) > 4 else ''} run with gradients only after the model's forward "
+        "returned: the model runs them without gradients and again in its own backward (a reversible "
+        "network), so they keep no activations for checkpointing to drop and remat has nothing to plan "
+        "there. Name blocks that run with gradients in the forward with blocks=, or train without remat")
 
 
 def base_keys(model: nn.Module, optimizer: Any, batch: Any) -> set[int]:
