@@ -61,8 +61,6 @@ class StepNotes:
     """[block]: the block whose live output its first input is (-1: none)."""
     first_deaths: dict[int, DeathPoint] = field(default_factory=dict)
     """[block]: where its first input died, when in the forward (NOTE [ The last block's input ])."""
-    output_deaths: dict[int, DeathPoint] = field(default_factory=dict)
-    """[block]: where its first output died, when in the forward."""
     began: set[int] = field(default_factory=set)
     """The blocks whose backward has begun."""
     outlived: set[int] = field(default_factory=set)
