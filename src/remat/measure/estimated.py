@@ -124,7 +124,7 @@ def fake_run(make_model: Callable[[Any], nn.Module], batch: Any, loss_fn: Any,
                                         saves=option == "keep")
                 traces[option] = (meter.trace, hooks)
                 times[option] = phase_times({m.label: m.t_ms for m in meter.marks}, hooks.order)
-        sides, unsaved = sides_of(model, named, fake_batch, loss_fn, keys, traces["keep"][1])
+        sides, unsaved = sides_of(model, named, fake_batch, loss_fn, opt, keys, traces["keep"][1])
         param_bytes = _step.param_bytes(model)
         opt_bytes = _step.optimizer_bytes(opt)
         data = _step.batch_bytes(fake_batch)

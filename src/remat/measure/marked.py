@@ -208,28 +208,20 @@ def dtype_name(model: nn.Module) -> str:
 
 
 def sides_of(model: nn.Module, named: list[tuple[str, nn.Module]], batch: Any, loss_fn: Any,
-             keys: set[int], traced: Hooks) -> tuple[list[SideInput], StepNotes]:
-    """The side inputs of the step ``traced`` saw, after a forward that notes what each block
+             optimizer: Any, keys: set[int], traced: Hooks) -> tuple[list[SideInput], StepNotes]:
+    """The side inputs of the step ``traced`` saw, after a plain step that notes what each block
     saves: which side inputs a kept block holds (NOTE [ Side inputs ]); and the notes of a forward
-    that saves nothing, where what the model's code holds shows (NOTE [ A first input the model's
-    code holds ] in remat.measure.sides). Storage keys saved by nothing are soon reused, so that
-    second forward notes deaths, not keys. Every block is kept in both."""
+    with every block kept that saves nothing, where what the model's code holds shows (NOTE [ A
+    first input the model's code holds ] in remat.measure.sides)."""
     saved: dict[Any, set[int]] = {}
     with every_block(named, "keep"):
-        saving = _noted_forward(model, named, batch, loss_fn, keys, saved, hold=True)
-        unsaved = _noted_forward(model, named, batch, loss_fn, keys, None, hold=False)
+        saving = marked_step(model, named, batch, loss_fn, optimizer, lambda _: None, keys, saved)
+        model.zero_grad(set_to_none=True)
+        unsaved = Hooks(named, lambda _: None)
+        unsaved.base_keys = keys
+        try:  # storage keys saved by nothing are soon reused: this forward notes deaths, not keys
+            with noting_saved(unsaved, None, hold=False), noting_deaths(unsaved, model):
+                _step.forward_loss(model, batch, loss_fn)
+        finally:
+            unsaved.remove()
     return side_inputs(traced, saving, saved, [n for n, _ in named]), unsaved
-
-
-def _noted_forward(model: nn.Module, named: list[tuple[str, nn.Module]], batch: Any, loss_fn: Any,
-                   keys: set[int], saved: dict[Any, set[int]] | None, hold: bool) -> Hooks:
-    """The hooks' notes of one forward and loss (no backward: what is saved is known by then),
-    noting in ``saved`` what each part saves, and holding it (``hold``) or not."""
-    hooks = Hooks(named, lambda _: None)
-    hooks.base_keys = keys
-    try:
-        with noting_saved(hooks, saved, hold=hold), noting_deaths(hooks, model):
-            _step.forward_loss(model, batch, loss_fn)
-    finally:
-        hooks.remove()
-    return hooks

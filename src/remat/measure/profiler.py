@@ -168,7 +168,7 @@ def _measured(
                     hooks = marked_step(model, named, batch, loss_fn, optimizer, tracer.mark, keys,
                                          saves=option == "keep")
                 traces[option] = (tracer.trace, hooks)
-        sides, unsaved = sides_of(model, named, batch, loss_fn, keys, traces["keep"][1])
+        sides, unsaved = sides_of(model, named, batch, loss_fn, optimizer, keys, traces["keep"][1])
         # Timed in turns, so that a change in the machine's load hits both options alike.
         marked = functools.partial(marked_step, model, named, batch, loss_fn, optimizer, base_keys=keys)
         runner = StepRunner(marked, model, device=device, repeats=repeats)
