@@ -16,9 +16,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from remat.errors import InfeasibleBudget
+from remat.plan.bounds import relaxed_optimum, relaxed_table
 from remat.plan.costmodel import chain_constraints, estimate
 from remat.plan.head import estimate_with_head, head_extra_ms, head_names, with_head
-from remat.plan.search import relaxed_optimum, relaxed_table
+from remat.plan.optimum import defined
 from remat.plan.segments import SegmentModel, estimate_segments
 from remat.plan.solver import frontier, smallest_any, solve
 from remat.records import Plan, Profile
@@ -76,6 +77,15 @@ def _check_against_brute_force(p: Profile, share: float) -> None:
     assert plan.estimate.step_ms - p.plain_step_ms == pytest.approx(best, abs=1e-9)
     assert estimate_segments(p, plan.choices, plan.segments) == plan.estimate
     assert Plan.from_json(plan.to_json()) == plan
+    # NOTE [ The optimum, defined ] (remat.plan.optimum): the definition is this optimum too.
+    chain = chain_constraints(p)
+    found = defined(chain, SegmentModel(p, chain), budget)
+    assert found is not None
+    names = [b.name for b in p.blocks]
+    mine = estimate_segments(p, {n: chain.options[o] for n, o in zip(names, found.picks)},
+                             [[names[a], names[b]] for t in found.trees for a, b in t.spans()])
+    assert mine.peak_bytes <= budget
+    assert mine.step_ms - p.plain_step_ms == pytest.approx(best, abs=1e-9)
 
 
 @settings(max_examples=20, deadline=None)

@@ -11,8 +11,9 @@ from _tables import block, brute_force, budget_near, chains, cost, profile, segm
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from remat.plan import search as solver
+from remat.plan import bounds as solver
 from remat.plan.costmodel import chain_constraints, smallest_feasible
+from remat.plan.optimum import defined
 from remat.plan.segments import estimate_segments
 from remat.plan.solver import METHODS, InfeasibleBudget, frontier, smallest_any, solve
 from remat.records import Plan, Profile, RecordError
@@ -370,6 +371,11 @@ def test_optimal_equals_brute_force(p: Profile, data: st.DataObject) -> None:
         return
     plan = solve(p, budget)
     assert plan.estimate.peak_bytes <= budget
+    # NOTE [ The optimum, defined ] (remat.plan.optimum): its per-block part is this optimum.
+    chain = chain_constraints(p)
+    picks = defined(chain, None, budget)
+    assert picks is not None and not picks.trees
+    assert (sum(row[o] for row, o in zip(chain.extra_ms, picks.picks)), chain.peak_bytes(picks.picks)) == best
     if plan.segments:  # faster than every per-block plan
         assert plan.estimate.step_ms - p.plain_step_ms < best[0]
         return

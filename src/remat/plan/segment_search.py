@@ -41,7 +41,7 @@ could lower the levels under it), and it costs one recompute's ticks (every repl
 the block, at least once). Side inputs count as never held (they only add). Any plan with
 segments then maps to a relaxed per-block plan (its segments' blocks on the extra option) that
 is no slower and no higher anywhere, so the relaxed chain's fastest plan (the exact per-block
-search of ``remat.plan.search``, on the relaxed table) is no slower than any plan. Without side
+search of ``remat.plan.bounds``, on the relaxed table) is no slower than any plan. Without side
 inputs its plan, when it uses no extra option, is a real per-block plan: the optimum, and
 ``solve`` is done with that one search (a GPU's options: offload keeps nothing for less than a
 recompute, and segments rarely win). Otherwise ``solve`` searches per-block options alone, and
@@ -57,7 +57,7 @@ partial plans that cannot end strictly faster than the per-block optimum, so res
 uses are those of the search without them, up to which states the ``MAX_STATES`` cap keeps on
 long chains (fewer compete for it).
 On a varied chain (one whose exact searches need their bounds, NOTE [ Bounding the search ] in
-``remat.plan.search``) two exact searches are put off: where the relaxed chain's beam plan uses
+``remat.plan.bounds``) two exact searches are put off: where the relaxed chain's beam plan uses
 the extra option, the exact relaxed search (which could only end the solve with a per-block plan)
 is skipped and its bounded table is the floor; and the per-block optimum is bounded from above
 by its beam's plan, which the segment search is to beat (a looser time floor than the optimum

@@ -51,9 +51,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from remat.errors import InvalidValue
+from remat.plan.bounds import FreeOption
 from remat.plan.costmodel import ChainConstraints, chain_constraints, estimate
 from remat.plan.handovers import handed_over
-from remat.plan.search import FreeOption
 from remat.plan.sides import side_groups
 from remat.records import Estimate, Profile
 

@@ -18,21 +18,15 @@ import numpy as np
 
 from remat.errors import InfeasibleBudget, InvalidType, InvalidValue, did_you_mean
 from remat.plan.baselines import baseline, option_index
+from remat.plan.bounds import optimal_picks
 from remat.plan.costmodel import ChainConstraints, chain_constraints, smallest_feasible
+from remat.plan.fastest import fastest
 from remat.plan.handovers import Remake, Search, fitted, lowest, segment_neutral
 from remat.plan.head import HEAD_KEEP, best_of_heads, frontier_of_heads, head_names, with_head
 from remat.plan.refusals import exact_bytes, in_eval_mode, infeasible
-from remat.plan.search import (
-    NO_LIMIT_BYTES,
-    PerBlock,
-    Table,
-    optimal_picks,
-    relaxed_beats,
-    relaxed_search,
-    relaxed_table,
-)
-from remat.plan.segment_search import SegmentResult, segment_search
-from remat.plan.segments import SegmentModel, estimate_segments
+from remat.plan.search import NO_LIMIT_BYTES
+from remat.plan.segment_search import segment_search
+from remat.plan.segments import SegmentModel, Tree, estimate_segments
 from remat.records import Plan, Profile
 from remat.units import format_bytes, parse_budget
 
@@ -259,63 +253,18 @@ def _greedy_picks(profile: Profile, chain: ChainConstraints, budget_bytes: int) 
 def _optimal(
     profile: Profile, chain: ChainConstraints, budget: int, segments: bool
 ) -> tuple[list[int], list[list[str]]]:
-    """The fastest plan's picks and segments (NOTE [ Searching segments ]): per-block options
-    and segments together; segments are used when strictly faster than the per-block optimum, or
-    when only they fit."""
+    """The picks and segments of NOTE [ The optimum, defined ] (``remat.plan.optimum``), found by
+    ``remat.plan.fastest``; segments only where ``_segments_run`` allows them."""
     model = SegmentModel(profile, chain) if segments and _segments_run(profile, chain) else None
-    relaxed: Table | None = None
-    floor_ticks = beam_ticks = None
-    plain = True  # whether the per-block search begins without bounds (NOTE [ Bounding the search ])
-    if model is not None and not chain.holds:
-        relaxed = relaxed_table(chain, budget, model.free_option())
-        # A block in a segment is bounded by one more per-block option: the relaxation's fastest
-        # plan is no slower than any plan, and (without side inputs) when it is a per-block plan,
-        # it is the optimum.
-        search = relaxed_search(relaxed)
-        if search is None:
-            raise _infeasible(profile, budget, segments)  # nothing fits even the relaxation
-        if -1 in search.picks and not search.exact:
-            # A varied chain whose beam plan uses segments: the bounded table is the floor, and
-            # the exact relaxed search (which would not end the solve) is skipped; the beam's
-            # plan is a relaxed plan that fast.
-            relaxed, beam_ticks = search.table, search.ticks
-        else:
-            picks, floor_ticks = search.optimum()
-            if -1 not in picks:
-                return picks, []
-            relaxed = search.table
-        plain = search.exact  # a chain whose relaxed search needs bounds likely needs them too
-    per_block = PerBlock.start(chain, budget) if plain else PerBlock.start(chain, budget, plain_limit=0)
-    # ``upper``: the per-block optimum's ticks, or on a varied chain an upper bound on them.
-    upper = None if per_block is None else per_block.ticks
-    if model is not None and upper != 0:
-        relaxed = relaxed or relaxed_table(chain, budget, model.free_option())
-        floor = None
-        if upper is not None:
-            floor = relaxed if relaxed.rest is not None else relaxed.bounded()
-            if floor_ticks is not None:
-                hopeful = floor_ticks < upper
-            else:
-                hopeful = (beam_ticks is not None and beam_ticks < upper) or relaxed_beats(floor, upper)
-            if not hopeful:
-                floor = None  # no plan of any kind fits and is strictly faster than ``upper``
-        if floor is not None or upper is None:
-            seg = segment_search(chain, model, budget, objective="time", below_ticks=upper, floor=floor)
-            if seg is not None and seg.trees and (upper is None or seg.ticks < upper):
-                # Segments win only when strictly faster than the per-block optimum: its exact
-                # search under the segments' ticks (quick) finds it if it is as fast.
-                found = None if per_block is None else per_block.within(seg.ticks)
-                if found is None:
-                    return seg.picks, _segment_names(profile, seg)
-                return found[0], []
-    if per_block is None:
+    found = fastest(chain, model, budget)
+    if found is None:
         raise _infeasible(profile, budget, segments)
-    return per_block.optimum()[0], []
+    return found.picks, _segment_names(profile, found.trees)
 
 
-def _segment_names(profile: Profile, seg: SegmentResult) -> list[list[str]]:
+def _segment_names(profile: Profile, trees: Sequence[Tree]) -> list[list[str]]:
     names = [b.name for b in profile.blocks]
-    spans = sorted((s for t in seg.trees for s in t.spans()), key=lambda s: (s[0], -s[1]))
+    spans = sorted((s for t in trees for s in t.spans()), key=lambda s: (s[0], -s[1]))
     return [[names[a], names[b]] for a, b in spans]
 
 
@@ -339,7 +288,7 @@ def smallest_any(profile: Profile) -> tuple[int, str]:
     if seg is None or not seg.trees or seg.peak_bytes >= low:
         return low, why
     choices = {b.name: chain.options[o] for b, o in zip(profile.blocks, seg.picks)}
-    where = estimate_segments(profile, choices, _segment_names(profile, seg)).peak_phase
+    where = estimate_segments(profile, choices, _segment_names(profile, seg.trees)).peak_phase
     return seg.peak_bytes, f"with segments; the peak falls at the {where}"
 
 
