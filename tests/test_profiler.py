@@ -250,3 +250,46 @@ def test_block_running_twice_is_refused() -> None:
 
     with pytest.raises(ProfileError, match="ran twice in one step"):
         profile(Twice(), torch.randn(2, 8), repeats=1)
+
+
+class _Caching(nn.Module):
+    """A block that keeps its hidden layer on itself, replaced in every step (``lazy``: made once,
+    in the first step, and kept: a cache that is no step's)."""
+
+    def __init__(self, lazy: bool = False) -> None:
+        super().__init__()
+        self.a, self.b, self.lazy = nn.Linear(32, 128), nn.Linear(128, 32), lazy
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.a(x))
+        if not self.lazy or not hasattr(self, "cache"):
+            self.cache = h.detach() * 1.0
+            self.kept = {"last": [h.detach()[:1] * 1.0]}  # in a container too
+        return x + self.b(h)
+
+
+def _caching_model(lazy: bool) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(*[_Caching(lazy) for _ in range(3)], nn.Linear(32, 1))
+
+
+@pytest.mark.parametrize("mode", ["measured", "estimated"])
+def test_a_tensor_carried_into_the_next_step_is_named(mode: str) -> None:
+    """NOTE [ A tensor carried from one step into the next ] (remat.measure.marked). Measured by
+    hand on such a model (four blocks, each keeping its 8 MiB hidden layer): a plan at 60% of the
+    plain peak measured 24 MiB over its prediction in one run and 32 MiB in another."""
+    batch = torch.randn(16, 32)
+    model = _caching_model(lazy=False) if mode == "measured" else (lambda: _caching_model(lazy=False))
+    with pytest.warns(UserWarning, match=r"keeps tensors of each training step on its modules") as seen:
+        profile(model, batch, loss_fn=lambda out, b: out.sum(), **({"device": "cpu"} if mode == "estimated" else {}))
+    text = str(next(w.message for w in seen if "keeps tensors" in str(w.message)))
+    assert all(f"{i}.cache (8.00 KiB)" in text and f"{i}.kept (512 B)" in text for i in range(3))
+    assert "verify" in text
+
+
+def test_a_cache_made_once_is_not_named() -> None:
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*keeps tensors of each training step.*")
+        profile(_caching_model(lazy=True), torch.randn(16, 32), loss_fn=lambda out, b: out.sum())

@@ -26,7 +26,16 @@ from remat.manual.blocks import find_blocks
 from remat.measure import step as _step
 from remat.measure.attribution import assemble, phase_times
 from remat.measure.heads import HeadMeasures, add_heads, measure_heads
-from remat.measure.marked import Hooks, base_keys, dtype_name, marked_step, running, sides_of
+from remat.measure.marked import (
+    Hooks,
+    base_keys,
+    carried,
+    dtype_name,
+    marked_step,
+    running,
+    sides_of,
+    warn_carried,
+)
 from remat.measure.notes import StepNotes
 from remat.measure.runner import StepRunner, every_block
 from remat.measure.sides import with_skips
@@ -114,6 +123,7 @@ def fake_run(make_model: Callable[[Any], nn.Module], batch: Any, loss_fn: Any,
         cache_off(model)  # on a fake model, thrown away after: nothing to remove
         _create_state(model, opt)
         named = running(model, named, blocks is not None, lambda: _step.train_step(model, fake_batch, loss_fn, opt))
+        held = carried(model)
         keys = base_keys(model, opt, fake_batch)
         for option in _RUN_OPTIONS:
             with every_block(named, option):
@@ -124,6 +134,7 @@ def fake_run(make_model: Callable[[Any], nn.Module], batch: Any, loss_fn: Any,
                                         saves=option == "keep")
                 traces[option] = (meter.trace, hooks)
                 times[option] = phase_times({m.label: m.t_ms for m in meter.marks}, hooks.order)
+        warn_carried(held, model)
         sides, unsaved = sides_of(model, named, fake_batch, loss_fn, opt, keys, traces["keep"][1])
         param_bytes = _step.param_bytes(model)
         opt_bytes = _step.optimizer_bytes(opt)

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import itertools
 import logging
+import warnings
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -30,8 +32,9 @@ from remat.measure.sides import (
 from remat.measure.sides import first_tensor as _first_tensor
 from remat.measure.sides import storage_key as _storage_key
 from remat.records import SideInput
+from remat.units import format_bytes
 
-__all__ = ["Hooks", "base_keys", "dtype_name", "marked_step", "running", "sides_of"]
+__all__ = ["Hooks", "base_keys", "carried", "dtype_name", "marked_step", "running", "sides_of", "warn_carried"]
 
 log = logging.getLogger(__name__)
 
@@ -225,3 +228,48 @@ def sides_of(model: nn.Module, named: list[tuple[str, nn.Module]], batch: Any, l
         finally:
             unsaved.remove()
     return side_inputs(traced, saving, saved, [n for n, _ in named]), unsaved
+
+
+# NOTE [ A tensor carried from one step into the next ]
+# A module may keep a tensor of the step on itself (``self.cache = ...``: a bucket cache, the last
+# attention map kept for a plot), replaced in each step. It is allocated before the measured step
+# starts and freed inside it, when the step replaces it, and the tracer (the profiler's memory
+# events, or the fake meter) sees no size for a free whose allocation it did not see. So the
+# step's numbers miss those frees, unevenly across the runs of each option, and plans mixing
+# options miss their prediction (by tens of MiB on a small MLP: tests/test_profiler.py keeps the
+# numbers). remat warns, naming the tensors, after the runs of its options (a cache made once, in
+# the warm-up step, and kept is no step's and is not named), and says how to be sure: verify the
+# plan, which measures it.
+
+
+def carried(model: nn.Module) -> dict[tuple[str, str], tuple[weakref.ref[torch.Tensor], ...]]:
+    """The tensors ``model``'s modules hold in plain attributes (a tensor, or lists, tuples and
+    dicts of them; not parameters or buffers), by module name and attribute, as weak references:
+    taking them keeps nothing alive."""
+    return {(name, attr): refs for name, module in model.named_modules() for attr, value in vars(module).items()
+            if attr not in _MODULE_STATE
+            and (refs := tuple(weakref.ref(t) for t in _step.tensors_in(value)))}
+
+
+_MODULE_STATE = ("_parameters", "_buffers", "_modules")
+
+
+def warn_carried(before: dict[tuple[str, str], tuple[weakref.ref[torch.Tensor], ...]], model: nn.Module) -> None:
+    """Warn when a step since ``before`` (``carried`` after a warm-up step) replaced a tensor a
+    module holds (NOTE [ A tensor carried from one step into the next ])."""
+    sizes = {}
+    for key, refs in carried(model).items():
+        now, then = [r() for r in refs], [r() for r in before.get(key, ())]
+        if len(now) != len(then) or any(a is not b for a, b in zip(now, then)):
+            sizes[key] = _step.storage_bytes([t for t in now if t is not None])
+    if not sizes:
+        return
+    shown = ", ".join(f"{(name + '.') if name else ''}{attr} ({format_bytes(b)})" for (name, attr), b in sizes.items())
+    warnings.warn(
+        f"the model keeps tensors of each training step on its modules into the next step: {shown}. "
+        "remat measures what a step allocates and frees, and cannot see when a tensor allocated in an "
+        "earlier step is freed, so a plan for this model may peak above its prediction, by as much as "
+        f"these tensors ({format_bytes(sum(sizes.values()))} together) or more. Verify the plan before relying on it "
+        "(remat.auto(..., verify=True), or `remat verify`), or keep such tensors off the modules "
+        "(NOTE [ A tensor carried from one step into the next ])", stacklevel=4,
+    )

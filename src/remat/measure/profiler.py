@@ -34,7 +34,16 @@ from remat.measure.compiled import add_options, check_budgets, measure_compiled,
 from remat.measure.estimated import check_factory, fake_run
 from remat.measure.heads import add_heads, measure_heads
 from remat.measure.lean import lean_profile, resolve_budget
-from remat.measure.marked import Hooks, base_keys, dtype_name, marked_step, running, sides_of
+from remat.measure.marked import (
+    Hooks,
+    base_keys,
+    carried,
+    dtype_name,
+    marked_step,
+    running,
+    sides_of,
+    warn_carried,
+)
 from remat.measure.runner import StepRunner, every_block
 from remat.measure.sides import with_skips
 from remat.measure.tiles import add_tiles, measure_tiles
@@ -157,6 +166,7 @@ def _measured(
     with _step.preserved(model, optimizer):
         # warm-up: lazy state, allocator, and which blocks run
         named = running(model, named, blocks is not None, lambda: _step.train_step(model, batch, loss_fn, optimizer))
+        held = carried(model)
         model.zero_grad(set_to_none=True)
         base = base_bytes(model, optimizer, batch, device)
         opt_bytes = _step.optimizer_bytes(optimizer)
@@ -168,6 +178,7 @@ def _measured(
                     hooks = marked_step(model, named, batch, loss_fn, optimizer, tracer.mark, keys,
                                          saves=option == "keep")
                 traces[option] = (tracer.trace, hooks)
+        warn_carried(held, model)
         sides, unsaved = sides_of(model, named, batch, loss_fn, optimizer, keys, traces["keep"][1])
         # Timed in turns, so that a change in the machine's load hits both options alike.
         marked = functools.partial(marked_step, model, named, batch, loss_fn, optimizer, base_keys=keys)
