@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -209,3 +211,25 @@ def chains(
         blocks, base=base, pre=pre, post=post, optimizer_peak=optimizer_peak, gather=gather,
         sides=side_inputs, post_fwd_held=held if side_inputs else post.fwd_peak_bytes,
     )  # fmt: skip
+
+
+def varied_chain(n: int, seed: int, offload: bool = False) -> Profile:
+    """A chain too long for brute force: every number of every block drawn around a decoder
+    layer's, with (a GPU's) or without (a CPU's) the offload options. On a CPU's, segments win at
+    tight budgets; from a few dozen blocks the per-block search needs its bounds (NOTE [ Bounding
+    the search ])."""
+    rng = random.Random(seed)
+
+    def r(x: float) -> int:
+        return int(x * rng.uniform(0.7, 1.4))
+
+    blocks = []
+    for i in range(n):
+        options = {"keep": cost(r(400), fwd=r(200), bwd=r(300)),
+                   "selective": cost(r(150), fwd=r(200), bwd=r(350), ms=rng.choice([1.0, 1.25, 1.5])),
+                   "recompute": cost(32, fwd=r(200), bwd=r(650), ms=rng.choice([5.0, 6.0, 6.5]))}
+        if offload:
+            options |= {"offload": cost(0, fwd=r(220), bwd=r(700), ms=2.5),
+                        "recompute_offload": cost(0, fwd=r(200), bwd=r(690), ms=7.0)}
+        blocks.append(dataclasses.replace(block(f"layers.{i}", grad=r(50), **options), input_bytes=32))
+    return profile(blocks, base=150 * n, plain_peak=10**9)

@@ -6,11 +6,8 @@ with segments)."""
 
 from __future__ import annotations
 
-import dataclasses
-import random
-
 import pytest
-from _tables import block, brute_force, budget_near, chains, cost, profile
+from _tables import brute_force, budget_near, chains, varied_chain
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -61,28 +58,9 @@ def test_fastest_finds_the_defined_optimum_with_side_inputs(p: Profile, data: st
     _same(p, budget_near(data, brute_force(p)))
 
 
-def _varied(n: int, seed: int) -> Profile:
-    """Every number of every block drawn around a decoder layer's on a CPU: segments win at tight
-    budgets, and a long chain's per-block search needs its bounds (NOTE [ Bounding the search ])."""
-    rng = random.Random(seed)
-
-    def r(x: float) -> int:
-        return int(x * rng.uniform(0.7, 1.4))
-
-    blocks = [
-        dataclasses.replace(block(f"layers.{i}", grad=r(50),
-                                  keep=cost(r(400), fwd=r(200), bwd=r(300)),
-                                  selective=cost(r(150), fwd=r(200), bwd=r(350), ms=rng.choice([1.0, 1.25, 1.5])),
-                                  recompute=cost(32, fwd=r(200), bwd=r(650), ms=rng.choice([5.0, 6.0, 6.5]))),
-                            input_bytes=32)
-        for i in range(n)
-    ]
-    return profile(blocks, base=150 * n, plain_peak=10**9)
-
-
 @pytest.mark.parametrize("seed", range(3))
 def test_fastest_finds_the_defined_optimum_where_segments_win(seed: int) -> None:
-    p = _varied(EXACT_BLOCKS, seed)
+    p = varied_chain(EXACT_BLOCKS, seed)
     low = smallest_any(p)[0]
     high = _top_peak(p)
     kinds = set()
@@ -94,7 +72,7 @@ def test_fastest_finds_the_defined_optimum_where_segments_win(seed: int) -> None
 
 
 def test_fastest_finds_the_defined_per_block_optimum_on_a_long_varied_chain() -> None:
-    p = _varied(48, seed=1)
+    p = varied_chain(48, seed=1)
     chain = chain_constraints(p)
     floor, high = chain.suffix_floor_bytes()[0], _top_peak(p)
     bounded = 0

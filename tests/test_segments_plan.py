@@ -11,7 +11,7 @@ import math
 import random
 
 import pytest
-from _tables import block, chains, cost, profile
+from _tables import block, chains, cost, profile, varied_chain
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -209,26 +209,6 @@ def test_the_plan_table_shows_segments() -> None:
     assert f"{len(plan.segments)} segments" in text and "keep (segment" in text
 
 
-def _long_chain(n: int, seed: int, offload: bool) -> Profile:
-    """A chain too long for brute force: every number of every block drawn around a decoder
-    layer's, with (a GPU's) or without (a CPU's) the offload options."""
-    rng = random.Random(seed)
-
-    def r(x: float) -> int:
-        return int(x * rng.uniform(0.7, 1.4))
-
-    blocks = []
-    for i in range(n):
-        options = {"keep": cost(r(400), fwd=r(200), bwd=r(300)),
-                   "selective": cost(r(150), fwd=r(200), bwd=r(350), ms=rng.choice([1.0, 1.25, 1.5])),
-                   "recompute": cost(32, fwd=r(200), bwd=r(650), ms=rng.choice([5.0, 6.0, 6.5]))}
-        if offload:
-            options |= {"offload": cost(0, fwd=r(220), bwd=r(700), ms=2.5),
-                        "recompute_offload": cost(0, fwd=r(200), bwd=r(690), ms=7.0)}
-        blocks.append(dataclasses.replace(block(f"layers.{i}", grad=r(50), **options), input_bytes=32))
-    return profile(blocks, base=150 * n, plain_peak=10**9)
-
-
 @pytest.mark.parametrize("offload", [True, False], ids=["gpu-options", "cpu-options"])
 @pytest.mark.parametrize("n", [24, 64])
 def test_long_chains_relaxation_bounds_every_plan_and_its_per_block_optimum_is_exact(n: int, offload: bool) -> None:
@@ -236,7 +216,7 @@ def test_long_chains_relaxation_bounds_every_plan_and_its_per_block_optimum_is_e
     plan is no slower than the plan ``solve`` returns; a plan without segments is as fast as the
     per-block optimum (``segments=False``: the shortcut through the relaxation returns that very
     optimum), one with segments strictly faster; every plan fits."""
-    p = _long_chain(n, seed=n, offload=offload)
+    p = varied_chain(n, seed=n, offload=offload)
     chain = chain_constraints(p)
     low = smallest_any(p)[0]
     high = estimate(p, {b.name: "keep" for b in p.blocks}).peak_bytes
