@@ -25,6 +25,7 @@ from torch import nn
 
 from remat.applier import apply, remove
 from remat.errors import InfeasibleBudget, InvalidValue
+from remat.measure.collector import collecting_once
 from remat.measure.profiler import profile
 from remat.measure.step import check_trainable, resolve_loss_fn
 from remat.models.hf import layerdrop_blocks
@@ -59,6 +60,7 @@ def auto(
 ) -> tuple[Plan, Report]: ...
 
 
+@collecting_once  # NOTE [ One full collection per call ] in remat.measure.collector
 def auto(
     model: nn.Module,
     batch: Any,

@@ -34,6 +34,7 @@ from torch import nn
 from remat.applier import applied_plan, apply, remove
 from remat.errors import InvalidType, InvalidValue
 from remat.measure import step as _step
+from remat.measure.collector import collecting_once
 from remat.measure.estimated import plain_peak
 from remat.measure.lean import lean_spec
 from remat.measure.tracer import StepMemory, measure_step
@@ -140,6 +141,7 @@ def verify(
     return report
 
 
+@collecting_once  # NOTE [ One full collection per call ] in remat.measure.collector
 def verify_many(
     model: nn.Module,
     batch: Any,

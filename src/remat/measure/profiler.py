@@ -30,6 +30,7 @@ from remat.errors import InvalidType, InvalidValue, ProfileError
 from remat.manual.blocks import find_blocks
 from remat.measure import step as _step
 from remat.measure.attribution import assemble
+from remat.measure.collector import collecting_once
 from remat.measure.compiled import add_options, check_budgets, measure_compiled, without_compiled
 from remat.measure.estimated import check_factory, fake_run
 from remat.measure.heads import add_heads, measure_heads
@@ -59,6 +60,7 @@ log = logging.getLogger(__name__)
 _RUN_OPTIONS = ("keep", "selective", "recompute")
 
 
+@collecting_once  # NOTE [ One full collection per call ] in remat.measure.collector
 def profile(
     model: nn.Module | Callable[[], nn.Module],
     batch: Any,

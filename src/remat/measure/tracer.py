@@ -29,6 +29,7 @@ from torch import nn
 from remat.errors import InvalidState, InvalidValue, UnknownKey
 from remat.manual.module_form import expect_module
 from remat.measure import step as _step
+from remat.measure.collector import collecting_once
 
 __all__ = ["MemoryTracer", "StepMemory", "TimelinePoint", "Trace", "base_bytes", "host_link_bytes_per_s", "measure_step"]
 
@@ -239,6 +240,7 @@ class StepMemory:
     """Live bytes through the step, at most ~2000 points."""
 
 
+@collecting_once
 def measure_step(
     model: nn.Module,
     batch: Any,
