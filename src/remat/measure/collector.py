@@ -32,11 +32,11 @@ def collected_once() -> Iterator[None]:
         yield
         return
     gc.collect()
-    gc.freeze()
     try:
+        gc.freeze()
         yield
     finally:
-        gc.unfreeze()
+        gc.unfreeze()  # every frozen object: another thread's freeze meanwhile too (a rare race)
 
 
 def collecting_once(fn: Callable[P, R]) -> Callable[P, R]:

@@ -7,13 +7,15 @@ from __future__ import annotations
 
 import itertools
 import logging
+import sys
 import warnings
-import weakref
 from collections.abc import Callable
+from types import FrameType
 from typing import Any
 
 import torch
 from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from remat.errors import ProfileError
 from remat.manual.blocks import Calls, by_calls, no_blocks
@@ -231,38 +233,56 @@ def sides_of(model: nn.Module, named: list[tuple[str, nn.Module]], batch: Any, l
 
 
 # NOTE [ A tensor carried from one step into the next ]
-# A module may keep a tensor of the step on itself (``self.cache = ...``: a bucket cache, the last
-# attention map kept for a plot), replaced in each step. It is allocated before the measured step
-# starts and freed inside it, when the step replaces it, and the tracer (the profiler's memory
-# events, or the fake meter) sees no size for a free whose allocation it did not see. So the
-# step's numbers miss those frees, unevenly across the runs of each option, and plans mixing
-# options miss their prediction (by tens of MiB on a small MLP: tests/test_profiler.py keeps the
-# numbers). remat warns, naming the tensors, after the runs of its options (a cache made once, in
-# the warm-up step, and kept is no step's and is not named), and says how to be sure: verify the
-# plan, which measures it.
-
-
-def carried(model: nn.Module) -> dict[tuple[str, str], tuple[weakref.ref[torch.Tensor], ...]]:
-    """The tensors ``model``'s modules hold in plain attributes (a tensor, or lists, tuples and
-    dicts of them; not parameters or buffers), by module name and attribute, as weak references:
-    taking them keeps nothing alive."""
-    return {(name, attr): refs for name, module in model.named_modules() for attr, value in vars(module).items()
-            if attr not in _MODULE_STATE
-            and (refs := tuple(weakref.ref(t) for t in _step.tensors_in(value)))}
-
+# 1. A module may keep a tensor of the step on itself (``self.cache = ...``: a bucket cache, the
+#    last attention map kept for a plot), replaced, dropped or set to None in a later step. Its
+#    storage is allocated before the measured step starts and freed inside it, and the tracer (the
+#    profiler's memory events, or the fake meter) sees no size for a free whose allocation it did
+#    not see. So the step's numbers miss those frees, unevenly across the runs of each option, and
+#    plans mixing options miss their prediction (by tens of MiB on a small MLP:
+#    tests/test_profiler.py keeps the numbers).
+# 2. remat notes the storages behind the modules' plain attributes (tensors, and lists, tuples and
+#    dicts of them; not parameters, buffers, or tensors inside other objects) after its warm-up
+#    step, and warns, naming them, when the runs of its options freed any: a cache made once and
+#    kept, or a new view of a storage that lives on, frees nothing and is not named. Under 1 KiB
+#    in all (a step counter) it does not warn.
+# 3. The warning says how to be sure: verify the plan, which measures it.
 
 _MODULE_STATE = ("_parameters", "_buffers", "_modules")
+_QUIET_BYTES = 1024  # rule 2
+
+Carried = dict[tuple[str, str], list[tuple[StorageWeakRef, int]]]
+"""Per module name and attribute: the storages behind it, as weak references, and their bytes."""
 
 
-def warn_carried(before: dict[tuple[str, str], tuple[weakref.ref[torch.Tensor], ...]], model: nn.Module) -> None:
-    """Warn when a step since ``before`` (``carried`` after a warm-up step) replaced a tensor a
-    module holds (NOTE [ A tensor carried from one step into the next ])."""
-    sizes = {}
-    for key, refs in carried(model).items():
-        now, then = [r() for r in refs], [r() for r in before.get(key, ())]
-        if len(now) != len(then) or any(a is not b for a, b in zip(now, then)):
-            sizes[key] = _step.storage_bytes([t for t in now if t is not None])
-    if not sizes:
+def carried(model: nn.Module) -> Carried:
+    """The storages ``model``'s modules hold in plain attributes (NOTE [ A tensor carried from one
+    step into the next ], rule 2); taking them keeps nothing alive."""
+    out: Carried = {}
+    for name, module in model.named_modules():
+        for attr, value in vars(module).items():
+            if attr not in _MODULE_STATE and (tensors := _held(value, set())):
+                out[(name, attr)] = [(StorageWeakRef(t.untyped_storage()), t.untyped_storage().nbytes())
+                                     for t in tensors]
+    return out
+
+
+def _held(value: Any, seen: set[int]) -> list[torch.Tensor]:
+    """The tensors in ``value`` (a tensor, or lists, tuples and dicts of them), each container
+    walked once (one may hold itself)."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if not isinstance(value, (list, tuple, dict)) or id(value) in seen:
+        return []
+    seen.add(id(value))
+    return [t for v in (value.values() if isinstance(value, dict) else value) for t in _held(v, seen)]
+
+
+def warn_carried(before: Carried, model: nn.Module) -> None:
+    """Warn when the steps since ``before`` (``carried`` after a warm-up step) freed a storage a
+    module held (NOTE [ A tensor carried from one step into the next ])."""
+    sizes = {key: n for key, refs in before.items()
+             if (n := sum(size for ref, size in refs if ref.expired()))}
+    if sum(sizes.values()) < _QUIET_BYTES:
         return
     shown = ", ".join(f"{(name + '.') if name else ''}{attr} ({format_bytes(b)})" for (name, attr), b in sizes.items())
     warnings.warn(
@@ -271,5 +291,14 @@ def warn_carried(before: dict[tuple[str, str], tuple[weakref.ref[torch.Tensor], 
         "earlier step is freed, so a plan for this model may peak above its prediction, by as much as "
         f"these tensors ({format_bytes(sum(sizes.values()))} together) or more. Verify the plan before relying on it "
         "(remat.auto(..., verify=True), or `remat verify`), or keep such tensors off the modules "
-        "(NOTE [ A tensor carried from one step into the next ])", stacklevel=4,
+        "(NOTE [ A tensor carried from one step into the next ])", stacklevel=_outside_remat(),
     )
+
+
+def _outside_remat() -> int:
+    """The ``stacklevel`` of the first caller outside remat, for a warning raised by our caller."""
+    frame: FrameType | None = sys._getframe(2)
+    level = 2
+    while frame is not None and frame.f_globals.get("__name__", "").partition(".")[0] == "remat":
+        frame, level = frame.f_back, level + 1
+    return level

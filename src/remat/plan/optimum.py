@@ -15,8 +15,8 @@ each drop only what cannot win; tests/test_optimum.py checks the two equal. Ever
 the solve fast lives there: a change to what is optimal is a change here first.
 On chains of more than ``EXACT_BLOCKS`` blocks the segment search is exact only over its family of
 segments, and keeps at most ``MAX_STATES`` partial plans per position; which ones depends on what
-else competes, so there the two may differ in which segment plan they find (never in the
-per-block optimum, which both find exactly).
+else competes, so there the two may differ in the segment plan they find, and so in whether
+segments win at all (never in the per-block optimum, which both find exactly).
 """
 
 from __future__ import annotations
