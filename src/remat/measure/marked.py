@@ -260,21 +260,10 @@ def carried(model: nn.Module) -> Carried:
     out: Carried = {}
     for name, module in model.named_modules():
         for attr, value in vars(module).items():
-            if attr not in _MODULE_STATE and (tensors := _held(value, set())):
-                out[(name, attr)] = [(StorageWeakRef(t.untyped_storage()), t.untyped_storage().nbytes())
-                                     for t in tensors]
+            storages = [t.untyped_storage() for t in _step.tensors_in(value)] if attr not in _MODULE_STATE else []
+            if storages:
+                out[(name, attr)] = [(StorageWeakRef(st), st.nbytes()) for st in storages]
     return out
-
-
-def _held(value: Any, seen: set[int]) -> list[torch.Tensor]:
-    """The tensors in ``value`` (a tensor, or lists, tuples and dicts of them), each container
-    walked once (one may hold itself)."""
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if not isinstance(value, (list, tuple, dict)) or id(value) in seen:
-        return []
-    seen.add(id(value))
-    return [t for v in (value.values() if isinstance(value, dict) else value) for t in _held(v, seen)]
 
 
 def warn_carried(before: Carried, model: nn.Module) -> None:

@@ -295,16 +295,17 @@ def storage_bytes(tensors: Any, *, seen: set[int] | None = None) -> int:
     return total
 
 
-def tensors_in(obj: Any) -> Iterator[torch.Tensor]:
-    """Every tensor in ``obj`` (a tensor, or mappings, tuples and lists of them), depth first."""
+def tensors_in(obj: Any, _seen: set[int] | None = None) -> Iterator[torch.Tensor]:
+    """Every tensor in ``obj`` (a tensor, or mappings, tuples and lists of them), depth first;
+    each container walked once (one may hold itself)."""
     if isinstance(obj, torch.Tensor):
         yield obj
-    elif isinstance(obj, Mapping):
-        for v in obj.values():
-            yield from tensors_in(v)
-    elif isinstance(obj, (tuple, list)):
-        for v in obj:
-            yield from tensors_in(v)
+        return
+    if not isinstance(obj, (Mapping, tuple, list)) or id(obj) in (seen := set() if _seen is None else _seen):
+        return
+    seen.add(id(obj))
+    for v in obj.values() if isinstance(obj, Mapping) else obj:
+        yield from tensors_in(v, seen)
 
 
 def param_bytes(model: nn.Module) -> int:

@@ -70,18 +70,14 @@ class PerBlock:
     exact: bool
 
     @classmethod
-    def start(cls, chain: ChainConstraints, budget_bytes: int, *, plain_limit: int | None = _PLAIN_LIMIT
+    def start(cls, chain: ChainConstraints, budget_bytes: int, *, plain_limit: int = _PLAIN_LIMIT
               ) -> PerBlock | None:
-        """The search over ``chain``'s options; None when no per-block plan fits. ``plain_limit``:
-        the partial plans per block beyond which it turns to bounds (None: never)."""
-        floors = chain.suffix_floors()  # [i][side-input state]; one state without side inputs
-        budget = min(budget_bytes, NO_LIMIT_BYTES)
-        if max(chain.fixed_bytes, floors[0][0]) > budget:
-            return None
-        return cls.of(Table.of(chain, budget, floors), plain_limit)
+        """The search over ``chain``'s options; None when no per-block plan fits."""
+        table = Table.fitting(chain, budget_bytes)
+        return None if table is None else cls.of(table, plain_limit)
 
     @classmethod
-    def of(cls, table: Table, plain_limit: int | None = _PLAIN_LIMIT) -> PerBlock:
+    def of(cls, table: Table, plain_limit: int = _PLAIN_LIMIT) -> PerBlock:
         """The search over ``table`` (which the caller checked some plan fits)."""
         if not table.columns:
             return cls(table, [], 0, True)

@@ -55,11 +55,9 @@ def plain_optimum(chain: ChainConstraints, budget_bytes: int) -> tuple[list[int]
     """The per-block optimum (as ``optimal_picks``) and its ticks, by the DP of NOTE [ Pareto DP
     over prefix kept bytes ] run plain, however many partial plans it keeps: no bounds, no beam;
     None when no plan fits."""
-    floors = chain.suffix_floors()  # [i][side-input state]; one state without side inputs
-    budget = min(budget_bytes, NO_LIMIT_BYTES)
-    if max(chain.fixed_bytes, floors[0][0]) > budget:
+    table = Table.fitting(chain, budget_bytes)
+    if table is None:
         return None
-    table = Table.of(chain, budget, floors)
     found = pareto_search(table, bound_ticks=None, width=None, give_up=None) if table.columns else ([], 0)
     assert found is not None, "a search that never gives up finds the plan the floors promise"
     return found
@@ -91,6 +89,16 @@ class Table:
     and [state] the bytes held side inputs add to its backward and to its forward."""
     tails: np.ndarray | None = None
     """With side inputs: [state] the head's candidate."""
+
+    @classmethod
+    def fitting(cls, chain: ChainConstraints, budget_bytes: int) -> Table | None:
+        """``chain``'s table under ``budget_bytes`` (at most ``NO_LIMIT_BYTES``); None when its
+        suffix floors say no per-block plan fits."""
+        floors = chain.suffix_floors()  # [i][side-input state]; one state without side inputs
+        budget = min(budget_bytes, NO_LIMIT_BYTES)
+        if max(chain.fixed_bytes, floors[0][0]) > budget:
+            return None
+        return cls.of(chain, budget, floors)
 
     @classmethod
     def of(cls, chain: ChainConstraints, budget: int, floors: list[list[int]]) -> Table:
