@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import numpy as np
 from hypothesis import strategies as st
 
-from remat.plan.costmodel import chain_constraints
+from remat.plan.chain import chain_constraints
 from remat.records import OPTIONS, BlockProfile, OptionCost, Profile, Segment, SideInput
 
 

@@ -23,7 +23,7 @@ from remat.errors import InvalidType, InvalidValue
 from remat.manual.compiled import compile_budget, compiled_option
 from remat.manual.options import clear_option, option_of, set_option
 from remat.plan import bounds as search
-from remat.plan.costmodel import chain_constraints
+from remat.plan.chain import chain_constraints
 from remat.plan.solver import InfeasibleBudget, solve
 from remat.records import Plan, Profile
 

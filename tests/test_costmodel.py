@@ -10,7 +10,8 @@ from _tables import block, brute_force, chains, cost, profile, segment
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from remat.plan.costmodel import chain_constraints, estimate, smallest_feasible
+from remat.plan.chain import chain_constraints
+from remat.plan.costmodel import estimate, smallest_feasible
 from remat.plan.solver import optimal_picks, solve
 from remat.records import Profile
 

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from remat.plan.bounds import PerBlock
-from remat.plan.costmodel import chain_constraints
+from remat.plan.chain import chain_constraints
 from remat.plan.fastest import fastest
 from remat.plan.optimum import Found, defined
 from remat.plan.segment_search import EXACT_BLOCKS

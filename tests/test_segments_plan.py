@@ -17,7 +17,8 @@ from hypothesis import strategies as st
 
 from remat.errors import InfeasibleBudget
 from remat.plan.bounds import relaxed_optimum, relaxed_table
-from remat.plan.costmodel import chain_constraints, estimate
+from remat.plan.chain import chain_constraints
+from remat.plan.costmodel import estimate
 from remat.plan.head import estimate_with_head, head_extra_ms, head_names, with_head
 from remat.plan.optimum import defined
 from remat.plan.segments import SegmentModel, estimate_segments

@@ -12,7 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from remat.plan import bounds as solver
-from remat.plan.costmodel import chain_constraints, smallest_feasible
+from remat.plan.chain import chain_constraints
+from remat.plan.costmodel import smallest_feasible
 from remat.plan.optimum import defined
 from remat.plan.segments import estimate_segments
 from remat.plan.solver import METHODS, InfeasibleBudget, frontier, smallest_any, solve

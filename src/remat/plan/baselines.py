@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 
 from remat.errors import InvalidValue
-from remat.plan.costmodel import ChainConstraints
+from remat.plan.chain import ChainConstraints
 
 __all__ = ["baseline", "option_index"]
 

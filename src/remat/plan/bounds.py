@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from remat.plan.costmodel import ChainConstraints
+from remat.plan.chain import ChainConstraints
 from remat.plan.search import NO_LIMIT_BYTES, NOTHING_FITS_32, NoneLeft, Table, pareto_search
 
 __all__ = [

@@ -2,25 +2,25 @@
 
 ``estimate`` replays one training step phase by phase and tracks the bytes live on the device;
 every solver and ``verify`` use it, so "fits the budget" means one thing everywhere.
-``chain_constraints`` rewrites the same arithmetic as prefix-sum constraints, the form the solvers
-search (NOTE [ Every peak candidate is a prefix sum ]); ``smallest_feasible`` is the lowest peak any
-assignment reaches. Pure numbers: no torch, no numpy, no I/O.
+``remat.plan.chain`` rewrites the same arithmetic as prefix-sum constraints, the form the solvers
+search; ``smallest_feasible`` is the lowest peak any assignment reaches. Pure numbers: no torch,
+no numpy, no I/O.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from remat.errors import InvalidType, InvalidValue, did_you_mean
+from remat.plan.chain import chain_constraints
 from remat.plan.handovers import handed_over
-from remat.plan.schedule import Phase, step_phases
+from remat.plan.schedule import phase_bytes, step_phases
 from remat.plan.sides import side_groups
 from remat.records import OPTIONS, Estimate, OptionCost, Profile
 from remat.units import format_bytes
 
-__all__ = ["ChainConstraints", "chain_constraints", "estimate", "smallest_feasible"]
+__all__ = ["estimate", "smallest_feasible"]
 
 
 def estimate(profile: Profile, choices: Mapping[str, str]) -> Estimate:
@@ -77,7 +77,7 @@ def _phases(profile: Profile, costs: Sequence[OptionCost], options: Sequence[str
     phases: list[_Phase] = []
     acts = grads = 0
     for phase in step_phases(len(costs)):
-        kept, transient, grad = _numbers(profile, costs, phase)
+        kept, transient, grad = phase_bytes(profile, costs, phase)
         extra = 0
         if phase.part == "block":
             assert phase.block is not None
@@ -104,19 +104,6 @@ def _phases(profile: Profile, costs: Sequence[OptionCost], options: Sequence[str
             grads += grad
     assert acts == 0, f"activations left after the backward: {acts} bytes"
     return phases
-
-
-def _numbers(profile: Profile, costs: Sequence[OptionCost], phase: Phase) -> tuple[int, int, int]:
-    """(kept, transient, gradient) bytes of the part ``phase`` runs, in that phase."""
-    if phase.part == "optimizer":
-        return 0, profile.optimizer_peak_bytes, 0
-    if phase.block is not None:
-        cost, gather = costs[phase.block], profile.gather_bytes
-        peak = cost.fwd_peak_bytes if phase.stage == "forward" else cost.bwd_peak_bytes
-        return cost.kept_bytes, peak + gather, profile.blocks[phase.block].grad_bytes
-    seg = profile.pre if phase.part == "pre" else profile.post
-    peak = seg.fwd_peak_bytes if phase.stage == "forward" else seg.bwd_peak_bytes
-    return seg.kept_bytes, peak, seg.grad_bytes
 
 
 def _chosen_costs(profile: Profile, choices: Mapping[str, str]) -> list[OptionCost]:
@@ -158,196 +145,6 @@ def _chosen_costs(profile: Profile, choices: Mapping[str, str]) -> list[OptionCo
 def _preview(names: Sequence[str], limit: int = 4) -> str:
     shown = ", ".join(repr(n) for n in names[:limit])
     return shown + (f", ... ({len(names) - limit} more)" if len(names) > limit else "")
-
-
-# --- the same arithmetic as prefix-sum constraints ---------------------------------------------
-
-# NOTE [ Every peak candidate is a prefix sum ]
-# Write K_i for the bytes kept by blocks 1..i under some assignment (K_0 = 0), c_i for block i's
-# chosen option, lead = base + pre.kept, and G_{>i} for the grad_bytes of the blocks after i.
-# Replaying ``_phases`` gives each candidate as a constant plus K of some prefix:
-#   forward of block i   lead + K_{i-1} + fwd_peak(c_i) + gather
-#   backward of block i  lead + post.grad + G_{>i} + K_i + bwd_peak(c_i) + gather,
-#                        because the backward frees what blocks i+1..n kept and adds their grads;
-#                        K_i = K_{i-1} + kept(c_i), so this too is K_{i-1} + a term of (i, c_i)
-#   forward/backward of the head   lead + K_n + post.fwd_peak, resp. + post.kept + post.bwd_peak
-#   embeddings, optimizer step     constants: everything the blocks kept is freed by then
-# So  peak = max(fixed, max_i (K_{i-1} + need_i(c_i)), K_n + tail),  with need_i the larger of the
-# block's two terms. Every constraint "peak <= budget" is a bound on a prefix sum: smaller prefixes
-# are always at least as good, which is what lets the solvers keep, per prefix, only the states
-# that are not dominated, and lets ``suffix_floor_bytes`` compute the lowest peak in one pass.
-# tests/test_costmodel.py checks this form against ``estimate`` on random chains.
-
-
-@dataclass(frozen=True, kw_only=True)
-class ChainConstraints:
-    """A profile's peak as prefix-sum constraints, per block and option (see NOTE [ Every peak
-    candidate is a prefix sum ]). Rows are blocks in forward order, columns are ``options``."""
-
-    options: tuple[str, ...]
-    """The options the columns stand for, in ``OPTIONS`` order."""
-    kept_bytes: tuple[tuple[int, ...], ...]
-    """[block][option]: bytes the block keeps from its forward until its backward."""
-    need_bytes: tuple[tuple[int, ...], ...]
-    """[block][option]: the block's higher peak candidate (forward or backward) minus the bytes
-    kept by the blocks before it."""
-    extra_ms: tuple[tuple[float, ...], ...]
-    """[block][option]: extra step time of the option, milliseconds."""
-    tail_bytes: int
-    """The head's higher peak candidate minus the bytes kept by all the blocks."""
-    fixed_bytes: int
-    """The highest candidate no choice changes (embeddings' forward and backward, optimizer)."""
-    holds: tuple[tuple[int, ...], ...] = ()
-    """With side inputs (NOTE [ A side input's extra life ]), else empty. [block][option]: the
-    side-input groups the option holds, a mask; the state after block i is the union up to it."""
-    fwd_need_bytes: tuple[tuple[int, ...], ...] = ()
-    """[block][option]: the forward's candidate minus the prefix (side inputs do not change it)."""
-    bwd_need_bytes: tuple[tuple[int, ...], ...] = ()
-    """[block][option]: the backward's candidate minus the prefix, side inputs as the plain step."""
-    delta_bytes: tuple[tuple[int, ...], ...] = ()
-    """[block][state]: bytes the held side inputs add to the block's backward."""
-    tail_held_bytes: tuple[int, ...] = ()
-    """[state]: the head's candidate minus all kept bytes, with that state at the end."""
-    fwd_delta_bytes: tuple[tuple[int, ...], ...] = ()
-    """[block][state]: bytes held side inputs add to its forward (NOTE [ Where a side input dies ])."""
-
-    def need_at(self, i: int, o: int, held: int) -> int:
-        """Block i's candidate with option o, minus the prefix, in state ``held`` (which includes
-        the option's own holds)."""
-        if not self.holds:
-            return self.need_bytes[i][o]
-        return max(
-            self.fwd_need_bytes[i][o] + self.fwd_delta_bytes[i][held],
-            self.bwd_need_bytes[i][o] + self.delta_bytes[i][held],
-        )
-
-    def tail_at(self, held: int) -> int:
-        return self.tail_held_bytes[held] if self.holds else self.tail_bytes
-
-    def peak_bytes(self, picks: Sequence[int]) -> int:
-        """The peak for one option index per block; equals ``estimate(...).peak_bytes``."""
-        assert len(picks) == len(self.kept_bytes)
-        peak, prefix, held = self.fixed_bytes, 0, 0
-        for i, (kept, o) in enumerate(zip(self.kept_bytes, picks)):
-            held |= self.holds[i][o] if self.holds else 0
-            peak = max(peak, prefix + self.need_at(i, o, held))
-            prefix += kept[o]
-        return max(peak, prefix + self.tail_at(held))
-
-    def suffix_floor_bytes(self) -> list[int]:
-        """``floors[i]``: the lowest peak blocks i.. and the head can reach with nothing kept before
-        block i (and no side input held). A prefix K before block i can still meet budget B only
-        if K + floors[i] <= B, since every candidate from there on is K plus a term that holding
-        more side inputs never lowers: floors[i] = min over options of max(need_i, kept_i +
-        floors[i+1]), and floors[n] = tail. Exact for i = 0."""
-        return [row[0] for row in self.suffix_floors()]
-
-    def suffix_floors(self) -> list[list[int]]:
-        """[i][state]: ``suffix_floor_bytes`` entering block i in that side-input state."""
-        states = len(self.tail_held_bytes) if self.holds else 1
-        floors = [[self.tail_at(h) for h in range(states)]]
-        for i in range(len(self.kept_bytes) - 1, -1, -1):
-            after = floors[-1]
-            row = []
-            for h in range(states):
-                best = None
-                for o, k in enumerate(self.kept_bytes[i]):
-                    now = h | (self.holds[i][o] if self.holds else 0)
-                    value = max(self.need_at(i, o, now), k + after[now])
-                    best = value if best is None else min(best, value)
-                assert best is not None
-                row.append(best)
-            floors.append(row)
-        floors.reverse()
-        return floors
-
-
-def chain_constraints(profile: Profile, options: Sequence[str] | None = None) -> ChainConstraints:
-    """``profile`` as prefix-sum constraints over ``options`` (default: those every block offers)."""
-    offered = profile.options
-    if options is None:
-        options = offered
-    not_offered = [o for o in options if o not in offered]
-    if not_offered:
-        raise InvalidValue(
-            f"options {not_offered} are not offered by every block of this profile; expected a "
-            f"subset of {list(offered)}{did_you_mean(str(not_offered[0]), offered)}"
-        )
-    if profile.blocks and not options:
-        raise InvalidValue(
-            f"the blocks of this {profile.model} profile have no option in common (each offers "
-            f"some of {list(OPTIONS)}); re-profile it so that every block offers at least 'keep'"
-        )
-    names = [b.name for b in profile.blocks]
-    if len(set(names)) != len(names):
-        duplicate = next(n for n in names if names.count(n) > 1)
-        raise InvalidValue(
-            f"block name {duplicate!r} appears twice in this profile; expected unique names"
-        )
-    options = tuple(o for o in OPTIONS if o in options) + tuple(
-        o for o in options if o not in OPTIONS
-    )
-    for block in profile.blocks:
-        for o in options:
-            if not math.isfinite(block.options[o].extra_ms):
-                raise InvalidValue(
-                    f"block {block.name!r} option {o!r} has extra_ms={block.options[o].extra_ms}; "
-                    "expected a finite number of milliseconds (re-profile the model)"
-                )
-    columns = [[b.options[o] for b in profile.blocks] for o in options]
-    fwds, bwds, (tail_fwd, tail_bwd), fixed = _prefix_terms(profile, columns)
-    n = len(profile.blocks)
-    needs = [[max(f, b) for f, b in zip(fr, br)] for fr, br in zip(fwds, bwds)]
-    sides = side_groups(profile)
-    kept = tuple(tuple(c[i].kept_bytes for c in columns) for i in range(n))
-    extra_ms = tuple(tuple(c[i].extra_ms for c in columns) for i in range(n))
-    if not profile.side_inputs:
-        return ChainConstraints(
-            options=options, kept_bytes=kept, need_bytes=tuple(tuple(r) for r in needs),
-            extra_ms=extra_ms, tail_bytes=max(tail_fwd, tail_bwd), fixed_bytes=fixed,
-        )  # fmt: skip
-    holds, delta, fwd_delta, tails, low = sides.tables(options, fwds, bwds, tail_fwd, tail_bwd)
-    return ChainConstraints(
-        options=options, kept_bytes=kept, need_bytes=low, extra_ms=extra_ms, tail_bytes=tails[0],
-        fixed_bytes=fixed, holds=holds, fwd_need_bytes=tuple(tuple(r) for r in fwds),
-        bwd_need_bytes=tuple(tuple(r) for r in bwds), delta_bytes=delta, tail_held_bytes=tails,
-        fwd_delta_bytes=fwd_delta,
-    )  # fmt: skip
-
-
-def _prefix_terms(
-    profile: Profile, columns: Sequence[Sequence[OptionCost]]
-) -> tuple[list[list[int]], list[list[int]], tuple[int, int], int]:
-    """Replay the step (NOTE [ The step's schedule ]) with the blocks' kept bytes left out, as
-    NOTE [ Every peak candidate is a prefix sum ] writes it: per block and option column the
-    forward and backward candidates minus the prefix kept before it, the head's two (minus all
-    blocks' kept bytes), and the highest candidate no choice changes."""
-    n = len(profile.blocks)
-    needs: list[list[int]] = [[] for _ in range(n)]
-    bwds: list[list[int]] = [[] for _ in range(n)]
-    tails: list[int] = []
-    fixed: list[int] = []
-    acts = grads = 0  # live bytes outside what the blocks keep
-    for phase in step_phases(n):
-        level = profile.base_bytes + acts + grads
-        if phase.block is not None:
-            terms = []
-            for costs in columns:
-                kept, transient, _ = _numbers(profile, costs, phase)
-                own = kept if phase.stage == "backward" else 0  # its backward: its own kept too
-                terms.append(level + own + transient)
-            (bwds if phase.stage == "backward" else needs)[phase.block] = terms
-            if phase.stage == "backward":
-                grads += profile.blocks[phase.block].grad_bytes
-            continue
-        kept, transient, grad = _numbers(profile, [], phase)
-        (tails if phase.part == "post" else fixed).append(level + transient)
-        if phase.stage == "forward":
-            acts += kept
-        elif phase.stage == "backward":
-            acts, grads = acts - kept, grads + grad
-    assert len(tails) == 2, "the head runs a forward and a backward"
-    return needs, bwds, (tails[0], tails[1]), max(fixed)
 
 
 # --- the floor ---------------------------------------------------------------------------------

@@ -15,7 +15,7 @@ does less to find it; each device below drops only partial plans that cannot win
 from __future__ import annotations
 
 from remat.plan.bounds import PerBlock, bounded, relaxed_beats, relaxed_search, relaxed_table
-from remat.plan.costmodel import ChainConstraints
+from remat.plan.chain import ChainConstraints
 from remat.plan.optimum import Found
 from remat.plan.search import Table
 from remat.plan.segment_search import segment_search

@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from remat.plan.costmodel import ChainConstraints
+from remat.plan.chain import ChainConstraints
 from remat.plan.search import plain_optimum
 from remat.plan.segment_search import segment_search
 from remat.plan.segments import SegmentModel, Tree

@@ -18,10 +18,14 @@ Pure: no torch.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal, TypeAlias
+from typing import TYPE_CHECKING, Literal, TypeAlias
 
-__all__ = ["Part", "Phase", "Stage", "step_phases"]
+if TYPE_CHECKING:
+    from remat.records import OptionCost, Profile
+
+__all__ = ["Part", "Phase", "Stage", "phase_bytes", "step_phases"]
 
 #: Which part of the model a phase runs.
 Part: TypeAlias = Literal["pre", "block", "post", "optimizer"]
@@ -76,3 +80,17 @@ def step_phases(n_blocks: int) -> list[Phase]:
         Phase(stage="backward", part="pre"),
         Phase(stage="optimizer", part="optimizer"),
     ]
+
+
+def phase_bytes(profile: Profile, costs: Sequence[OptionCost], phase: Phase) -> tuple[int, int, int]:
+    """(kept, transient, gradient) bytes of the part ``phase`` runs, in that phase, with ``costs``
+    the chosen option of each block (the profile's numbers, as the cost model replays them)."""
+    if phase.part == "optimizer":
+        return 0, profile.optimizer_peak_bytes, 0
+    if phase.block is not None:
+        cost, gather = costs[phase.block], profile.gather_bytes
+        peak = cost.fwd_peak_bytes if phase.stage == "forward" else cost.bwd_peak_bytes
+        return cost.kept_bytes, peak + gather, profile.blocks[phase.block].grad_bytes
+    seg = profile.pre if phase.part == "pre" else profile.post
+    peak = seg.fwd_peak_bytes if phase.stage == "forward" else seg.bwd_peak_bytes
+    return seg.kept_bytes, peak, seg.grad_bytes

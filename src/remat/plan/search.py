@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from remat.plan.costmodel import ChainConstraints
+from remat.plan.chain import ChainConstraints
 from remat.plan.pareto import DROPPED, pair_rank, undominated
 
 __all__ = ["NOTHING_FITS_32", "NO_LIMIT_BYTES", "NoneLeft", "Table", "pareto_search", "plain_optimum"]

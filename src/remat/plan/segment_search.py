@@ -83,7 +83,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from remat.plan.costmodel import ChainConstraints
+from remat.plan.chain import ChainConstraints
 from remat.plan.pareto import pair_rank, undominated
 from remat.plan.search import Table
 from remat.plan.segment_fronts import Fronts

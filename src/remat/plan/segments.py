@@ -52,7 +52,8 @@ from dataclasses import dataclass
 
 from remat.errors import InvalidValue
 from remat.plan.bounds import FreeOption
-from remat.plan.costmodel import ChainConstraints, chain_constraints, estimate
+from remat.plan.chain import ChainConstraints, chain_constraints
+from remat.plan.costmodel import estimate
 from remat.plan.handovers import handed_over
 from remat.plan.sides import side_groups
 from remat.records import Estimate, Profile

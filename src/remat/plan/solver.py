@@ -19,7 +19,8 @@ import numpy as np
 from remat.errors import InfeasibleBudget, InvalidType, InvalidValue, did_you_mean
 from remat.plan.baselines import baseline, option_index
 from remat.plan.bounds import optimal_picks
-from remat.plan.costmodel import ChainConstraints, chain_constraints, smallest_feasible
+from remat.plan.chain import ChainConstraints, chain_constraints
+from remat.plan.costmodel import smallest_feasible
 from remat.plan.fastest import fastest
 from remat.plan.handovers import Remake, Search, fitted, lowest, segment_neutral
 from remat.plan.head import HEAD_KEEP, best_of_heads, frontier_of_heads, head_names, with_head
