@@ -11,7 +11,7 @@ import numpy as np
 from hypothesis import strategies as st
 
 from remat.plan.chain import chain_constraints
-from remat.records import OPTIONS, BlockProfile, OptionCost, Profile, Segment, SideInput
+from remat.records import OPTIONS, BlockProfile, Handover, OptionCost, Profile, Segment, SideInput
 
 
 def cost(kept: int, *, fwd: int = 0, bwd: int = 0, ms: float = 0.0) -> OptionCost:
@@ -152,7 +152,7 @@ def brute_force(p: Profile) -> Brute:
 @st.composite
 def chains(
     draw: st.DrawFn, max_blocks: int = 6, max_blocks_3: int | None = None, sides: bool = False,
-    compiled: bool = False,
+    compiled: bool = False, handovers: bool = False,
 ) -> Profile:
     """Random chains with 3 options (up to ``max_blocks_3`` blocks) or all 5 (up to ``max_blocks``).
 
@@ -163,7 +163,9 @@ def chains(
     1/4 ms, exact in floating point, so equal times are exactly equal. With ``sides``, one to
     three side inputs enter random subsets of the blocks, some saved by some of them. With
     ``compiled``, every block also offers ``compiled:0.5`` and ``compiled:0.2``, whose extra
-    times may be negative (compiled code can beat the eager block's)."""
+    times may be negative (compiled code can beat the eager block's). With ``handovers``, one to
+    four handovers, each made by a random block and dying in a later block's forward or the head's,
+    saved by a random set of the runs (NOTE [ Handovers ] in remat.records)."""
     options = draw(st.sampled_from([("keep", "selective", "recompute"), OPTIONS]))
     if compiled:
         options = (*options, "compiled:0.5", "compiled:0.2")
@@ -207,10 +209,20 @@ def chains(
                 SideInput(size_bytes=nbytes(), consumers=users, saved_by=savers, dies_after=dies)
             )
     held = post.fwd_peak_bytes + int(rng.integers(0, 1 + sum(s.size_bytes for s in side_inputs)))
-    return profile(
+    handed: list[Handover] = []
+    if handovers and n:
+        runs = [o for o in options if o in ("keep", "selective", "recompute") or o.startswith("compiled")]
+        for _ in range(int(rng.integers(1, 5))):
+            maker = int(rng.integers(0, n))
+            dies = int(rng.integers(maker + 1, n + 1))  # n: the head
+            handed.append(Handover(size_bytes=nbytes(), made_by=blocks[maker].name,
+                                   dies_after=blocks[dies].name if dies < n else None,
+                                   kept_by=[o for o in runs if rng.random() < 0.5]))
+    p = profile(
         blocks, base=base, pre=pre, post=post, optimizer_peak=optimizer_peak, gather=gather,
         sides=side_inputs, post_fwd_held=held if side_inputs else post.fwd_peak_bytes,
     )  # fmt: skip
+    return dataclasses.replace(p, handovers=handed) if handed else p
 
 
 def varied_chain(n: int, seed: int, offload: bool = False) -> Profile:

@@ -242,7 +242,8 @@ def test_the_plan_table_shows_the_bytes_the_plan_keeps() -> None:
 def test_an_offloaded_maker_leaves_the_device_tensor_to_the_loop_until_it_drops_it() -> None:
     # Derived (no GPU here): the offload's numbers keep nothing on the device, but the loop holds
     # the device tensor until the next block returns: one more transient in that block's forward.
-    from remat.plan.handovers import bounding, handed_over
+    from remat.plan.chain import chain_constraints
+    from remat.plan.handovers import handed_over
 
     _, _, prof, _ = _every_plan()
     blocks = [dataclasses.replace(b, options={**b.options, "offload": dataclasses.replace(
@@ -257,4 +258,10 @@ def test_an_offloaded_maker_leaves_the_device_tensor_to_the_loop_until_it_drops_
     kept_first = handed_over(prof, ["keep"] * 4)
     offloaded = handed_over(prof, ["offload", "keep", "keep", "keep"])
     assert fwd(offloaded) == fwd(kept_first) + first.size_bytes == fwd(prof) + first.size_bytes
-    assert fwd(bounding(prof, True)) == fwd(offloaded) and fwd(bounding(prof, False)) == fwd(prof)
+    # The searches' form carries whether each maker offloads (NOTE [ What crosses a block boundary,
+    # as state ] in remat.plan.crossings) and predicts every plan as ``estimate`` does.
+    chain = chain_constraints(prof, ["keep", "recompute", "offload"])
+    names = [b.name for b in prof.blocks]
+    for combo in itertools.product(range(3), repeat=4):
+        choices = {n: chain.options[o] for n, o in zip(names, combo)}
+        assert chain.peak_bytes(list(combo)) == estimate(prof, choices).peak_bytes, choices

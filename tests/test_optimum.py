@@ -58,6 +58,13 @@ def test_fastest_finds_the_defined_optimum_with_side_inputs(p: Profile, data: st
     _same(p, budget_near(data, brute_force(p)))
 
 
+@settings(max_examples=80, deadline=None)
+@given(p=chains(max_blocks=4, max_blocks_3=6, sides=True, handovers=True), data=st.data())
+def test_fastest_finds_the_defined_optimum_with_handovers(p: Profile, data: st.DataObject) -> None:
+    # Segments search on the chain without the handovers' state (``SegmentModel.chain``).
+    _same(p, budget_near(data, brute_force(p)))
+
+
 @pytest.mark.parametrize("seed", range(3))
 def test_fastest_finds_the_defined_optimum_where_segments_win(seed: int) -> None:
     p = varied_chain(EXACT_BLOCKS, seed)

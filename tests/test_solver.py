@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from remat.plan import bounds as solver
 from remat.plan.chain import chain_constraints
 from remat.plan.costmodel import smallest_feasible
+from remat.plan.handovers import segment_neutral
 from remat.plan.optimum import defined
 from remat.plan.segments import estimate_segments
 from remat.plan.solver import METHODS, InfeasibleBudget, frontier, smallest_any, solve
@@ -420,6 +421,40 @@ def test_optimal_with_side_inputs_equals_brute_force(p: Profile, data: st.DataOb
         assert picks is not None
         ms = sum(row[o] for row, o in zip(chain.extra_ms, picks))
         assert (ms, chain.peak_bytes(picks)) == best
+
+
+_HANDED_CHAINS = chains(max_blocks=4, max_blocks_3=6, sides=True, handovers=True) | chains(
+    max_blocks=5, max_blocks_3=7, handovers=True)
+
+
+@settings(max_examples=150, deadline=None)
+@given(p=_HANDED_CHAINS, data=st.data())
+def test_optimal_with_handovers_equals_brute_force(p: Profile, data: st.DataObject) -> None:
+    # NOTE [ What crosses a block boundary, as state ] (remat.plan.crossings): the search carries
+    # the handovers' bits, plain and bounded, and ``solve`` needs no search after it.
+    brute = brute_force(p)
+    budget = budget_near(data, brute)
+    best = brute.fastest_within(budget)
+    chain = chain_constraints(p)
+    for limit in (512, 0):
+        picks = solver.optimal_picks(chain, budget, plain_limit=limit)
+        if best is None:
+            assert picks is None
+            continue
+        assert picks is not None
+        ms = sum(row[o] for row, o in zip(chain.extra_ms, picks))
+        assert (ms, chain.peak_bytes(picks)) == best
+    if best is None:
+        with pytest.raises(InfeasibleBudget) as refused:
+            solve(p, budget, segments=False)
+        assert refused.value.smallest_bytes == int(brute.peak_bytes.min())
+        return
+    plan = solve(p, budget)
+    assert plan.estimate.peak_bytes <= budget
+    if not plan.segments:
+        assert (_extra_ms(p, plan), plan.estimate.peak_bytes) == best
+    else:  # only where segments count the handovers as the per-block plans do
+        assert segment_neutral(p) and plan.estimate.step_ms - p.plain_step_ms < best[0]
 
 
 def test_partial_plans_holding_different_side_inputs_are_not_compared() -> None:

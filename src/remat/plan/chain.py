@@ -12,8 +12,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from remat.errors import InvalidValue, did_you_mean
+from remat.plan.crossings import Crossings
 from remat.plan.schedule import phase_bytes, step_phases
-from remat.plan.sides import side_groups
 from remat.records import OPTIONS, OptionCost, Profile
 
 __all__ = ["ChainConstraints", "chain_constraints"]
@@ -67,6 +67,11 @@ class ChainConstraints:
     """[state]: the head's candidate minus all kept bytes, with that state at the end."""
     fwd_delta_bytes: tuple[tuple[int, ...], ...] = ()
     """[block][state]: bytes held side inputs add to its forward (NOTE [ Where a side input dies ])."""
+    kept_delta_bytes: tuple[tuple[int, ...], ...] = ()
+    """With handovers that set bits: [block][state] bytes the state adds to the block's kept bytes
+    (NOTE [ What crosses a block boundary, as state ] in ``remat.plan.crossings``); else empty."""
+    clears: tuple[int, ...] = ()
+    """With handovers that set bits: [block] the bits dropped after it; else empty (none)."""
 
     def need_at(self, i: int, o: int, held: int) -> int:
         """Block i's candidate with option o, minus the prefix, in state ``held`` (which includes
@@ -81,14 +86,27 @@ class ChainConstraints:
     def tail_at(self, held: int) -> int:
         return self.tail_held_bytes[held] if self.holds else self.tail_bytes
 
+    def kept_at(self, i: int, o: int, held: int) -> int:
+        """Block i's kept bytes with option o in state ``held`` (as ``need_at``)."""
+        return self.kept_bytes[i][o] + (self.kept_delta_bytes[i][held] if self.kept_delta_bytes else 0)
+
+    def entering(self, i: int, o: int, held: int) -> int:
+        """The state at block i with option o, from ``held`` before it: with the option's bits."""
+        return held | self.holds[i][o] if self.holds else 0
+
+    def leaving(self, i: int, now: int) -> int:
+        """The state after block i, from ``now`` at it: its dropped bits cleared."""
+        return now & ~self.clears[i] if self.clears else now
+
     def peak_bytes(self, picks: Sequence[int]) -> int:
         """The peak for one option index per block; equals ``estimate(...).peak_bytes``."""
         assert len(picks) == len(self.kept_bytes)
         peak, prefix, held = self.fixed_bytes, 0, 0
-        for i, (kept, o) in enumerate(zip(self.kept_bytes, picks)):
-            held |= self.holds[i][o] if self.holds else 0
-            peak = max(peak, prefix + self.need_at(i, o, held))
-            prefix += kept[o]
+        for i, o in enumerate(picks):
+            now = self.entering(i, o, held)
+            peak = max(peak, prefix + self.need_at(i, o, now))
+            prefix += self.kept_at(i, o, now)
+            held = self.leaving(i, now)
         return max(peak, prefix + self.tail_at(held))
 
     def suffix_floor_bytes(self) -> list[int]:
@@ -108,9 +126,9 @@ class ChainConstraints:
             row = []
             for h in range(states):
                 best = None
-                for o, k in enumerate(self.kept_bytes[i]):
-                    now = h | (self.holds[i][o] if self.holds else 0)
-                    value = max(self.need_at(i, o, now), k + after[now])
+                for o in range(len(self.options)):
+                    now = self.entering(i, o, h)
+                    value = max(self.need_at(i, o, now), self.kept_at(i, o, now) + after[self.leaving(i, now)])
                     best = value if best is None else min(best, value)
                 assert best is not None
                 row.append(best)
@@ -152,23 +170,31 @@ def chain_constraints(profile: Profile, options: Sequence[str] | None = None) ->
                     "expected a finite number of milliseconds (re-profile the model)"
                 )
     columns = [[b.options[o] for b in profile.blocks] for o in options]
+    crossings = Crossings(profile, options) if profile.side_inputs or profile.handovers else None
+    if crossings is not None:  # NOTE [ What crosses a block boundary, as state ]
+        columns = crossings.static(columns)
     fwds, bwds, (tail_fwd, tail_bwd), fixed = _prefix_terms(profile, columns)
     n = len(profile.blocks)
-    needs = [[max(f, b) for f, b in zip(fr, br)] for fr, br in zip(fwds, bwds)]
-    sides = side_groups(profile)
     kept = tuple(tuple(c[i].kept_bytes for c in columns) for i in range(n))
     extra_ms = tuple(tuple(c[i].extra_ms for c in columns) for i in range(n))
-    if not profile.side_inputs:
+    if crossings is None:
+        needs = tuple(tuple(max(f, b) for f, b in zip(fr, br)) for fr, br in zip(fwds, bwds))
         return ChainConstraints(
-            options=options, kept_bytes=kept, need_bytes=tuple(tuple(r) for r in needs),
-            extra_ms=extra_ms, tail_bytes=max(tail_fwd, tail_bwd), fixed_bytes=fixed,
+            options=options, kept_bytes=kept, need_bytes=needs, extra_ms=extra_ms,
+            tail_bytes=max(tail_fwd, tail_bwd), fixed_bytes=fixed,
         )  # fmt: skip
-    holds, delta, fwd_delta, tails, low = sides.tables(options, fwds, bwds, tail_fwd, tail_bwd)
+    t = crossings.tables(fwds, bwds, tail_fwd, tail_bwd)
+    if crossings.states == 1:  # no bit: the constants folded in
+        kept = tuple(tuple(k + t.kept_delta[i][0] for k in row) for i, row in enumerate(kept))
+        return ChainConstraints(options=options, kept_bytes=kept, need_bytes=t.low, extra_ms=extra_ms,
+                                tail_bytes=t.tails[0], fixed_bytes=fixed)
+    moves = any(any(row) for row in t.kept_delta)  # only handovers move kept bytes and clear bits
     return ChainConstraints(
-        options=options, kept_bytes=kept, need_bytes=low, extra_ms=extra_ms, tail_bytes=tails[0],
-        fixed_bytes=fixed, holds=holds, fwd_need_bytes=tuple(tuple(r) for r in fwds),
-        bwd_need_bytes=tuple(tuple(r) for r in bwds), delta_bytes=delta, tail_held_bytes=tails,
-        fwd_delta_bytes=fwd_delta,
+        options=options, kept_bytes=kept, need_bytes=t.low, extra_ms=extra_ms, tail_bytes=t.tails[0],
+        fixed_bytes=fixed, holds=t.holds, fwd_need_bytes=tuple(tuple(r) for r in fwds),
+        bwd_need_bytes=tuple(tuple(r) for r in bwds), delta_bytes=t.delta, tail_held_bytes=t.tails,
+        fwd_delta_bytes=t.fwd_delta, kept_delta_bytes=t.kept_delta if moves else (),
+        clears=t.clears if any(t.clears) else (),
     )  # fmt: skip
 
 

@@ -158,20 +158,21 @@ def smallest_feasible(profile: Profile) -> tuple[int, str]:
     peak = max(chain.fixed_bytes, floors[0][0])
     # One assignment that reaches it, the cheapest option at each step that keeps the rest feasible.
     picks, prefix, held = [], 0, 0
-    for i, (kept, ms) in enumerate(zip(chain.kept_bytes, chain.extra_ms)):
-        now = [held | (chain.holds[i][o] if chain.holds else 0) for o in range(len(kept))]
+    for i, ms in enumerate(chain.extra_ms):
+        now = [chain.entering(i, o, held) for o in range(len(ms))]
         fits = [
             o
             for o in range(len(chain.options))
             if prefix + chain.need_at(i, o, now[o]) <= peak
-            and prefix + kept[o] + floors[i + 1][now[o]] <= peak
+            and prefix + chain.kept_at(i, o, now[o]) + floors[i + 1][chain.leaving(i, now[o])] <= peak
         ]
         o = min(fits, key=lambda o: (ms[o], o))
         picks.append(o)
-        prefix, held = prefix + kept[o], now[o]
+        prefix, held = prefix + chain.kept_at(i, o, now[o]), chain.leaving(i, now[o])
     names = [chain.options[o] for o in picks]
-    costs = [b.options[name] for b, name in zip(profile.blocks, names)]
-    top = max(_phases(profile, costs, names), key=lambda p: p.peak_bytes)
+    handed = handed_over(profile, names)  # NOTE [ Handovers ] in remat.records
+    costs = [b.options[name] for b, name in zip(handed.blocks, names)]
+    top = max(_phases(handed, costs, names), key=lambda p: p.peak_bytes)
     assert top.peak_bytes == peak, (top.peak_bytes, peak)
     return peak, _dominant(profile, top)
 

@@ -25,13 +25,14 @@ __all__ = ["fastest"]
 
 
 def fastest(chain: ChainConstraints, model: SegmentModel | None, budget: int) -> Found | None:
-    """NOTE [ The optimum, defined ]'s plan for ``chain`` (with segments when ``model`` is given)
-    under ``budget`` bytes; None when no plan fits."""
+    """NOTE [ The optimum, defined ]'s plan for ``chain`` (with segments when ``model`` is given;
+    their search, and the relaxation that bounds it, on ``model.chain``) under ``budget`` bytes;
+    None when no plan fits."""
     relaxed: Table | None = None
     floor_ticks = beam_ticks = None
     plain = True  # whether the per-block search begins without bounds (NOTE [ Bounding the search ])
-    if model is not None and not chain.holds:
-        relaxed = relaxed_table(chain, budget, model.free_option())
+    if model is not None and not chain.holds and model.chain == chain:
+        relaxed = relaxed_table(model.chain, budget, model.free_option())
         # A block in a segment is bounded by one more per-block option: the relaxation's fastest
         # plan is no slower than any plan, and (without side inputs) when it is a per-block plan,
         # it is the optimum.
@@ -53,7 +54,7 @@ def fastest(chain: ChainConstraints, model: SegmentModel | None, budget: int) ->
     # ``upper``: the per-block optimum's ticks, or on a varied chain an upper bound on them.
     upper = None if per_block is None else per_block.ticks
     if model is not None and upper != 0:
-        relaxed = relaxed or relaxed_table(chain, budget, model.free_option())
+        relaxed = relaxed or relaxed_table(model.chain, budget, model.free_option())
         floor = None
         if upper is not None:
             floor = relaxed if relaxed.rest is not None else bounded(relaxed)
@@ -64,7 +65,7 @@ def fastest(chain: ChainConstraints, model: SegmentModel | None, budget: int) ->
             if not hopeful:
                 floor = None  # no plan of any kind fits and is strictly faster than ``upper``
         if floor is not None or upper is None:
-            seg = segment_search(chain, model, budget, objective="time", below_ticks=upper, floor=floor)
+            seg = segment_search(model.chain, model, budget, objective="time", below_ticks=upper, floor=floor)
             if seg is not None and seg.trees and (upper is None or seg.ticks < upper):
                 # Segments win only when strictly faster than the per-block optimum: its exact
                 # search under the segments' ticks (quick) finds it if it is as fast.

@@ -49,7 +49,7 @@ only) and the budget in bytes; None when no plan fits."""
 def defined(chain: ChainConstraints, model: SegmentModel | None, budget_bytes: int) -> Found | None:
     """NOTE [ The optimum, defined ], as it reads."""
     per_block = plain_optimum(chain, budget_bytes)
-    with_segments = None if model is None else segment_search(chain, model, budget_bytes, objective="time")
+    with_segments = None if model is None else segment_search(model.chain, model, budget_bytes, objective="time")
     if with_segments is not None and with_segments.trees and (
         per_block is None or with_segments.ticks < per_block[1]
     ):

@@ -31,11 +31,12 @@ __all__ = ["NOTHING_FITS_32", "NO_LIMIT_BYTES", "NoneLeft", "Table", "pareto_sea
 # cheap case: arrangements reaching the same (K, T, P) collapse into one state, so the sets grow
 # with the number of distinct totals, not with the number of arrangements.
 
-# With side inputs (NOTE [ A side input's extra life ], sides.py) a partial plan also carries H,
-# the side-input groups held so far (a mask): a block's backward candidate and the head's depend on
-# it, so only partial plans with the same H are compared, and options of a block are compared
-# only when they hold the same groups (on their forward and backward candidates apart). The floors
-# used to drop partial plans are those of the partial plan's own H (``suffix_floors``).
+# With tensors that cross a block boundary (NOTE [ What crosses a block boundary, as state ] in
+# crossings.py) a partial plan also carries H, the state's bits (a mask): a block's candidates, its
+# kept bytes and the head's candidate depend on it, so only partial plans with the same H are
+# compared, and options of a block are compared only when they set the same bits (on their forward
+# and backward candidates apart). The floors used to drop partial plans are those of the partial
+# plan's own H (``suffix_floors``).
 
 # NOTE [ Time in integer ticks ]
 # Extra times are summed as integer nanoseconds. Float sums depend on their order, so two
@@ -84,9 +85,10 @@ class Table:
     """[i, K // cell_bytes]: a lower bound on the ticks blocks i.. add to fit the budget, in
     units of ``rest_unit`` ticks (int32; ``NOTHING_FITS_32`` where nothing fits)."""
     rest_unit: int = 1
-    sides: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]] | None = None
-    """With side inputs: per block, the useful options' holds, forward and backward candidates,
-    and [state] the bytes held side inputs add to its backward and to its forward."""
+    sides: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, int]] | None = None
+    """With a state (NOTE [ What crosses a block boundary, as state ] in remat.plan.crossings): per
+    block, the useful options' bits, forward and backward candidates, [state] the bytes the state
+    adds to its backward, its forward and its kept bytes, and the bits dropped after it."""
     tails: np.ndarray | None = None
     """With side inputs: [state] the head's candidate."""
 
@@ -114,9 +116,12 @@ class Table:
             bwd = np.array(chain.bwd_need_bytes, dtype=np.int64).reshape(n, width)
             delta = np.array(chain.delta_bytes, dtype=np.int64).reshape(n, -1)
             fwd_delta = np.array(chain.fwd_delta_bytes, dtype=np.int64).reshape(n, -1)
+            kept_delta = (np.array(chain.kept_delta_bytes, dtype=np.int64).reshape(n, -1) if chain.kept_delta_bytes
+                          else np.zeros_like(delta))
             useful = _undominated(kept, fwd, ticks, bwd, holds)
             sides = [
-                (holds[i, c], fwd[i, c], bwd[i, c], delta[i], fwd_delta[i])
+                (holds[i, c], fwd[i, c], bwd[i, c], delta[i], fwd_delta[i], kept_delta[i],
+                 chain.clears[i] if chain.clears else 0)
                 for i, c in enumerate(np.flatnonzero(r) for r in useful)
             ]
             tails = np.array(chain.tail_held_bytes, dtype=np.int64)
@@ -164,17 +169,18 @@ def pareto_search(
     parents: list[np.ndarray] = []
     chosen: list[np.ndarray] = []
     for i, (cols, kept, need, ticks) in enumerate(table.columns):
-        cK = (K[:, None] + kept).ravel()
         cT = (T[:, None] + ticks).ravel()
-        if table.sides is None or H is None:  # one side-input state: no H
+        if table.sides is None or H is None:  # one state: no H
             cH = None
+            cK = (K[:, None] + kept).ravel()
             cP = np.maximum(P[:, None], K[:, None] + need).ravel()
             drop = (cP > table.budget_bytes) | (cK > table.room[i + 1, 0])
         else:
-            holds, fwd, bwd, delta, fwd_delta = table.sides[i]
+            holds, fwd, bwd, delta, fwd_delta, kept_delta, clear = table.sides[i]
             now = H[:, None] | holds
             term = np.maximum(fwd + fwd_delta[now], bwd + delta[now])
-            cH, cP = now.ravel(), np.maximum(P[:, None], K[:, None] + term).ravel()
+            cK = (K[:, None] + kept + kept_delta[now]).ravel()
+            cH, cP = (now & ~clear).ravel(), np.maximum(P[:, None], K[:, None] + term).ravel()
             drop = (cP > table.budget_bytes) | (cK > table.room[i + 1, cH])
         hope = None if table.rest is None else cT + table.bound(i + 1, cK)
         if hope is not None and bound_ticks is not None:

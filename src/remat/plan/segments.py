@@ -46,6 +46,7 @@ it, so a top-level segment is one more option spanning several blocks for the pr
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -103,7 +104,10 @@ class SegmentModel:
 
     def __init__(self, profile: Profile, chain: ChainConstraints | None = None) -> None:
         self.profile = profile
-        self.chain = chain or chain_constraints(profile)
+        # A block inside a segment counts its handovers as kept (``estimate_segments``): the
+        # segment search's per-block moves take them so too, without their state.
+        self.chain = chain_constraints(dataclasses.replace(profile, handovers=[])) if profile.handovers else (
+            chain or chain_constraints(profile))
         blocks = profile.blocks
         self.n = n = len(blocks)
         k, r = [b.options["keep"] for b in blocks], [b.options["recompute"] for b in blocks]

@@ -29,14 +29,9 @@ then, so whether it is held is known from the state before the block.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TypeAlias
 
 from remat.records import Profile
-
-Rows: TypeAlias = Sequence[Sequence[int]]
-Table: TypeAlias = tuple[tuple[int, ...], ...]
 
 __all__ = ["HOLDING", "SideGroups", "saves_as_kept", "side_groups"]
 
@@ -119,27 +114,6 @@ class SideGroups:
             if held >> g & 1 and not self.savers[g] and self._dies(g) is None
         )
         return min(self.post_held_extra_bytes, longer) + self.fwd_delta_bytes(held, None)
-
-    def tables(
-        self, options: Sequence[str], fwds: Rows, bwds: Rows, tail_fwd: int, tail_bwd: int
-    ) -> tuple[Table, Table, Table, tuple[int, ...], Table]:
-        """The columns of ``ChainConstraints`` with side inputs, from the replay's forward and
-        backward candidates per [block][option]: the holds, [block][state] the bytes added to the
-        backward and to the forward, [state] the head's candidate, and each need in the lowest
-        state it can be in (its own holds alone; a lower bound for ``need_bytes``)."""
-        n, states = len(fwds), range(self.masks)
-        holds = tuple(tuple(self.holds(i, o) for o in options) for i in range(n))
-        delta = tuple(tuple(self.delta_bytes(h, i) for h in states) for i in range(n))
-        fwd_delta = tuple(tuple(self.fwd_delta_bytes(h, i) for h in states) for i in range(n))
-        tails = tuple(
-            max(tail_fwd + self.post_fwd_extra_bytes(h), tail_bwd + self.delta_bytes(h, None))
-            for h in states
-        )
-        low = tuple(
-            tuple(max(f, b + delta[i][h]) for f, b, h in zip(fwds[i], bwds[i], holds[i]))
-            for i in range(n)
-        )
-        return holds, delta, fwd_delta, tails, low
 
 
 def side_groups(profile: Profile) -> SideGroups:

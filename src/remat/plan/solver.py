@@ -8,7 +8,6 @@ cost model, ``remat.plan.costmodel``. Pure: no torch, no I/O, deterministic.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import heapq
 import math
 from collections.abc import Sequence
@@ -22,7 +21,7 @@ from remat.plan.bounds import optimal_picks
 from remat.plan.chain import ChainConstraints, chain_constraints
 from remat.plan.costmodel import smallest_feasible
 from remat.plan.fastest import fastest
-from remat.plan.handovers import Remake, Search, fitted, lowest, segment_neutral
+from remat.plan.handovers import segment_neutral
 from remat.plan.head import HEAD_KEEP, best_of_heads, frontier_of_heads, head_names, with_head
 from remat.plan.refusals import exact_bytes, in_eval_mode, infeasible
 from remat.plan.search import NO_LIMIT_BYTES
@@ -103,36 +102,13 @@ def solve(
 
 def _searched(profile: Profile, chain: ChainConstraints, budget_bytes: int, method: str, notes: list[str],
               segments: bool) -> Plan:
-    """The plan ``method`` finds, checked against the handovers the searches do not see (``fitted``)."""
-    found, remake = _searches(profile, chain, budget_bytes, method, notes, segments)
-    floor = functools.partial(_floor_of, segments=segments and segment_neutral(profile))
-    return fitted(profile, budget_bytes, found, remake, floor)
-
-
-def _floor_of(on: Profile, segments: bool) -> int:
-    """The lowest peak of ``on``'s plans (with ``segments`` or not) by its numbers, its handovers
-    not counted: the searches' view, for ``remat.plan.handovers.fitted``."""
-    return (smallest_any if segments else smallest_feasible)(dataclasses.replace(on, handovers=[]))[0]
-
-
-def _searches(profile: Profile, chain: ChainConstraints, budget_bytes: int | None, method: str,
-              notes: list[str], segments: bool) -> tuple[Search, Remake]:
-    """``method``'s search, on ``profile`` or one of its bounds, and the plan with other options,
-    for ``remat.plan.handovers``; plans carry ``budget_bytes``."""
-
-    def found(on: Profile, target: int) -> Plan:
-        constraints = chain if on is profile else chain_constraints(on)
-        spans: list[list[str]] = []
-        if method == "optimal":  # segments as _segments_run allows them, on the bounds too
-            picks, spans = _optimal(on, constraints, target, segments and segment_neutral(profile))
-        else:
-            picks = _greedy_picks(on, constraints, target)
-        return _plan(profile, [constraints.options[o] for o in picks], budget_bytes, method, notes, spans)
-
-    def remake(plan: Plan, names: list[str]) -> Plan:
-        return _plan(profile, names, budget_bytes, method, notes, plan.segments)
-
-    return found, remake
+    """The plan ``method`` (``optimal`` or ``greedy``) finds under ``budget_bytes``."""
+    spans: list[list[str]] = []
+    if method == "optimal":
+        picks, spans = _optimal(profile, chain, budget_bytes, segments)
+    else:
+        picks = _greedy_picks(profile, chain, budget_bytes)
+    return _plan(profile, [chain.options[o] for o in picks], budget_bytes, method, notes, spans)
 
 
 def check_method(method: str) -> None:
@@ -165,10 +141,7 @@ def frontier(profile: Profile, *, points: int | None = 16, segments: bool = True
     plans: dict[tuple[int, float], Plan] = {}
 
     def add(budget: int) -> int:
-        try:
-            plan = _searched(profile, chain, budget, "optimal", [], segments)
-        except InfeasibleBudget:  # with handovers, the searches' smallest is not quite the plans'
-            return low - 1
+        plan = _searched(profile, chain, budget, "optimal", [], segments)
         # Budgets between two points of the frontier give the same point: keep the first.
         plans.setdefault((plan.estimate.peak_bytes, plan.estimate.step_ms), plan)
         return min(budget, plan.estimate.peak_bytes)
@@ -255,9 +228,17 @@ def _optimal(
     profile: Profile, chain: ChainConstraints, budget: int, segments: bool
 ) -> tuple[list[int], list[list[str]]]:
     """The picks and segments of NOTE [ The optimum, defined ] (``remat.plan.optimum``), found by
-    ``remat.plan.fastest``; segments only where ``_segments_run`` allows them."""
+    ``remat.plan.fastest``; segments only where ``_segments_run`` allows them. The segment model
+    counts a handover as its maker kept would hold it (``SegmentModel``): with handovers, a plan
+    with segments is judged by ``estimate_segments``, and the per-block optimum replaces it when
+    it does not fit."""
     model = SegmentModel(profile, chain) if segments and _segments_run(profile, chain) else None
     found = fastest(chain, model, budget)
+    if found is not None and found.trees and profile.handovers:
+        spans = _segment_names(profile, found.trees)
+        choices = {b.name: chain.options[o] for b, o in zip(profile.blocks, found.picks)}
+        if estimate_segments(profile, choices, spans).peak_bytes > budget:
+            found = fastest(chain, None, budget)
     if found is None:
         raise _infeasible(profile, budget, segments)
     return found.picks, _segment_names(profile, found.trees)
@@ -278,14 +259,12 @@ def smallest_any(profile: Profile) -> tuple[int, str]:
                              key=lambda t: t[0])
         return low, why if head == HEAD_KEEP else f"{why} (head: {head})"
     chain = chain_constraints(profile)
-    if profile.handovers:  # NOTE [ Handovers ] in remat.records: the lowest plan found, counted
-        low_plan = lowest(profile, *_searches(profile, chain, None, "optimal", [], True),
-                          functools.partial(_floor_of, segments=segment_neutral(profile)))
-        return low_plan.estimate.peak_bytes, f"the peak falls at the {low_plan.estimate.peak_phase}"
     low, why = smallest_feasible(profile)
-    seg = None
-    if _segments_run(profile, chain):
-        seg = segment_search(chain, SegmentModel(profile, chain), NO_LIMIT_BYTES, objective="peak")
+    if not _segments_run(profile, chain) or profile.handovers:
+        # With handovers a segment plan's peak is known only once estimated (``_optimal``): the
+        # floor is the per-block one, which the exact per-block search reaches.
+        return low, why
+    seg = segment_search(chain, SegmentModel(profile, chain), NO_LIMIT_BYTES, objective="peak")
     if seg is None or not seg.trees or seg.peak_bytes >= low:
         return low, why
     choices = {b.name: chain.options[o] for b, o in zip(profile.blocks, seg.picks)}

@@ -1,0 +1,186 @@
+"""Tensors that cross a block boundary, as the state of the prefix-sum searches: side-input groups
+and handovers by one rule. Pure numbers: no torch.
+
+# NOTE [ What crosses a block boundary, as state ]
+NOTE [ Every peak candidate is a prefix sum ] (``remat.plan.chain``) lets a search carry, per
+partial plan, only the bytes kept so far (K). A tensor that crosses a block boundary ties the
+numbers of one block to the option of an earlier one; the search then also carries a small state,
+a bit mask, and every number of block i depends on the blocks before it only through K and that
+mask. The rule, for both kinds:
+1. A bit is set by the option of the block that decides it: a side-input group's by the first
+   block whose option holds it (NOTE [ A side input's extra life ] in ``remat.plan.sides``); a
+   handover's (NOTE [ Handovers ] in ``remat.records``) by its maker: one bit for "its option
+   saves it", one for "its option offloads it". A bit the maker's options all set alike is no
+   bit: its value is a constant.
+2. A bit lives while it can still move a number: a side-input group's and a handover's that dies
+   in the head to the end of the forward; one that dies in block k's forward is dropped after
+   block k (``clears``), so BLOOM's and x-transformers' one handover per layer cost two bits at a
+   time, not two per layer. Handovers alive at the same block get different bits; after one is
+   dropped its bits serve a later one.
+3. Per block and state the bits add bytes to the block's kept bytes, its forward candidate and
+   its backward candidate; per state, to the head's candidate. Against each option's own run
+   (where the maker ran the same option), a handover of size s that dies in block k moves k's
+   kept bytes by s * (saved by the maker - saved by k's option), and k's forward by s when the
+   maker offloads it; one that dies in the head moves the backward of every block from its maker
+   on by s * (saved by the maker - saved by that block's option), and the head as
+   ``remat.plan.handovers`` says. The part that depends on the block's own option alone is folded
+   into its numbers (``static``), the part of the maker's bits is the state's.
+4. A bit set never lowers a number (a held side input, a saved or offloaded handover only add),
+   so the lowest state is a lower bound for every state: the floors, bounds and relaxations of
+   the searches rely on it.
+``remat.plan.costmodel.estimate`` applies the same rule to one plan (``handed_over``, the side
+groups' methods); tests/test_costmodel.py checks the two forms equal on random chains with both.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TypeAlias
+
+from remat.plan.handovers import OFFLOADS, saved_under
+from remat.plan.sides import SideGroups, side_groups
+from remat.records import OptionCost, Profile
+
+__all__ = ["Crossings", "StateTables"]
+
+Rows: TypeAlias = Sequence[Sequence[int]]
+Table: TypeAlias = tuple[tuple[int, ...], ...]
+
+
+@dataclass(frozen=True)
+class _Handed:
+    """One handover in the state (rule 1): its bytes, maker, the block it dies in (None: the
+    head), per chain option whether the maker saves and offloads it, and its bits (-1: none)."""
+
+    size: int
+    maker: int
+    dies: int | None
+    saves: tuple[int, ...]
+    copies: tuple[int, ...]
+    kept_saves: int
+    """Whether ``keep``'s run saves it: the run the head's numbers come from."""
+    save_bit: int = -1
+    copy_bit: int = -1
+
+    def mine(self, state: int) -> int:
+        return self.saves[0] if self.save_bit < 0 else state >> self.save_bit & 1
+
+    def copied(self, state: int) -> int:
+        return self.copies[0] if self.copy_bit < 0 else state >> self.copy_bit & 1
+
+    def sets(self, o: int) -> int:
+        """The bits the maker's option ``o`` sets."""
+        return (self.saves[o] << self.save_bit if self.save_bit >= 0 else 0) | (
+            self.copies[o] << self.copy_bit if self.copy_bit >= 0 else 0
+        )
+
+    @property
+    def bits(self) -> int:
+        return (1 << self.save_bit if self.save_bit >= 0 else 0) | (1 << self.copy_bit if self.copy_bit >= 0 else 0)
+
+
+@dataclass(frozen=True, kw_only=True)
+class StateTables:
+    """The state columns of ``ChainConstraints`` (NOTE [ What crosses a block boundary, as state ])."""
+
+    holds: Table
+    """[block][option]: the bits the option sets."""
+    clears: tuple[int, ...]
+    """[block]: the bits dropped after the block."""
+    kept_delta: Table
+    """[block][state]: bytes the state adds to the block's kept bytes."""
+    fwd_delta: Table
+    """[block][state]: bytes the state adds to the block's forward candidate."""
+    delta: Table
+    """[block][state]: bytes the state adds to the block's backward candidate."""
+    tails: tuple[int, ...]
+    """[state]: the head's candidate minus every block's kept bytes."""
+    low: Table
+    """[block][option]: the block's candidate in the lowest state it can be in (its own bits)."""
+
+
+class Crossings:
+    """A profile's side-input groups and handovers as state bits over the chain's ``options``."""
+
+    def __init__(self, profile: Profile, options: Sequence[str]) -> None:
+        self.sides: SideGroups = side_groups(profile)
+        self.options = tuple(options)
+        self.n = len(profile.blocks)
+        self.side_mask = self.sides.masks - 1
+        index = {b.name: i for i, b in enumerate(profile.blocks)}
+        handed: list[_Handed] = []
+        free_after: list[int] = []  # per bit above the side groups': the last block that uses it
+        for h in sorted(profile.handovers, key=lambda h: index[h.made_by]):
+            maker = index[h.made_by]
+            dies = None if h.dies_after is None else index[h.dies_after]
+            assert dies is None or dies > maker, f"a handover dies after its maker: {h}"
+            one = _Handed(size=h.size_bytes, maker=maker, dies=dies,
+                          saves=tuple(saved_under(h, o) for o in options),
+                          copies=tuple(int(o in OFFLOADS) for o in options),
+                          kept_saves=saved_under(h, "keep"))
+            bits = []
+            for values in (one.saves, one.copies):
+                if len(set(values)) == 1:  # rule 1: the options agree, no bit
+                    bits.append(-1)
+                    continue
+                at = next((b for b, last in enumerate(free_after) if last < maker), len(free_after))
+                free_after[at:at + 1] = [self.n if dies is None else dies]
+                bits.append(len(self.sides.size_bytes) + at)
+            handed.append(dataclasses.replace(one, save_bit=bits[0], copy_bit=bits[1]))
+        self.handed = handed
+        self.states = self.sides.masks << len(free_after)
+
+    def static(self, columns: Sequence[Sequence[OptionCost]]) -> list[list[OptionCost]]:
+        """The option columns with rule 3's part of each block's own option folded in."""
+        kept = [[0] * self.n for _ in columns]
+        bwd = [[0] * self.n for _ in columns]
+        for h in self.handed:
+            for o in range(len(columns)):
+                if h.dies is not None:
+                    kept[o][h.dies] -= h.size * h.saves[o]
+                else:
+                    for b in range(h.maker, self.n):
+                        bwd[o][b] -= h.size * h.saves[o]
+        return [[dataclasses.replace(c, kept_bytes=c.kept_bytes + kept[o][i],
+                                     bwd_peak_bytes=c.bwd_peak_bytes + bwd[o][i]) for i, c in enumerate(col)]
+                for o, col in enumerate(columns)]
+
+    def tables(self, fwds: Rows, bwds: Rows, tail_fwd: int, tail_bwd: int) -> StateTables:
+        """The state columns from the replay's forward and backward candidates per [block][option]
+        (of ``static``'s columns) and the head's two."""
+        sides, n, states = self.sides, self.n, range(self.states)
+        width = len(self.options)
+        holds = [[sides.holds(i, o) for o in self.options] for i in range(n)]
+        clears = [0] * n
+        kept = [[0] * self.states for _ in range(n)]
+        fwd = [[sides.fwd_delta_bytes(s & self.side_mask, i) for s in states] for i in range(n)]
+        bwd = [[sides.delta_bytes(s & self.side_mask, i) for s in states] for i in range(n)]
+        tail_f = [tail_fwd + sides.post_fwd_extra_bytes(s & self.side_mask) for s in states]
+        tail_b = [tail_bwd + sides.delta_bytes(s & self.side_mask, None) for s in states]
+        for h in self.handed:
+            for o in range(width):
+                holds[h.maker][o] |= h.sets(o)
+            for s in states:
+                mine, copied = h.size * h.mine(s), h.size * h.copied(s)
+                if h.dies is not None:
+                    kept[h.dies][s] += mine
+                    fwd[h.dies][s] += copied
+                    bwd[h.dies][s] += mine  # its backward holds its own kept bytes
+                    continue
+                for b in range(h.maker, n):
+                    bwd[b][s] += mine
+                moved = mine - h.size * h.kept_saves
+                tail_f[s] += max(0, moved) + copied  # freed in the head, maybe after its peak
+                tail_b[s] += moved
+            if h.dies is not None:
+                clears[h.dies] |= h.bits
+        tails = tuple(max(f, b) for f, b in zip(tail_f, tail_b))
+        low = tuple(tuple(max(f + fwd[i][h], b + bwd[i][h]) for f, b, h in zip(fwds[i], bwds[i], holds[i]))
+                    for i in range(n))
+        return StateTables(holds=_table(holds), clears=tuple(clears), kept_delta=_table(kept),
+                           fwd_delta=_table(fwd), delta=_table(bwd), tails=tails, low=low)
+
+def _table(rows: Sequence[Sequence[int]]) -> Table:
+    return tuple(tuple(r) for r in rows)
