@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
 
 import pytest
-from _tables import block, brute_force, budget_near, chains, cost, profile, segment
+from _tables import block, brute_force, budget_near, chains, cost, profile, segment, varied_chain
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -455,6 +456,53 @@ def test_optimal_with_handovers_equals_brute_force(p: Profile, data: st.DataObje
         assert (_extra_ms(p, plan), plan.estimate.peak_bytes) == best
     else:  # only where segments count the handovers as the per-block plans do
         assert segment_neutral(p) and plan.estimate.step_ms - p.plain_step_ms < best[0]
+
+
+@settings(max_examples=100, deadline=None)
+@given(p=_HANDED_CHAINS)
+def test_the_smallest_peak_with_handovers_is_a_budget_solve_meets(p: Profile) -> None:
+    # A plan with segments is judged by ``estimate_segments`` (remat.plan.solver._counted): the
+    # floor it names, with segments or without, is one ``solve`` finds a plan for, and no lower.
+    low = smallest_any(p)[0]
+    assert low <= int(brute_force(p).peak_bytes.min())
+    plan = solve(p, low)
+    assert plan.estimate.peak_bytes == low
+    with pytest.raises(InfeasibleBudget):
+        solve(p, low - 1, segments=False)
+
+
+@pytest.mark.parametrize("inputs", [2, 4])
+def test_plans_with_segments_are_judged_with_the_handovers_counted(inputs: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The segment search sees handovers as each option's own run did; with ones that keep and
+    # recompute save and selective does not (``inputs`` blocks' inputs of bytes each), some plans
+    # it finds are over by ``estimate_segments``, and the per-block optimum or the lowest plan with
+    # segments replaces them.
+    from remat.plan import solver as planner
+    from remat.records import Handover
+
+    replaced, with_segments = [], 0
+    counted = planner._counted
+
+    def noting(*args: object) -> object:
+        out = counted(*args)  # type: ignore[arg-type]
+        replaced.append(out is not args[-1])
+        return out
+
+    monkeypatch.setattr(planner, "_counted", noting)
+    for seed in range(3):
+        p = varied_chain(10, seed)
+        names, size = [b.name for b in p.blocks], inputs * p.blocks[0].input_bytes
+        handed = [Handover(size_bytes=size, made_by=names[i], dies_after=names[i + 2] if i < 8 else None,
+                           kept_by=["keep", "recompute"]) for i in range(0, 10, 2)]
+        p = dataclasses.replace(p, handovers=handed)
+        assert segment_neutral(p)
+        low = smallest_any(p)[0]
+        for k in range(21):
+            budget = low + (p.plain_peak_bytes - low) * k // 20
+            plan = solve(p, budget)
+            assert plan.estimate.peak_bytes <= budget, (seed, k)
+            with_segments += bool(plan.segments)
+    assert with_segments and any(replaced)
 
 
 def test_partial_plans_holding_different_side_inputs_are_not_compared() -> None:

@@ -36,10 +36,9 @@ does not: a recomputed block after a kept one frees nothing there (BLOOM: 64 KiB
 profile said). The profile records each handover (``Handover``: bytes, maker, where it dies,
 under which options it is saved) and ``estimate`` corrects the parts whose numbers were measured
 under another saving than the plan's (``remat.plan.handovers``; one freed in the head's forward
-counts as live at the head's peak, which may come first). The solvers' searches do not see
-it (it ties a block's bytes to its neighbour's option); ``solve`` checks its plan with
-``estimate``, searches again when the handovers put it over, and improves it a block at a time
-(``remat.plan.handovers.fitted``). The segment model counts a handover only as its maker kept
+counts as live at the head's peak, which may come first). The searches carry the tie between the
+maker's option and the later block's bytes as state bits (NOTE [ What crosses a block boundary,
+as state ] in ``remat.plan.crossings``). The segment model counts a handover only as its maker kept
 would hold it, so ``solve`` plans segments only where ``keep`` and ``recompute`` save each alike
 (``remat.plan.handovers.segment_neutral``; on a loop that holds BLOOM-like ones, random segment
 plans measured up to 36 KiB over and 185 KiB under their prediction).

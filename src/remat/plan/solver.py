@@ -23,6 +23,7 @@ from remat.plan.costmodel import smallest_feasible
 from remat.plan.fastest import fastest
 from remat.plan.handovers import segment_neutral
 from remat.plan.head import HEAD_KEEP, best_of_heads, frontier_of_heads, head_names, with_head
+from remat.plan.optimum import Found
 from remat.plan.refusals import exact_bytes, in_eval_mode, infeasible
 from remat.plan.search import NO_LIMIT_BYTES
 from remat.plan.segment_search import segment_search
@@ -228,20 +229,41 @@ def _optimal(
     profile: Profile, chain: ChainConstraints, budget: int, segments: bool
 ) -> tuple[list[int], list[list[str]]]:
     """The picks and segments of NOTE [ The optimum, defined ] (``remat.plan.optimum``), found by
-    ``remat.plan.fastest``; segments only where ``_segments_run`` allows them. The segment model
-    counts a handover as its maker kept would hold it (``SegmentModel``): with handovers, a plan
-    with segments is judged by ``estimate_segments``, and the per-block optimum replaces it when
-    it does not fit."""
+    ``remat.plan.fastest``; segments only where ``_segments_run`` allows them."""
     model = SegmentModel(profile, chain) if segments and _segments_run(profile, chain) else None
     found = fastest(chain, model, budget)
-    if found is not None and found.trees and profile.handovers:
-        spans = _segment_names(profile, found.trees)
-        choices = {b.name: chain.options[o] for b, o in zip(profile.blocks, found.picks)}
-        if estimate_segments(profile, choices, spans).peak_bytes > budget:
-            found = fastest(chain, None, budget)
+    if model is not None and profile.handovers:
+        found = _counted(profile, chain, model, budget, found)
     if found is None:
         raise _infeasible(profile, budget, segments)
     return found.picks, _segment_names(profile, found.trees)
+
+
+def _counted(profile: Profile, chain: ChainConstraints, model: SegmentModel, budget: int,
+             found: Found | None) -> Found | None:
+    """``found`` with the handovers counted. The segment search sees them as each option's own
+    run did (``SegmentModel.chain``), so a plan with segments is judged by ``estimate_segments``:
+    over the budget, the per-block optimum (exact with handovers) takes its place, or, where no
+    per-block plan fits, the plan of the lowest peak with segments, if that fits
+    (``smallest_any``'s floor)."""
+    if found is not None and (not found.trees or _peak(profile, chain, found) <= budget):
+        return found
+    per_block = fastest(chain, None, budget)
+    if per_block is not None:
+        return per_block
+    low = _lowest_with_segments(model)
+    return low if low is not None and _peak(profile, chain, low) <= budget else None
+
+
+def _lowest_with_segments(model: SegmentModel) -> Found | None:
+    """The plan with segments of the lowest peak by the segment model; None if it has none."""
+    seg = segment_search(model.chain, model, NO_LIMIT_BYTES, objective="peak")
+    return None if seg is None or not seg.trees else Found(seg.picks, seg.trees)
+
+
+def _peak(profile: Profile, chain: ChainConstraints, found: Found) -> int:
+    choices = {b.name: chain.options[o] for b, o in zip(profile.blocks, found.picks)}
+    return estimate_segments(profile, choices, _segment_names(profile, found.trees)).peak_bytes
 
 
 def _segment_names(profile: Profile, trees: Sequence[Tree]) -> list[list[str]]:
@@ -260,16 +282,18 @@ def smallest_any(profile: Profile) -> tuple[int, str]:
         return low, why if head == HEAD_KEEP else f"{why} (head: {head})"
     chain = chain_constraints(profile)
     low, why = smallest_feasible(profile)
-    if not _segments_run(profile, chain) or profile.handovers:
-        # With handovers a segment plan's peak is known only once estimated (``_optimal``): the
-        # floor is the per-block one, which the exact per-block search reaches.
+    if not _segments_run(profile, chain):
         return low, why
-    seg = segment_search(chain, SegmentModel(profile, chain), NO_LIMIT_BYTES, objective="peak")
-    if seg is None or not seg.trees or seg.peak_bytes >= low:
+    model = SegmentModel(profile, chain)
+    seg = _lowest_with_segments(model)
+    if seg is None:
         return low, why
+    spans = _segment_names(profile, seg.trees)
     choices = {b.name: chain.options[o] for b, o in zip(profile.blocks, seg.picks)}
-    where = estimate_segments(profile, choices, _segment_names(profile, seg.trees)).peak_phase
-    return seg.peak_bytes, f"with segments; the peak falls at the {where}"
+    reached = estimate_segments(profile, choices, spans)  # with handovers, counted (``_counted``)
+    if reached.peak_bytes >= low:
+        return low, why
+    return reached.peak_bytes, f"with segments; the peak falls at the {reached.peak_phase}"
 
 
 def _plan(
