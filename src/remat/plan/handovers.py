@@ -1,5 +1,6 @@
 """A plan's handovers (NOTE [ Handovers ] in ``remat.records``): the profile's numbers corrected
-where they were measured under another saving of a handover than the plan's. Pure numbers.
+where they were measured under another saving of a handover than the plan's, for one plan
+(``estimate``); the searches carry the same rule as state (``remat.plan.crossings``). Pure numbers.
 
 Each option's numbers come from a step with every block on that option. A handover of block j
 that dies in block k's forward phase (freed there when j's option does not save it) is in the

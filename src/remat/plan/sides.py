@@ -14,7 +14,8 @@ plain step frees it part way, the plan's peak is the one measured with it held
 Side inputs with the same consumers and savers live and die together: they form one *group*, and
 a plan's state is the set of groups held so far, a bit mask over forward order. Every quantity the
 solvers need depends on the blocks before block j only through that mask, so the exact search
-carries it (``remat.plan.search``). Pure: no torch.
+carries it, with the handovers' bits (NOTE [ What crosses a block boundary, as state ] in
+``remat.plan.crossings``). Pure: no torch.
 
 # NOTE [ Where a side input dies ]
 Not every side input lives to the head: one a block makes and hands to the blocks after it dies
