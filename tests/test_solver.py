@@ -8,7 +8,17 @@ import subprocess
 import sys
 
 import pytest
-from _tables import block, brute_force, budget_near, chains, cost, profile, segment, varied_chain
+from _tables import (
+    Brute,
+    block,
+    brute_force,
+    budget_near,
+    chains,
+    cost,
+    profile,
+    segment,
+    varied_chain,
+)
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -406,10 +416,9 @@ def test_bounded_search_equals_brute_force(p: Profile, data: st.DataObject) -> N
 _SIDE_CHAINS = chains(max_blocks=4, max_blocks_3=6, sides=True)
 
 
-@settings(max_examples=100, deadline=None)
-@given(p=_SIDE_CHAINS, data=st.data())
-def test_optimal_with_side_inputs_equals_brute_force(p: Profile, data: st.DataObject) -> None:
-    # NOTE [ A side input's extra life ]: the search carries the held state, plain and bounded.
+def _per_block_search_is_brute_force(p: Profile, data: st.DataObject) -> tuple[Brute, int, tuple[float, int] | None]:
+    """The per-block search, plain and bounded, finds brute force's plan at a budget drawn near
+    the peaks; brute force, the budget and the best plan's (time, peak) there."""
     brute = brute_force(p)
     budget = budget_near(data, brute)
     best = brute.fastest_within(budget)
@@ -422,6 +431,14 @@ def test_optimal_with_side_inputs_equals_brute_force(p: Profile, data: st.DataOb
         assert picks is not None
         ms = sum(row[o] for row, o in zip(chain.extra_ms, picks))
         assert (ms, chain.peak_bytes(picks)) == best
+    return brute, budget, best
+
+
+@settings(max_examples=100, deadline=None)
+@given(p=_SIDE_CHAINS, data=st.data())
+def test_optimal_with_side_inputs_equals_brute_force(p: Profile, data: st.DataObject) -> None:
+    # NOTE [ A side input's extra life ]: the search carries the held state, plain and bounded.
+    _per_block_search_is_brute_force(p, data)
 
 
 _HANDED_CHAINS = chains(max_blocks=4, max_blocks_3=6, sides=True, handovers=True) | chains(
@@ -433,18 +450,7 @@ _HANDED_CHAINS = chains(max_blocks=4, max_blocks_3=6, sides=True, handovers=True
 def test_optimal_with_handovers_equals_brute_force(p: Profile, data: st.DataObject) -> None:
     # NOTE [ What crosses a block boundary, as state ] (remat.plan.crossings): the search carries
     # the handovers' bits, plain and bounded, and ``solve`` needs no search after it.
-    brute = brute_force(p)
-    budget = budget_near(data, brute)
-    best = brute.fastest_within(budget)
-    chain = chain_constraints(p)
-    for limit in (512, 0):
-        picks = solver.optimal_picks(chain, budget, plain_limit=limit)
-        if best is None:
-            assert picks is None
-            continue
-        assert picks is not None
-        ms = sum(row[o] for row, o in zip(chain.extra_ms, picks))
-        assert (ms, chain.peak_bytes(picks)) == best
+    brute, budget, best = _per_block_search_is_brute_force(p, data)
     if best is None:
         with pytest.raises(InfeasibleBudget) as refused:
             solve(p, budget, segments=False)
