@@ -29,15 +29,14 @@ from remat.measure.heads import HeadMeasures, add_heads, measure_heads
 from remat.measure.marked import (
     Hooks,
     base_keys,
-    carried,
     dtype_name,
     marked_step,
+    option_runs,
     running,
     sides_of,
-    warn_carried,
 )
 from remat.measure.notes import StepNotes
-from remat.measure.runner import StepRunner, every_block
+from remat.measure.runner import StepRunner
 from remat.measure.sides import with_skips
 from remat.measure.tiles import add_tiles, measure_tiles
 from remat.measure.tracer import Trace
@@ -58,7 +57,6 @@ def _fake_limits() -> tuple[type[Exception], ...]:
 #: a data-dependent shape) or runs an op fake tensors do not support.
 FAKE_LIMITS = _fake_limits()
 
-_RUN_OPTIONS = ("keep", "selective", "recompute")
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -112,8 +110,6 @@ def fake_run(make_model: Callable[[Any], nn.Module], batch: Any, loss_fn: Any,
     from remat.measure.fake import FakeMeter, to_fake
 
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
-    traces: dict[str, tuple[Trace, Hooks]] = {}
-    times: dict[str, dict[str, float]] = {}
     with fake_mode:
         model = make_model(fake_mode)
         fake_batch = batch() if callable(batch) else to_fake(fake_mode, batch)
@@ -123,18 +119,11 @@ def fake_run(make_model: Callable[[Any], nn.Module], batch: Any, loss_fn: Any,
         cache_off(model)  # on a fake model, thrown away after: nothing to remove
         _create_state(model, opt)
         named = running(model, named, blocks is not None, lambda: _step.train_step(model, fake_batch, loss_fn, opt))
-        held = carried(model)
         keys = base_keys(model, opt, fake_batch)
-        for option in _RUN_OPTIONS:
-            with every_block(named, option):
-                model.zero_grad(set_to_none=True)
-                meter = FakeMeter(spec)
-                with meter:
-                    hooks = marked_step(model, named, fake_batch, loss_fn, opt, meter.mark, keys,
-                                        saves=option == "keep")
-                traces[option] = (meter.trace, hooks)
-                times[option] = phase_times({m.label: m.t_ms for m in meter.marks}, hooks.order)
-        warn_carried(held, model)
+        runs = option_runs(model, named, fake_batch, loss_fn, opt, keys, lambda: FakeMeter(spec))
+        traces = {option: (meter.trace, hooks) for option, (meter, hooks) in runs.items()}
+        times = {option: phase_times({m.label: m.t_ms for m in meter.marks}, hooks.order)
+                 for option, (meter, hooks) in runs.items()}
         sides, unsaved = sides_of(model, named, fake_batch, loss_fn, opt, keys, traces["keep"][1])
         param_bytes = _step.param_bytes(model)
         opt_bytes = _step.optimizer_bytes(opt)

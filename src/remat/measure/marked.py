@@ -11,7 +11,7 @@ import sys
 import warnings
 from collections.abc import Callable
 from types import FrameType
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 import torch
 from torch import nn
@@ -36,7 +36,10 @@ from remat.measure.sides import storage_key as _storage_key
 from remat.records import SideInput
 from remat.units import format_bytes
 
-__all__ = ["Hooks", "base_keys", "carried", "dtype_name", "marked_step", "running", "sides_of", "warn_carried"]
+__all__ = [
+    "RUN_OPTIONS", "Hooks", "Meter", "base_keys", "carried", "dtype_name", "marked_step", "option_runs", "running",
+    "sides_of", "warn_carried",
+]
 
 log = logging.getLogger(__name__)
 
@@ -136,6 +139,42 @@ def marked_step(
         raise ProfileError(f"blocks {missing} did not run in this step; remat plans blocks that run in every "
                            "step (turn off layerdrop or other random layer skips, or name them with blocks=)")
     return hooks
+
+
+#: The options every block runs on together, one step each; their traces give the options' numbers.
+RUN_OPTIONS = ("keep", "selective", "recompute")
+
+
+class Meter(Protocol):
+    """What traces one step: ``remat.measure.tracer.MemoryTracer`` on a device, ``FakeMeter`` on
+    fake tensors; entered around the step, marked at its phases."""
+
+    def __enter__(self) -> Any: ...
+    def __exit__(self, *exc: object) -> Any: ...
+    def mark(self, label: str) -> Any: ...
+
+
+M = TypeVar("M", bound=Meter)
+
+
+def option_runs(model: nn.Module, named: list[tuple[str, nn.Module]], batch: Any, loss_fn: Any, optimizer: Any,
+                keys: set[int], meter: Callable[[], M]) -> dict[str, tuple[M, Hooks]]:
+    """After the warm-up, one marked step per option of ``RUN_OPTIONS`` with every block on it
+    (``keep``'s marks what the blocks save), each traced by a new ``meter()``: per option, the
+    meter and the step's hooks. Warns for tensors the model carries into the next step that these
+    steps freed (NOTE [ A tensor carried from one step into the next ]). The measured and the
+    estimated profile both take their numbers from here."""
+    held = carried(model)
+    runs: dict[str, tuple[M, Hooks]] = {}
+    for option in RUN_OPTIONS:
+        with every_block(named, option):
+            model.zero_grad(set_to_none=True)
+            m = meter()
+            with m:
+                hooks = marked_step(model, named, batch, loss_fn, optimizer, m.mark, keys, saves=option == "keep")
+            runs[option] = (m, hooks)
+    warn_carried(held, model)
+    return runs
 
 
 def running(model: nn.Module, named: list[tuple[str, nn.Module]], explicit: bool,

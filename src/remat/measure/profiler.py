@@ -35,20 +35,11 @@ from remat.measure.compiled import add_options, check_budgets, measure_compiled,
 from remat.measure.estimated import check_factory, fake_run
 from remat.measure.heads import add_heads, measure_heads
 from remat.measure.lean import lean_profile, resolve_budget
-from remat.measure.marked import (
-    Hooks,
-    base_keys,
-    carried,
-    dtype_name,
-    marked_step,
-    running,
-    sides_of,
-    warn_carried,
-)
+from remat.measure.marked import base_keys, dtype_name, marked_step, option_runs, running, sides_of
 from remat.measure.runner import StepRunner, every_block
 from remat.measure.sides import with_skips
 from remat.measure.tiles import add_tiles, measure_tiles
-from remat.measure.tracer import MemoryTracer, Trace, base_bytes, host_link_bytes_per_s
+from remat.measure.tracer import MemoryTracer, base_bytes, host_link_bytes_per_s
 from remat.models.hf import every_layer, without_cache
 from remat.plan.sharding import per_rank_profile
 from remat.records import Profile
@@ -56,8 +47,6 @@ from remat.records import Profile
 __all__ = ["ProfileError", "profile"]
 
 log = logging.getLogger(__name__)
-
-_RUN_OPTIONS = ("keep", "selective", "recompute")
 
 
 @collecting_once  # NOTE [ One full collection per call ] in remat.measure.collector
@@ -163,30 +152,21 @@ def _measured(
     named = find_blocks(model, blocks, required=False)
     device = _step.batch_device(model, batch)
     cuda = device.type == "cuda"
-    traces: dict[str, tuple[Trace, Hooks]] = {}
-    times: dict[str, dict[str, float]] = {}
     with _step.preserved(model, optimizer):
         # warm-up: lazy state, allocator, and which blocks run
         named = running(model, named, blocks is not None, lambda: _step.train_step(model, batch, loss_fn, optimizer))
-        held = carried(model)
         model.zero_grad(set_to_none=True)
         base = base_bytes(model, optimizer, batch, device)
         opt_bytes = _step.optimizer_bytes(optimizer)
         keys = base_keys(model, optimizer, batch)
-        for option in _RUN_OPTIONS:
-            with every_block(named, option):
-                model.zero_grad(set_to_none=True)
-                with MemoryTracer(device) as tracer:
-                    hooks = marked_step(model, named, batch, loss_fn, optimizer, tracer.mark, keys,
-                                         saves=option == "keep")
-                traces[option] = (tracer.trace, hooks)
-        warn_carried(held, model)
+        runs = option_runs(model, named, batch, loss_fn, optimizer, keys, lambda: MemoryTracer(device))
+        traces = {option: (tracer.trace, hooks) for option, (tracer, hooks) in runs.items()}
         sides, unsaved = sides_of(model, named, batch, loss_fn, optimizer, keys, traces["keep"][1])
         # Timed in turns, so that a change in the machine's load hits both options alike.
         marked = functools.partial(marked_step, model, named, batch, loss_fn, optimizer, base_keys=keys)
         runner = StepRunner(marked, model, device=device, repeats=repeats)
         timed = runner.times([functools.partial(every_block, named, o) for o in ("keep", "selective")])
-        times.update(zip(("keep", "selective"), timed))
+        times = dict(zip(("keep", "selective"), timed))
         # NOTE [ The head's options ] in remat.records; NOTE [ The tiled MLP ] in remat.manual.tiled
         heads, tiles = measure_heads(model, named, runner), measure_tiles(named, runner)
         extra = measure_compiled(named, runner, compiled, sides, traces["keep"])  # NOTE [ Compiled blocks ]

@@ -112,23 +112,24 @@ class Crossings:
         index = {b.name: i for i, b in enumerate(profile.blocks)}
         handed: list[_Handed] = []
         free_after: list[int] = []  # per bit above the side groups': the last block that uses it
+
+        def bit(values: tuple[int, ...], maker: int, dies: int | None) -> int:
+            """A bit free from ``maker`` until ``dies`` (rule 2), or -1 when ``values`` agree (rule 1)."""
+            if len(set(values)) == 1:
+                return -1
+            at = next((b for b, last in enumerate(free_after) if last < maker), len(free_after))
+            free_after[at:at + 1] = [self.n if dies is None else dies]
+            return len(self.sides.size_bytes) + at
+
         for h in sorted(profile.handovers, key=lambda h: index[h.made_by]):
             maker = index[h.made_by]
             dies = None if h.dies_after is None else index[h.dies_after]
             assert dies is None or dies > maker, f"a handover dies after its maker: {h}"
-            one = _Handed(size=h.size_bytes, maker=maker, dies=dies,
-                          saves=tuple(saved_under(h, o) for o in options),
-                          copies=tuple(int(o in OFFLOADS) for o in options),
-                          kept_saves=saved_under(h, "keep"))
-            bits = []
-            for values in (one.saves, one.copies):
-                if len(set(values)) == 1:  # rule 1: the options agree, no bit
-                    bits.append(-1)
-                    continue
-                at = next((b for b, last in enumerate(free_after) if last < maker), len(free_after))
-                free_after[at:at + 1] = [self.n if dies is None else dies]
-                bits.append(len(self.sides.size_bytes) + at)
-            handed.append(dataclasses.replace(one, save_bit=bits[0], copy_bit=bits[1]))
+            saves = tuple(saved_under(h, o) for o in options)
+            copies = tuple(int(o in OFFLOADS) for o in options)
+            handed.append(_Handed(size=h.size_bytes, maker=maker, dies=dies, saves=saves, copies=copies,
+                                  kept_saves=saved_under(h, "keep"), save_bit=bit(saves, maker, dies),
+                                  copy_bit=bit(copies, maker, dies)))
         self.handed = handed
         self.states = self.sides.masks << len(free_after)
 

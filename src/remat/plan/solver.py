@@ -28,7 +28,7 @@ from remat.plan.refusals import exact_bytes, in_eval_mode, infeasible
 from remat.plan.search import NO_LIMIT_BYTES
 from remat.plan.segment_search import segment_search
 from remat.plan.segments import SegmentModel, Tree, estimate_segments
-from remat.records import Plan, Profile
+from remat.records import Estimate, Plan, Profile
 from remat.units import format_bytes, parse_budget
 
 __all__ = [
@@ -246,13 +246,13 @@ def _counted(profile: Profile, chain: ChainConstraints, model: SegmentModel, bud
     over the budget, the per-block optimum (exact with handovers) takes its place, or, where no
     per-block plan fits, the plan of the lowest peak with segments, if that fits
     (``smallest_any``'s floor)."""
-    if found is not None and (not found.trees or _peak(profile, chain, found) <= budget):
+    if found is not None and (not found.trees or _estimated(profile, chain, found).peak_bytes <= budget):
         return found
     per_block = fastest(chain, None, budget)
     if per_block is not None:
         return per_block
     low = _lowest_with_segments(model)
-    return low if low is not None and _peak(profile, chain, low) <= budget else None
+    return low if low is not None and _estimated(profile, chain, low).peak_bytes <= budget else None
 
 
 def _lowest_with_segments(model: SegmentModel) -> Found | None:
@@ -261,9 +261,10 @@ def _lowest_with_segments(model: SegmentModel) -> Found | None:
     return None if seg is None or not seg.trees else Found(seg.picks, seg.trees)
 
 
-def _peak(profile: Profile, chain: ChainConstraints, found: Found) -> int:
+def _estimated(profile: Profile, chain: ChainConstraints, found: Found) -> Estimate:
+    """``found``'s estimate, with segments and handovers counted."""
     choices = {b.name: chain.options[o] for b, o in zip(profile.blocks, found.picks)}
-    return estimate_segments(profile, choices, _segment_names(profile, found.trees)).peak_bytes
+    return estimate_segments(profile, choices, _segment_names(profile, found.trees))
 
 
 def _segment_names(profile: Profile, trees: Sequence[Tree]) -> list[list[str]]:
@@ -284,13 +285,10 @@ def smallest_any(profile: Profile) -> tuple[int, str]:
     low, why = smallest_feasible(profile)
     if not _segments_run(profile, chain):
         return low, why
-    model = SegmentModel(profile, chain)
-    seg = _lowest_with_segments(model)
+    seg = _lowest_with_segments(SegmentModel(profile, chain))
     if seg is None:
         return low, why
-    spans = _segment_names(profile, seg.trees)
-    choices = {b.name: chain.options[o] for b, o in zip(profile.blocks, seg.picks)}
-    reached = estimate_segments(profile, choices, spans)  # with handovers, counted (``_counted``)
+    reached = _estimated(profile, chain, seg)  # with handovers, counted (``_counted``)
     if reached.peak_bytes >= low:
         return low, why
     return reached.peak_bytes, f"with segments; the peak falls at the {reached.peak_phase}"
