@@ -16,6 +16,7 @@ from remat.applier import PlanMismatch, applied_plan
 from remat.measure.profiler import profile
 from remat.plan.solver import InfeasibleBudget, solve
 from remat.records import Plan, Profile
+from remat.units import format_bytes
 
 
 def build(kind: str, **kw: object) -> tuple[nn.Module, tuple[torch.Tensor, ...], object]:
@@ -249,6 +250,30 @@ def test_verified_auto_raises_with_the_measured_numbers(monkeypatch: pytest.Monk
         remat.auto(model, batch, "80%", loss_fn=loss_fn, repeats=1, verify=True)
     assert "raise the budget to at least" in str(e.value)
     assert applied_plan(model) is None
+
+
+def test_a_refusal_a_few_bytes_over_names_the_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
+    # In a process capped below the plain step, a diffusers UNet's plan at its floor measured 32
+    # bytes over the lean profile's prediction: "raise the budget to at least 148.39 MiB" read as
+    # the budget itself. The counts that read alike are given in bytes.
+    import dataclasses
+
+    from remat import autoplan
+
+    model, batch, loss_fn = build("gpt")
+    real = autoplan._verify
+    measured: list[int] = []
+
+    def over(*args: object, **kwargs: object) -> remat.Report:
+        report = real(*args, **kwargs)  # type: ignore[arg-type]
+        measured.append((report.budget_bytes or 0) + 32)
+        return dataclasses.replace(report, measured_peak_bytes=measured[-1])
+
+    monkeypatch.setattr(autoplan, "_verify", over)
+    with pytest.raises(InfeasibleBudget) as e:
+        remat.auto(model, batch, "80%", loss_fn=loss_fn, repeats=1, verify=True)
+    assert f"raise the budget to at least {format_bytes(measured[-1])} ({measured[-1]} bytes)" in str(e.value)
+    assert f"({measured[-1] - 32} bytes)" in str(e.value)  # the budget's
 
 
 def test_a_segment_plan_that_measures_over_gives_way_to_per_block_options(

@@ -29,6 +29,7 @@ from remat.measure.collector import collecting_once
 from remat.measure.profiler import profile
 from remat.measure.step import check_trainable, resolve_loss_fn
 from remat.models.hf import layerdrop_blocks
+from remat.plan.refusals import exact_bytes
 from remat.plan.solver import check_method, in_eval_mode, solve
 from remat.records import Plan, Profile
 from remat.units import check_budget, format_bytes
@@ -164,13 +165,13 @@ def _fitted(
     if report.fits:
         return plan, report
     remove(model)
+    measured = report.measured_peak_bytes  # in bytes too where it reads as the budget (a few over)
     raise InfeasibleBudget(
-        f"no plan measured within the budget {format_bytes(budget)}: the last one measured "
-        f"{format_bytes(report.measured_peak_bytes)} (predicted "
-        f"{format_bytes(report.predicted_peak_bytes)}), and the cost model found none that fits "
-        f"the budget less the measured excess ({format_bytes(max(target, 0))}); raise the "
-        f"budget to at least {format_bytes(report.measured_peak_bytes)}, or lower the batch. "
-        "The model was left without a plan.",
+        f"no plan measured within the budget {exact_bytes(budget, measured)}: the last one measured "
+        f"{exact_bytes(measured, budget)} (predicted {exact_bytes(report.predicted_peak_bytes, measured)}), "
+        f"and the cost model found none that fits the budget less the measured excess "
+        f"({format_bytes(max(target, 0))}); raise the budget to at least {exact_bytes(measured, budget)}, "
+        "or lower the batch. The model was left without a plan.",
         budget_bytes=budget,
         smallest_bytes=report.measured_peak_bytes,
         dominant="the measured peak of the last plan tried",
