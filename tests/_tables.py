@@ -11,7 +11,7 @@ import numpy as np
 from hypothesis import strategies as st
 
 from remat.plan.chain import chain_constraints
-from remat.records import OPTIONS, BlockProfile, Handover, OptionCost, Profile, Segment, SideInput
+from remat.records import OPTIONS, BlockProfile, Crossing, OptionCost, Profile, Segment
 
 
 def cost(kept: int, *, fwd: int = 0, bwd: int = 0, ms: float = 0.0) -> OptionCost:
@@ -56,7 +56,7 @@ def profile(
     plain_step_ms: float = 100.0,
     plain_peak: int = 1000,
     device: str = "cuda",
-    sides: Sequence[SideInput] = (),
+    crossings: Sequence[Crossing] = (),
     post_fwd_held: int = 0,
 ) -> Profile:
     return Profile(
@@ -77,7 +77,7 @@ def profile(
         plain_peak_bytes=plain_peak,
         plain_step_ms=plain_step_ms,
         gather_bytes=gather,
-        side_inputs=list(sides),
+        crossings=list(crossings),
         post_fwd_peak_held_bytes=post_fwd_held,
     )
 
@@ -165,7 +165,7 @@ def chains(
     ``compiled``, every block also offers ``compiled:0.5`` and ``compiled:0.2``, whose extra
     times may be negative (compiled code can beat the eager block's). With ``handovers``, one to
     four handovers, each made by a random block and dying in a later block's forward or the head's,
-    saved by a random set of the runs (NOTE [ Handovers ] in remat.records)."""
+    saved by a random set of the runs (NOTE [ Tensors that cross a block boundary ] in remat.records)."""
     options = draw(st.sampled_from([("keep", "selective", "recompute"), OPTIONS]))
     if compiled:
         options = (*options, "compiled:0.5", "compiled:0.2")
@@ -194,7 +194,7 @@ def chains(
     ]
     base, pre, post = int(rng.integers(1, 201)) * scale, seg(), seg()
     optimizer_peak, gather = nbytes(), int(rng.integers(0, 9)) * scale
-    side_inputs: list[SideInput] = []
+    side_inputs: list[Crossing] = []
     if sides and n:
         for _ in range(int(rng.integers(1, 4))):
             users = [b.name for b in blocks if rng.random() < 0.7] or [blocks[-1].name]
@@ -206,23 +206,25 @@ def chains(
             if not savers and rng.random() < 0.5:
                 dies = blocks[int(rng.integers(last, n))].name
             side_inputs.append(
-                SideInput(size_bytes=nbytes(), consumers=users, saved_by=savers, dies_after=dies)
+                Crossing(size_bytes=nbytes(), consumers=users, saved_by={s: ["keep"] for s in savers},
+                         dies_after=dies)
             )
     held = post.fwd_peak_bytes + int(rng.integers(0, 1 + sum(s.size_bytes for s in side_inputs)))
-    handed: list[Handover] = []
+    handed: list[Crossing] = []
     if handovers and n:
         runs = [o for o in options if o in ("keep", "selective", "recompute") or o.startswith("compiled")]
         for _ in range(int(rng.integers(1, 5))):
             maker = int(rng.integers(0, n))
             dies = int(rng.integers(maker + 1, n + 1))  # n: the head
-            handed.append(Handover(size_bytes=nbytes(), made_by=blocks[maker].name,
+            saved_by = [o for o in runs if rng.random() < 0.5]
+            handed.append(Crossing(size_bytes=nbytes(), made_by=blocks[maker].name,
                                    dies_after=blocks[dies].name if dies < n else None,
-                                   kept_by=[o for o in runs if rng.random() < 0.5]))
+                                   saved_by={blocks[maker].name: saved_by} if saved_by else {}))
     p = profile(
         blocks, base=base, pre=pre, post=post, optimizer_peak=optimizer_peak, gather=gather,
-        sides=side_inputs, post_fwd_held=held if side_inputs else post.fwd_peak_bytes,
+        crossings=[*side_inputs, *handed], post_fwd_held=held if side_inputs else post.fwd_peak_bytes,
     )  # fmt: skip
-    return dataclasses.replace(p, handovers=handed) if handed else p
+    return p
 
 
 def varied_chain(n: int, seed: int, offload: bool = False) -> Profile:

@@ -148,7 +148,7 @@ class _SideBlock(nn.Module):
 
 class SideInput(nn.Module):
     """A position bias made in the forward and passed to every block: each checkpointed block
-    holds it until its own backward, longer than the plain step does (NOTE [ Side inputs ]).
+    holds it until its own backward, longer than the plain step does (NOTE [ Tensors that cross a block boundary ]).
     Blind to it, the 60% plan measured 512 KiB, the bias, over its prediction."""
 
     def __init__(self, d: int = 32, n: int = 6, seq: int = 128) -> None:
@@ -176,7 +176,7 @@ def test_verified_auto_solves_again_until_the_plan_measures_within_budget(
     from remat.measure import marked
     from remat.measure.tracer import measure_step
 
-    # A profile blind to side inputs (as before NOTE [ Side inputs ]) mispredicts this model.
+    # A profile blind to side inputs (as before they were crossings) mispredicts this model.
     monkeypatch.setattr(marked, "side_inputs", lambda *args: [])
     torch.manual_seed(0)
     model, batch = SideInput(), (torch.randint(0, 64, (8, 128)),)
@@ -207,7 +207,7 @@ class _SavingBlock(_SideBlock):
 
 @pytest.mark.parametrize("saving", [False, True], ids=["added", "saved"])
 def test_side_input_is_counted_once_and_lives_as_the_plan_makes_it(saving: bool) -> None:
-    # NOTE [ Side inputs ]: the bias enters every block; a checkpoint holds it to its backward.
+    # NOTE [ Tensors that cross a block boundary ]: the bias enters every block; a checkpoint holds it to its backward.
     from remat.measure.tracer import measure_step
 
     torch.manual_seed(0)
@@ -216,9 +216,9 @@ def test_side_input_is_counted_once_and_lives_as_the_plan_makes_it(saving: bool)
         model.blocks = nn.ModuleList(_SavingBlock(32) for _ in range(6))
     prof = profile(model, batch, loss_fn=_side_loss, repeats=1)
     names = [b.name for b in prof.blocks]
-    (side,) = prof.side_inputs
+    (side,) = prof.crossings
     assert side.size_bytes == 8 * 128 * 128 * 4 and side.consumers == names
-    assert side.saved_by == (names if saving else [])
+    assert side.saved_by == ({n: ["keep"] for n in names} if saving else {})
     assert Profile.from_json(prof.to_json()) == prof
     plain = measure_step(model, batch, loss_fn=_side_loss, repeats=0).peak_bytes
     plans = set()

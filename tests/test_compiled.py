@@ -116,12 +116,13 @@ def test_handovers_leave_them_out_with_a_warning() -> None:
     import dataclasses
 
     from remat.measure.compiled import without_compiled
-    from remat.records import Handover
+    from remat.records import Crossing
 
     p = _with_compiled(_tables_profile(), 0.5)
     assert without_compiled(p) is p  # nothing crosses the blocks: offered
-    held = dataclasses.replace(p, handovers=[Handover(size_bytes=64, made_by=p.blocks[0].name,
-                                                      dies_after=p.blocks[1].name, kept_by=["keep"])])
+    held = dataclasses.replace(p, crossings=[Crossing(size_bytes=64, made_by=p.blocks[0].name,
+                                                      dies_after=p.blocks[1].name,
+                                                      saved_by={p.blocks[0].name: ["keep"]})])
     with pytest.warns(UserWarning, match=r"option compiled:0\.5 is left out.*handovers"):
         out = without_compiled(held)
     assert all("compiled:0.5" not in b.options for b in out.blocks)

@@ -193,11 +193,11 @@ def test_smallest_feasible_with_crossings_is_the_brute_force_minimum(p: Profile)
 def test_side_input_held_by_a_checkpoint_lives_to_its_backward() -> None:
     # One side input of 100 bytes entering both blocks, saved by neither: kept blocks let it die
     # in the head's forward; a recomputed block holds it until its own backward.
-    from remat.records import SideInput
+    from remat.records import Crossing
 
     blocks = [block(f"b{i}", keep=cost(10, bwd=5), recompute=cost(1, bwd=20)) for i in range(2)]
-    side = SideInput(size_bytes=100, consumers=["b0", "b1"])
-    p = profile(blocks, base=1000, post=segment(fwd=7, bwd=3), sides=[side], post_fwd_held=50)
+    side = Crossing(size_bytes=100, consumers=["b0", "b1"])
+    p = profile(blocks, base=1000, post=segment(fwd=7, bwd=3), crossings=[side], post_fwd_held=50)
     plain = profile(blocks, base=1000, post=segment(fwd=7, bwd=3))
     for b0, b1 in itertools.product(("keep", "recompute"), repeat=2):
         with_side = estimate(p, {"b0": b0, "b1": b1}).peak_bytes
@@ -205,8 +205,8 @@ def test_side_input_held_by_a_checkpoint_lives_to_its_backward() -> None:
         assert (with_side > without) == ("recompute" in (b0, b1))
     # Both recomputed: the head's forward at its held peak, its backward and both blocks' with 100.
     assert estimate(p, {"b0": "recompute", "b1": "recompute"}).peak_bytes == 1000 + 2 + 100 + 20
-    saved = SideInput(size_bytes=100, consumers=["b0", "b1"], saved_by=["b0"])
-    q = profile(blocks, base=1000, post=segment(fwd=7, bwd=3), sides=[saved], post_fwd_held=50)
+    saved = Crossing(size_bytes=100, consumers=["b0", "b1"], saved_by={"b0": ["keep"]})
+    q = profile(blocks, base=1000, post=segment(fwd=7, bwd=3), crossings=[saved], post_fwd_held=50)
     # Saved by kept b0, the plain step already holds it to b0's backward: nothing added.
     for b1 in ("keep", "recompute"):
         assert estimate(q, {"b0": "keep", "b1": b1}) == estimate(plain, {"b0": "keep", "b1": b1})
@@ -225,15 +225,15 @@ def test_brute_force_uses_the_simulation_numbers() -> None:
 def test_a_side_input_that_dies_before_the_head_is_held_through_later_forwards() -> None:
     # NOTE [ Where a side input dies ]: made for b0 and freed in its forward phase by the plain
     # step; recomputed, b0 holds it, so b2's forward (the step's peak) runs with it live too.
-    from remat.records import SideInput
+    from remat.records import Crossing
 
     blocks = [
         block("b0", keep=cost(60), recompute=cost(1, ms=0.5)),
         block("b1", keep=cost(10), recompute=cost(1, ms=1.0)),
         block("b2", keep=cost(10, fwd=500), recompute=cost(1, fwd=500, ms=1.0)),
     ]
-    side = SideInput(size_bytes=100, consumers=["b0"], dies_after="b0")
-    p = profile(blocks, base=1000, sides=[side])
+    side = Crossing(size_bytes=100, consumers=["b0"], dies_after="b0")
+    p = profile(blocks, base=1000, crossings=[side])
     plain = profile(blocks, base=1000)
     keep_b0 = {"b0": "keep", "b1": "recompute", "b2": "recompute"}
     held = {"b0": "recompute", "b1": "keep", "b2": "recompute"}

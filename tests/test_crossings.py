@@ -20,8 +20,9 @@ from torch import nn
 
 import remat
 from remat.measure.tracer import measure_step
-from remat.plan.handovers import segment_neutral
+from remat.plan.handovers import handovers, segment_neutral
 from remat.plan.segments import estimate_segments
+from remat.plan.sides import side_inputs
 
 
 class Mlp(nn.Module):
@@ -197,8 +198,8 @@ def _plans_fit(model: nn.Module, prof: remat.Profile) -> list[remat.Plan]:
 def test_a_frozen_first_input_is_a_side_input(hold: bool) -> None:
     model, prof = _profiled(lambda: FrozenBase(hold=hold))
     assert prof.blocks[0].input_bytes == 0 and prof.blocks[1].input_bytes == HIDDEN
-    frozen = [s for s in prof.side_inputs if s.consumers == ["layers.0"]]
-    assert len(frozen) == 1 and frozen[0].size_bytes == HIDDEN and frozen[0].saved_by == []
+    frozen = [s for s in side_inputs(prof) if s.consumers == ["layers.0"]]
+    assert len(frozen) == 1 and frozen[0].size_bytes == HIDDEN and frozen[0].saved_by == {}
     assert frozen[0].dies_after == (None if hold else "layers.0")
     _every_flip_exact(model, prof)
     _plans_fit(model, prof)
@@ -207,8 +208,8 @@ def test_a_frozen_first_input_is_a_side_input(hold: bool) -> None:
 def test_a_hidden_output_the_model_holds_is_a_handover() -> None:
     model, prof = _profiled(HeldOutput)
     assert [b.name for b in prof.blocks] == ["down.0", "down.1", "up", "join.layers.0", "join.layers.1"]
-    (held,) = prof.handovers
-    assert (held.made_by, held.dies_after, held.kept_by, held.size_bytes) == ("up", None, ["selective"], HIDDEN)
+    (held,) = handovers(prof)
+    assert (held.made_by, held.dies_after, held.saved_by, held.size_bytes) == ("up", None, {"up": ["selective"]}, HIDDEN)
     assert segment_neutral(prof)  # a segment holds it as its blocks kept: segments are planned
     _every_flip_exact(model, prof)
     assert any(plan.segments for plan in _plans_fit(model, prof))

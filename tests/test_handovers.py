@@ -1,4 +1,4 @@
-"""Handovers (NOTE [ Handovers ] in remat.records): a tensor a block returns besides its hidden
+"""Handovers (NOTE [ Tensors that cross a block boundary ] in remat.records): a tensor a block returns besides its hidden
 output, held by the model's loop until the next block returns. Every plan is predicted to the
 byte, ``solve``'s plans fit when applied and are as fast as the best per-block plan found by brute
 force, and the detection leaves out what is not a handover; on a pure-torch loop and on BLOOM."""
@@ -19,7 +19,7 @@ from remat.manual.options import clear_option, set_option
 from remat.measure.profiler import profile
 from remat.measure.tracer import measure_step
 from remat.plan.costmodel import estimate
-from remat.plan.handovers import segment_neutral
+from remat.plan.handovers import handovers, segment_neutral
 from remat.plan.solver import frontier, smallest_any, solve
 from remat.records import Profile
 
@@ -93,12 +93,12 @@ def test_the_loop_holds_four_handovers_saved_by_keep_and_the_record_round_trips(
     model, batch = _case()
     prof = profile(model, batch, repeats=1)
     probs = 4 * 48 * 48 * 4
-    made = [(h.made_by, h.dies_after, h.size_bytes) for h in prof.handovers]
+    made = [(h.made_by, h.dies_after, h.size_bytes) for h in handovers(prof)]
     # the third's is dropped when the last block returns and the last's when the model does: in
     # the head's forward phase, both
     assert made == [("blocks.0", "blocks.1", probs), ("blocks.1", "blocks.2", probs),
                     ("blocks.2", None, probs), ("blocks.3", None, probs)], made
-    assert all(h.kept_by == ["keep"] for h in prof.handovers)  # selective recomputes the softmax
+    assert all(h.saved_by == {h.made_by: ["keep"]} for h in handovers(prof))  # selective recomputes the softmax
     assert Profile.from_json(prof.to_json()) == prof
 
 
@@ -109,8 +109,8 @@ def test_tensors_dropped_at_once_are_none_and_ones_held_to_the_head_die_there(ho
     # "all": each freed in the head's forward; "none": only the last block's, which its return
     # frees in the head's forward phase (which starts where the last block ends)
     made = ["blocks.3"] if hold == "none" else [b.name for b in prof.blocks]
-    assert [h.made_by for h in prof.handovers] == made
-    assert all(h.dies_after is None for h in prof.handovers)
+    assert [h.made_by for h in handovers(prof)] == made
+    assert all(h.dies_after is None for h in handovers(prof))
     names = [b.name for b in prof.blocks]
     for combo in [("keep", "recompute") * 2, ("recompute", "keep") * 2, ("keep",) * 3 + ("recompute",)]:
         choices = dict(zip(names, combo))
@@ -132,13 +132,14 @@ def test_every_plan_is_predicted_to_the_byte() -> None:
 
 
 def test_segments_are_planned_only_with_handovers_kept_and_recomputed_alike() -> None:
-    # NOTE [ Handovers ] in remat.records; remat.plan.handovers.segment_neutral
+    # NOTE [ Tensors that cross a block boundary ] in remat.records; remat.plan.handovers.segment_neutral
     _, _, prof, _ = _every_plan()
-    assert [h.kept_by for h in prof.handovers] == [["keep"]] * len(prof.handovers) and not segment_neutral(prof)
-    for kept_by, neutral in ((["selective"], True), (["keep", "selective", "recompute"], True), ([], True),
-                             (["recompute"], False)):
-        alike = dataclasses.replace(prof, handovers=[dataclasses.replace(h, kept_by=kept_by) for h in prof.handovers])
-        assert segment_neutral(alike) is neutral, kept_by
+    assert all(h.saved_by == {h.made_by: ["keep"]} for h in handovers(prof)) and not segment_neutral(prof)
+    for saved_by, neutral in ((["selective"], True), (["keep", "selective", "recompute"], True), ([], True),
+                              (["recompute"], False)):
+        alike = dataclasses.replace(prof, crossings=[
+            c if c.enters_blocks else dataclasses.replace(c, saved_by={str(c.made_by): saved_by}) for c in prof.crossings])
+        assert segment_neutral(alike) is neutral, saved_by
 
 
 def test_solve_fits_and_is_the_fastest_per_block_plan() -> None:
@@ -159,7 +160,7 @@ def test_bloom_every_plan_is_predicted_and_solve_fits() -> None:
 
     model, batch, _ = ZOO["bloom"]()
     prof = profile(model, batch, repeats=1)
-    assert prof.handovers, "BLOOM's loop holds each layer's attention probabilities"
+    assert handovers(prof), "BLOOM's loop holds each layer's attention probabilities"
     names = [b.name for b in prof.blocks]
     for combo in itertools.product(["keep", "recompute"], repeat=len(names)):
         choices = dict(zip(names, combo))
@@ -174,7 +175,7 @@ def test_bloom_every_plan_is_predicted_and_solve_fits() -> None:
 def test_no_phase_of_any_plan_measures_over_its_prediction(hold: str) -> None:
     # Phase by phase, not only the peak: the head's forward, where the loop lets handovers go
     # (maybe after the head's own peak), and the backward up to each maker's, where every run has
-    # let them go (NOTE [ Handovers ]).
+    # let them go (NOTE [ Tensors that cross a block boundary ]).
     from remat.measure import marked as measure
     from remat.measure.attribution import span
     from remat.measure.runner import every_block
@@ -234,7 +235,7 @@ def test_the_plan_table_shows_the_bytes_the_plan_keeps() -> None:
     names = [b.name for b in prof.blocks]
     plan = dataclasses.replace(solve(prof, method="none"), choices=dict(zip(names, ["recompute", "keep"] * 2)))
     text = render_text(plan_table(plan, prof))
-    after = prof.blocks[1].options["keep"].kept_bytes - prof.handovers[0].size_bytes  # freed at its return
+    after = prof.blocks[1].options["keep"].kept_bytes - handovers(prof)[0].size_bytes  # freed at its return
     row = next(line for line in text.splitlines() if line.strip().startswith("blocks.1 "))
     assert format_bytes(after) in row, row
 
@@ -249,7 +250,7 @@ def test_an_offloaded_maker_leaves_the_device_tensor_to_the_loop_until_it_drops_
     blocks = [dataclasses.replace(b, options={**b.options, "offload": dataclasses.replace(
         b.options["keep"], kept_bytes=0)}) for b in prof.blocks]
     prof = dataclasses.replace(prof, blocks=blocks)
-    first = prof.handovers[0]
+    first = handovers(prof)[0]
     assert (first.made_by, first.dies_after) == ("blocks.0", "blocks.1")
 
     def fwd(p: Profile) -> int:

@@ -324,5 +324,5 @@ def test_estimated_mode_builds_a_transformers_model_from_its_factory() -> None:
     assert [b.name for b in estimated.blocks] == [b.name for b in measured.blocks] == [
         f"model.layers.{i}" for i in range(4)]
     names = [b.name for b in estimated.blocks]
-    assert estimated.side_inputs and all(s.consumers == names for s in estimated.side_inputs)
-    assert {s.size_bytes for s in measured.side_inputs} <= {s.size_bytes for s in estimated.side_inputs}
+    assert estimated.crossings and all(s.consumers == names for s in estimated.crossings)
+    assert {s.size_bytes for s in measured.crossings} <= {s.size_bytes for s in estimated.crossings}

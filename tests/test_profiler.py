@@ -175,11 +175,11 @@ def test_profile_json_round_trip_and_old_schema(tmp_path: object) -> None:
     again = Profile.from_json(prof.to_json())
     assert again == prof
     data = json.loads(prof.to_json())
-    # 1: before side inputs (NOTE [ Side inputs ]); 2: before head options; 3: before stop peaks;
-    # 4: before handovers (NOTE [ Handovers ])
-    for old in (0, 1, 2, 3, 4):
+    # 1: before side inputs; 2: before head options; 3: before stop peaks; 4: before handovers;
+    # 5: before both were crossings (NOTE [ Tensors that cross a block boundary ])
+    for old in (0, 1, 2, 3, 4, 5):
         data["schema_version"] = old
-        with pytest.raises(RecordError, match=f"schema version {old}, but this remat reads version 5"):
+        with pytest.raises(RecordError, match=f"schema version {old}, but this remat reads version 6"):
             Profile.from_json(json.dumps(data))
     with pytest.raises(RecordError, match="expected a remat profile record"):
         Profile.from_json(json.dumps({"kind": "plan"}))

@@ -473,6 +473,22 @@ def test_a_bad_field_in_a_profile_file_is_named(tmp_path: Path) -> None:
         Profile.load(path)
 
 
+@pytest.mark.parametrize(("crossing", "problem"), [
+    ({"size_bytes": 8, "consumers": ["nowhere"]}, r"names \['nowhere'\], which are not among the profile's blocks"),
+    ({"size_bytes": 8}, "expected the blocks it enters .consumers. or the block that made it .made_by., got neither"),
+    ({"size_bytes": 8, "consumers": ["layers.1"], "made_by": "layers.0"}, "expected the blocks it enters or the block that made it, got both .'layers.0' made it."),
+    ({"size_bytes": 8, "made_by": "layers.1", "dies_after": "layers.0"}, "dies in 'layers.0', which does not come after 'layers.1', its maker"),
+])
+def test_a_crossing_out_of_place_in_a_profile_file_is_named(crossing: dict, problem: str) -> None:
+    data = json.loads(chain_profile().to_json())
+    assert [b["name"] for b in data["blocks"][:2]] == ["layers.0", "layers.1"]
+    data["crossings"] = [{"size_bytes": 4, "consumers": ["layers.0"]}, crossing]
+    with pytest.raises(RecordError, match=f"crossings\\[1\\]: {problem}; recreate the profile"):
+        Profile.from_json(json.dumps(data))
+    data["crossings"] = data["crossings"][:1]
+    assert Profile.from_json(json.dumps(data)).crossings[0].consumers == ["layers.0"]
+
+
 def test_did_you_mean_ignores_case() -> None:
     result = cli("plan", "--model", "GPT-tiny", "--budget", "1GiB", code=1)
     assert "did you mean 'gpt-tiny'?" in result.output

@@ -484,7 +484,7 @@ def test_plans_with_segments_are_judged_with_the_handovers_counted(inputs: int, 
     # it finds are over by ``estimate_segments``, and the per-block optimum or the lowest plan with
     # segments replaces them.
     from remat.plan import solver as planner
-    from remat.records import Handover
+    from remat.records import Crossing
 
     replaced, with_segments = [], 0
     counted = planner._counted
@@ -498,9 +498,9 @@ def test_plans_with_segments_are_judged_with_the_handovers_counted(inputs: int, 
     for seed in range(3):
         p = varied_chain(10, seed)
         names, size = [b.name for b in p.blocks], inputs * p.blocks[0].input_bytes
-        handed = [Handover(size_bytes=size, made_by=names[i], dies_after=names[i + 2] if i < 8 else None,
-                           kept_by=["keep", "recompute"]) for i in range(0, 10, 2)]
-        p = dataclasses.replace(p, handovers=handed)
+        handed = [Crossing(size_bytes=size, made_by=names[i], dies_after=names[i + 2] if i < 8 else None,
+                           saved_by={names[i]: ["keep", "recompute"]}) for i in range(0, 10, 2)]
+        p = dataclasses.replace(p, crossings=handed)
         assert segment_neutral(p)
         low = smallest_any(p)[0]
         for k in range(21):
@@ -514,12 +514,12 @@ def test_plans_with_segments_are_judged_with_the_handovers_counted(inputs: int, 
 def test_partial_plans_holding_different_side_inputs_are_not_compared() -> None:
     # Selective b0 keeps less than keep b0, at the same time and peak so far, but holds the
     # 1000-byte side input to its backward; only keep b0 then lets b1 be kept within the budget.
-    from remat.records import SideInput
+    from remat.records import Crossing
 
     p = profile(
         [block("b0", keep=cost(10, bwd=995), selective=cost(5), recompute=cost(5, ms=5.0)),
          block("b1", keep=cost(10), selective=cost(10, ms=5.0), recompute=cost(1, ms=1.0))],
-        sides=[SideInput(size_bytes=1000, consumers=["b0"])],
+        crossings=[Crossing(size_bytes=1000, consumers=["b0"])],
     )  # fmt: skip
     plan = solve(p, 1010)
     assert plan.choices == {"b0": "keep", "b1": "keep"} and plan.estimate.peak_bytes == 1005
@@ -567,12 +567,12 @@ def test_frontier_is_the_brute_force_pareto_front(p: Profile) -> None:
 def test_greedy_counts_side_inputs() -> None:
     # Recomputing b0 (the best bytes per millisecond) holds the 5-byte side input through the
     # head's backward: greedy's peak sees that (16 > 15) and recomputes b1 too.
-    from remat.records import SideInput
+    from remat.records import Crossing
 
     p = profile(
         [block("b0", keep=cost(10), selective=cost(10, ms=9.0), recompute=cost(1, ms=1.0)),
          block("b1", keep=cost(10), selective=cost(10, ms=9.0), recompute=cost(1, ms=2.0))],
-        sides=[SideInput(size_bytes=5, consumers=["b0"])],
+        crossings=[Crossing(size_bytes=5, consumers=["b0"])],
     )  # fmt: skip
     plan = solve(p, 15, method="greedy")
     assert plan.choices == {"b0": "recompute", "b1": "recompute"} and plan.estimate.peak_bytes == 7

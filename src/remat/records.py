@@ -11,37 +11,36 @@ keeps its input on the device until its backward; an offloaded block does not. S
 ops keep. The part before the blocks (embeddings) and after them (head, logits, loss) are measured
 as fixed segments. The cost model (``remat.plan.costmodel``) replays these numbers through a step.
 
-# NOTE [ Side inputs ]
-A tensor that enters a block besides its first (hidden) input — an attention mask, a position
-bias, rotary cos/sin made once in the model's forward, an encoder's output feeding cross-attention
-— is a *side input*. It is counted once, not per block: the profile records it as a ``SideInput``
-(its bytes, the blocks it enters, the blocks whose kept forward saves it), found by storage
-identity so that one tensor passed to every block is one record. The measured numbers are those of
-the plain step, where it dies at the end of the forward, or at the backward of the first kept block
-that saves it. Under a plan it lives until the backward of the first block (in forward order) that
-holds it: a checkpointed consumer (``recompute``, ``selective``) holds its inputs until its own
-backward; a kept consumer holds it when it saves it. The cost model adds the difference
-(``remat.plan.costmodel``, NOTE [ A side input's extra life ]).
-
-# NOTE [ Handovers ]
-A block may return more than its hidden output (BLOOM's layers return their attention
-probabilities), and the model's loop may hold the whole return value until a later block returns
-(``outputs = block(...)``). Such a tensor is a *handover*: made by one block, dropped by the
-model's code when a later block returns (or in the head's forward). Under an option whose forward
-saves it for the backward (``keep`` saves the probabilities) it lives on to the block's backward
-and dropping it frees nothing; under one that does not (``recompute``), dropping it frees it.
-Each option's numbers are measured with every block on that option, so a block's kept bytes carry
-the free of the handover of the block before it as that run had it, which a plan mixing options
-does not: a recomputed block after a kept one frees nothing there (BLOOM: 64 KiB more than its
-profile said). The profile records each handover (``Handover``: bytes, maker, where it dies,
-under which options it is saved) and ``estimate`` corrects the parts whose numbers were measured
-under another saving than the plan's (``remat.plan.handovers``; one freed in the head's forward
-counts as live at the head's peak, which may come first). The searches carry the tie between the
-maker's option and the later block's bytes as state bits (NOTE [ What crosses a block boundary,
-as state ] in ``remat.plan.crossings``). The segment model counts a handover only as its maker kept
-would hold it, so ``solve`` plans segments only where ``keep`` and ``recompute`` save each alike
-(``remat.plan.handovers.segment_neutral``; on a loop that holds BLOOM-like ones, random segment
-plans measured up to 36 KiB over and 185 KiB under their prediction).
+# NOTE [ Tensors that cross a block boundary ]
+Besides the hidden state, tensors cross block boundaries, and each is one ``Crossing`` record,
+counted once however many blocks it touches (found by storage identity): its bytes, the blocks it
+enters (``consumers``), the block that returned it (``made_by``), the blocks whose forward saves it
+for the backward and under which options (``saved_by``, measured), and where the plain step frees
+it (``dies_after``). Two shapes, one record:
+1. **One that enters blocks** (``consumers``): an attention mask, a position bias, rotary cos/sin
+   made once in the model's forward, an encoder's output feeding cross-attention, T5's position
+   bias that its first layer makes and the later ones take. Its consumers hold it: a checkpointed
+   one (``recompute``, ``selective``) holds its inputs until its backward, a kept one when its
+   forward saves it. The numbers are those of the plain step, where it dies at the end of the
+   forward (or in ``dies_after``'s forward), or at the backward of the first kept block that saves
+   it. Under a plan it lives until the backward of the first block (in forward order) that holds
+   it; the cost model adds the difference (``remat.plan.sides``, NOTE [ A side input's extra life ]).
+2. **One that enters none** (``made_by``, no ``consumers``): a block returns it besides its hidden
+   output (BLOOM's layers return their attention probabilities) and the model's code holds it until
+   a later block returns (``outputs = block(...)``) or the head runs. Its maker holds it: under an
+   option whose forward saves it (``keep`` saves the probabilities) it lives on to the maker's
+   backward and dropping it frees nothing; under one that does not (``recompute``), dropping it frees
+   it. Each option's numbers are measured with every block on that option, so a block's kept bytes
+   carry the free of the tensor the block before it made as that run had it, which a plan mixing
+   options does not (BLOOM: a recomputed block after a kept one, 64 KiB more than its profile
+   said). ``estimate`` corrects the parts measured under another saving than the plan's
+   (``remat.plan.handovers``; one freed in the head's forward counts as live at the head's peak,
+   which may come first). The segment model counts one only as its maker kept would hold it, so
+   ``solve`` plans segments only where ``keep`` and ``recompute`` save each alike
+   (``remat.plan.handovers.segment_neutral``; on a loop that holds BLOOM-like ones, random segment
+   plans measured up to 36 KiB over and 185 KiB under their prediction).
+The searches carry both as state bits set by the block that decides them, by one rule (NOTE [ What
+crosses a block boundary, as state ] in ``remat.plan.crossings``).
 """
 
 from __future__ import annotations
@@ -64,21 +63,21 @@ __all__ = [
     "OPTIONS",
     "BlockProfile",
     "CheckpointOption",
+    "Crossing",
     "Estimate",
-    "Handover",
     "Option",
     "OptionCost",
     "Plan",
     "Profile",
     "RecordError",
     "Segment",
-    "SideInput",
     "in_option_order",
     "load_record",
 ]
 
-PROFILE_SCHEMA = 5  # 2: side inputs (NOTE [ Side inputs ]); 3: head options (NOTE [ The head's options ]);
-# 4: where a replay stops (BlockProfile.stop_peak_bytes); 5: handovers (NOTE [ Handovers ])
+PROFILE_SCHEMA = 6  # 2: side inputs; 3: head options (NOTE [ The head's options ]); 4: where a replay
+# stops (BlockProfile.stop_peak_bytes); 5: handovers; 6: both as crossings (NOTE [ Tensors that cross a
+# block boundary ])
 PLAN_SCHEMA = 2  # 2: the head's option, segments (NOTE [ A segment is one recompute frame over several calls ])
 
 # NOTE [ The head's options ]
@@ -167,7 +166,7 @@ class Segment:
 
     kept_bytes: int
     """Bytes the segment keeps from its forward until its backward; net, so negative when it
-    frees more, e.g. the head's forward, where side inputs die (NOTE [ Side inputs ])."""
+    frees more, e.g. the head's forward, where side inputs die (NOTE [ Tensors that cross a block boundary ])."""
     fwd_peak_bytes: int
     """Peak bytes above the level at the start of its forward, during that forward."""
     bwd_peak_bytes: int
@@ -181,40 +180,35 @@ class Segment:
 
 
 @dataclass(frozen=True, kw_only=True)
-class Handover:
-    """A tensor a block returns besides its hidden output that the model's code holds until a
-    later block returns or the head runs (NOTE [ Handovers ])."""
+class Crossing:
+    """A tensor that crosses a block boundary besides the hidden state, counted once (NOTE [ Tensors
+    that cross a block boundary ])."""
 
     size_bytes: int
     """Bytes of its storages."""
-    made_by: str
-    """The block that returns it."""
+    consumers: list[str] = field(default_factory=list)
+    """The blocks it enters besides their hidden input, in forward order; empty: it enters none,
+    and the model's code holds what ``made_by`` returned."""
+    made_by: str | None = None
+    """The block that returned it, for one that enters no block; None for one that enters blocks."""
+    saved_by: dict[str, list[str]] = field(default_factory=dict)
+    """Per block, the options measured under which that block's forward saves it for the backward:
+    a consumer's kept forward (``["keep"]``), the maker's runs that saved it (BLOOM's: ``keep``)."""
     dies_after: str | None = None
-    """The block in whose forward phase the model's code drops it (the block after ``made_by``
-    in a loop that holds each return value until the next); None: in the head's forward."""
-    kept_by: list[str] = field(default_factory=list)
-    """The options measured under which ``made_by``'s forward saves it for the backward."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class SideInput:
-    """A tensor that enters blocks besides their hidden input, counted once (NOTE [ Side inputs ])."""
-
-    size_bytes: int
-    """Bytes of its storage."""
-    consumers: list[str]
-    """The blocks it enters, in forward order."""
-    saved_by: list[str] = field(default_factory=list)
-    """The consumers whose forward, with the block kept, saves it for the backward (measured)."""
-    dies_after: str | None = None
-    """The block in whose forward phase the plain step frees it, when that comes before the head:
-    one a block makes and hands on dies where its stack ends (T5's position bias); None when it
-    dies in the head's forward, or, saved, in the backward (NOTE [ Where a side input dies ])."""
+    """The block in whose forward phase the plain step (for one that enters no block: a run whose
+    maker does not save it) frees it, when that comes before the head: T5's position bias dies
+    where its stack ends, BLOOM's probabilities in the next block (NOTE [ Where a side input dies ]
+    in ``remat.plan.sides``); None: in the head's forward, or, saved, in the backward."""
 
     @property
-    def signature(self) -> tuple[tuple[str, ...], tuple[str, ...], str | None]:
-        """Side inputs with one signature live and die together under every plan."""
-        return tuple(self.consumers), tuple(self.saved_by), self.dies_after
+    def enters_blocks(self) -> bool:
+        """Whether its consumers hold it (shape 1 of the NOTE); else its maker does (shape 2)."""
+        return bool(self.consumers)
+
+    @property
+    def savers(self) -> tuple[str, ...]:
+        """The blocks whose kept forward saves it."""
+        return tuple(b for b, options in self.saved_by.items() if "keep" in options)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -267,10 +261,9 @@ class Profile:
     parameters (the running block's and one all-gather buffer: twice the largest block's
     parameters; blocks' peaks carry the rest). See NOTE [ Per-rank memory under FSDP2 ] in
     ``remat.distributed``."""
-    side_inputs: list[SideInput] = field(default_factory=list)
-    """Tensors that enter blocks besides their hidden input, each once (NOTE [ Side inputs ])."""
-    handovers: list[Handover] = field(default_factory=list)
-    """Tensors blocks return that the model's code holds until a later block (NOTE [ Handovers ])."""
+    crossings: list[Crossing] = field(default_factory=list)
+    """The tensors that cross a block boundary besides the hidden state, each once (NOTE [ Tensors
+    that cross a block boundary ])."""
     post_fwd_peak_held_bytes: int = 0
     """The head's forward peak (as ``post.fwd_peak_bytes``) when the side inputs are still held by
     checkpoints, measured with every block recomputed; without side inputs, ``post``'s own."""
@@ -306,7 +299,12 @@ class Profile:
 
     @classmethod
     def from_json(cls, text: str) -> Profile:
-        return load_record_text(cls, text, "profile", PROFILE_SCHEMA)
+        profile = load_record_text(cls, text, "profile", PROFILE_SCHEMA)
+        for i, crossing in enumerate(profile.crossings):
+            if (problem := _misplaced(crossing, [b.name for b in profile.blocks])) is not None:
+                raise RecordError(f"malformed profile record: crossings[{i}]: {problem}; recreate the "
+                                  "profile with `remat profile ... --out FILE`")
+        return profile
 
     def save(self, path: str | Path) -> None:
         write_record_text(Path(path), self.to_json())
@@ -385,6 +383,21 @@ class Plan:
     @classmethod
     def load(cls, path: str | Path) -> Plan:
         return cls.from_json(read_record_text(Path(path)))
+
+
+def _misplaced(crossing: Crossing, blocks: list[str]) -> str | None:
+    """What is wrong with where ``crossing`` says it goes among ``blocks`` (in forward order), or None."""
+    named = [*crossing.consumers, *crossing.saved_by, *filter(None, (crossing.made_by, crossing.dies_after))]
+    if unknown := [n for n in named if n not in blocks]:
+        return f"names {unknown}, which are not among the profile's blocks"
+    if not crossing.consumers and crossing.made_by is None:
+        return "expected the blocks it enters (consumers) or the block that made it (made_by), got neither"
+    if crossing.consumers and crossing.made_by is not None:
+        return f"expected the blocks it enters or the block that made it, got both ({crossing.made_by!r} made it)"
+    if crossing.made_by is not None and crossing.dies_after is not None and (
+            blocks.index(crossing.dies_after) <= blocks.index(crossing.made_by)):
+        return f"dies in {crossing.dies_after!r}, which does not come after {crossing.made_by!r}, its maker"
+    return None
 
 
 def load_record(path: str | Path) -> Profile | Plan:

@@ -72,9 +72,10 @@ from remat.measure.handovers import handovers
 from remat.measure.notes import PartNumbers, StepNotes
 from remat.measure.sides import head_frees_last_input, replay_holds_output
 from remat.measure.tracer import Trace
+from remat.plan.handovers import saved_under
 from remat.plan.schedule import Phase, step_phases
 from remat.plan.sides import SideGroups
-from remat.records import BlockProfile, OptionCost, Profile, Segment, SideInput
+from remat.records import BlockProfile, Crossing, OptionCost, Profile, Segment
 
 __all__ = ["assemble", "attribute", "attribute_over_keep", "median_times", "phase_times", "run_numbers", "span"]
 
@@ -160,7 +161,7 @@ def _last_input_restated(post: Segment, keep_blocks: list[PartNumbers], hooks: S
 
 
 def attribute_over_keep(run: tuple[Trace, StepNotes], keep: tuple[Trace, StepNotes],
-                        named: list[tuple[str, nn.Module]], sides: list[SideInput]) -> list[PartNumbers]:
+                        named: list[tuple[str, nn.Module]], sides: list[Crossing]) -> list[PartNumbers]:
     """One option's run's block numbers, backward peaks over the cost model's level as ``assemble``
     restates its runs (NOTE [ Gradients live as long as the plain step's ]), for an option that
     holds side inputs as ``keep`` does (``remat.plan.sides.saves_as_kept``)."""
@@ -215,7 +216,7 @@ def assemble(
     times: dict[str, dict[str, float]],
     host_link_bytes_per_s: float | None,
     smooth: bool,
-    sides: list[SideInput] | None = None,
+    sides: list[Crossing] | None = None,
     **fixed: Any,
 ) -> Profile:
     """The ``Profile`` of traced steps: ``traces`` and ``times`` per option run (``keep`` always),
@@ -241,9 +242,9 @@ def assemble(
             per_option["selective"][i].kept += hooks_keep.out_bytes[i]
     # The head's forward with the side inputs still held: every block recomputed holds them.
     held = runs["recompute"][1].fwd_peak_bytes if sides and "recompute" in runs else post.fwd_peak_bytes
-    handed = handovers([n for n, _ in named], {o: h for o, (_, h) in traces.items()})  # NOTE [ Handovers ]
+    handed = handovers([n for n, _ in named], {o: h for o, (_, h) in traces.items()})  # NOTE [ Tensors that cross a block boundary ]
     if sides and "recompute" in runs:  # as if the handovers freed in the head were saved as kept
-        held += sum(h.size_bytes * (("keep" in h.kept_by) - ("recompute" in h.kept_by))
+        held += sum(h.size_bytes * (saved_under(h, "keep") - saved_under(h, "recompute"))
                     for h in handed if h.dies_after is None)
     param_bytes = [_step.storage_bytes(list(m.parameters())) for _, m in named]
     fwd, bwd, sel_extra = _block_times(times, len(named))
@@ -277,8 +278,7 @@ def assemble(
         optimizer_peak_bytes=optimizer_peak,
         plain_peak_bytes=fixed["base_bytes"] + trace_keep.peak_bytes,
         plain_step_ms=t_keep["step"],
-        side_inputs=sides or [],
-        handovers=handed,
+        crossings=[*(sides or []), *handed],
         post_fwd_peak_held_bytes=held,
         **fixed,
     )
@@ -286,7 +286,7 @@ def assemble(
 
 def _peaks_over_model_level(
     numbers: list[PartNumbers], keep: list[PartNumbers], pre: Segment, post: Segment,
-    order: list[int], named: list[tuple[str, nn.Module]], sides: list[SideInput], held_as: str = "recompute",
+    order: list[int], named: list[tuple[str, nn.Module]], sides: list[Crossing], held_as: str = "recompute",
 ) -> None:
     """Restate the backward peaks of one option's run (every block checkpointed the same way)
     over the live level the cost model replays for that plan, not the level of the run itself
@@ -295,7 +295,7 @@ def _peaks_over_model_level(
     groups = SideGroups(
         size_bytes=tuple(s.size_bytes for s in sides),
         consumers=tuple(frozenset(names.index(n) for n in s.consumers) for s in sides),
-        savers=tuple(frozenset(names.index(n) for n in s.saved_by) for s in sides),
+        savers=tuple(frozenset(names.index(n) for n in s.savers) for s in sides),
         post_held_extra_bytes=0,
     )
     level = pre.kept_bytes + sum(numbers[i].kept for i in order) + post.grad_bytes

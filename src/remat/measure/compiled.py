@@ -9,12 +9,12 @@ its compiled forward and backward minus its kept ones. Blocks of one kind and si
 median. The extra time may be negative (generated code can be faster than the eager block's),
 and is kept as measured.
 
-Side inputs (NOTE [ Side inputs ] in ``remat.records``): the cost model reads what a block saves of
-them from the kept step, so a compiled option is offered only when a step with every block on it
-saves and frees each side input where the kept step does (a saved-tensors hook notes what each
-compiled graph saves; Llama's rotary tables pass); its numbers are then read as the kept run's
-(``remat.plan.sides.saves_as_kept``). Otherwise, and on a profile with handovers (NOTE
-[ Handovers ]; what a compiled block saves of them is not measured), the option is left out with
+Crossings (NOTE [ Tensors that cross a block boundary ] in ``remat.records``): the cost model reads
+what a block saves of a side input from the kept step, so a compiled option is offered only when a
+step with every block on it saves and frees each side input where the kept step does (a
+saved-tensors hook notes what each compiled graph saves; Llama's rotary tables pass); its numbers
+are then read as the kept run's (``remat.plan.sides.saves_as_kept``). Otherwise, and on a profile
+with handovers (what a compiled block saves of them is not measured), the option is left out with
 a warning that says why, rather than offered with numbers that could under-predict.
 """
 
@@ -36,7 +36,8 @@ from remat.measure.notes import StepNotes
 from remat.measure.runner import StepRunner, every_block
 from remat.measure.sides import side_inputs
 from remat.measure.tracer import Trace
-from remat.records import OptionCost, Profile, SideInput
+from remat.plan.handovers import handovers
+from remat.records import Crossing, OptionCost, Profile
 
 __all__ = ["add_options", "check_budgets", "measure_compiled", "without_compiled"]
 
@@ -51,7 +52,7 @@ def check_budgets(budgets: Sequence[float] | None) -> tuple[str, ...]:
 
 
 def measure_compiled(named: Sequence[tuple[str, nn.Module]], runner: StepRunner, options: Sequence[str],
-                     sides: list[SideInput], kept: tuple[Trace, StepNotes]) -> dict[str, dict[str, OptionCost]]:
+                     sides: list[Crossing], kept: tuple[Trace, StepNotes]) -> dict[str, dict[str, OptionCost]]:
     """Block name -> option -> its cost, for each compiled option (the module's docstring).
     ``sides``: the profile's side inputs, as the kept step saves and frees them; ``kept``: the
     profile's traced step with every block kept, and its hooks."""
@@ -99,22 +100,22 @@ def without_compiled(profile: Profile) -> Profile:
     module's docstring), with a warning that says why; else ``profile`` itself."""
     if not any(o.startswith(PREFIX) for b in profile.blocks for o in b.options):
         return profile
-    if not profile.handovers:
+    if not (handed := handovers(profile)):
         return profile
     for option in sorted({o for b in profile.blocks for o in b.options if o.startswith(PREFIX)}, reverse=True):
-        _warn(option, f"{len(profile.handovers)} tensor(s) the blocks return are held past the next block "
+        _warn(option, f"{len(handed)} tensor(s) the blocks return are held past the next block "
                       "(handovers), and what a compiled block saves of them is not measured")
     blocks = [dataclasses.replace(b, options={k: v for k, v in b.options.items() if not k.startswith(PREFIX)})
               for b in profile.blocks]
     return dataclasses.replace(profile, blocks=blocks)
 
 
-def _difference(kept: list[SideInput], compiled: list[SideInput]) -> str:
+def _difference(kept: list[Crossing], compiled: list[Crossing]) -> str:
     if len(kept) != len(compiled):
         return f"{len(compiled)} side inputs where the kept step has {len(kept)}"
     k, c = next((k, c) for k, c in zip(kept, compiled) if k != c)
-    return (f"a side input of {k.size_bytes} B into {k.consumers[0]}.. is saved by {c.saved_by} and freed in "
-            f"{c.dies_after or 'the head'}, where the kept step has {k.saved_by} and {k.dies_after or 'the head'}")
+    return (f"a side input of {k.size_bytes} B into {k.consumers[0]}.. is saved by {list(c.savers)} and freed in "
+            f"{c.dies_after or 'the head'}, where the kept step has {list(k.savers)} and {k.dies_after or 'the head'}")
 
 
 def _warn(option: str, why: str) -> None:

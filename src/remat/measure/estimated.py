@@ -41,7 +41,7 @@ from remat.measure.sides import with_skips
 from remat.measure.tiles import add_tiles, measure_tiles
 from remat.measure.tracer import Trace
 from remat.models.hf import cache_off, layerdrop_off
-from remat.records import OptionCost, Profile, SideInput
+from remat.records import Crossing, OptionCost, Profile
 
 __all__ = ["FAKE_LIMITS", "FakeRun", "fake_copy", "fake_optimizer", "fake_run", "plain_peak"]
 
@@ -71,7 +71,7 @@ class FakeRun:
     """Option -> the traced step with every block under it."""
     times: dict[str, dict[str, float]]
     """Option -> the roofline's phase times of that step (``phase_times``'s keys)."""
-    sides: list[SideInput]
+    sides: list[Crossing]
     unsaved: StepNotes
     """The notes of a forward that saved nothing (``sides_of``)."""
     heads: HeadMeasures | None

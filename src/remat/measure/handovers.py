@@ -1,4 +1,5 @@
-"""The handovers of traced steps, as ``Handover`` records (NOTE [ Handovers ] in ``remat.records``).
+"""The handovers of traced steps, as ``Crossing`` records that enter no block (shape 2 of NOTE [ Tensors
+that cross a block boundary ] in ``remat.records``).
 
 A block's forward hook notes the storages it returns (besides its inputs and what lived before the
 step), and when each one is freed: the forward position of the last block started and whether it
@@ -32,7 +33,7 @@ import torch
 from remat.measure import step as _step
 from remat.measure.notes import StepNotes
 from remat.measure.sides import death_point, storage_key
-from remat.records import Handover
+from remat.records import Crossing
 
 __all__ = ["handovers", "note_handover_uses", "note_returned"]
 
@@ -74,7 +75,7 @@ def _freed(hooks: StepNotes, i: int, n: int, key: int) -> None:
         hooks.returned_deaths[(i, n)] = at
 
 
-def handovers(names: list[str], runs: Mapping[str, StepNotes]) -> list[Handover]:
+def handovers(names: list[str], runs: Mapping[str, StepNotes]) -> list[Crossing]:
     """The handovers of the steps ``runs`` (option -> the hooks of a step with every block on it;
     ``keep`` among them), one record per maker and place of death, in forward order."""
     keep = runs["keep"]
@@ -100,7 +101,8 @@ def handovers(names: list[str], runs: Mapping[str, StepNotes]) -> list[Handover]
                 continue  # one record per maker and place: these live as one
             found[key] = (total + nbytes, kept_by)
     return [
-        Handover(size_bytes=nbytes, made_by=names[i], dies_after=None if at is None else names[at], kept_by=kept)
+        Crossing(size_bytes=nbytes, made_by=names[i], dies_after=None if at is None else names[at],
+                 saved_by={names[i]: kept} if kept else {})
         for (i, at), (nbytes, kept) in found.items()
     ]
 

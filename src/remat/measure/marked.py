@@ -33,7 +33,7 @@ from remat.measure.sides import (
 )
 from remat.measure.sides import first_tensor as _first_tensor
 from remat.measure.sides import storage_key as _storage_key
-from remat.records import SideInput
+from remat.records import Crossing
 from remat.units import format_bytes
 
 __all__ = [
@@ -252,9 +252,9 @@ def dtype_name(model: nn.Module) -> str:
 
 
 def sides_of(model: nn.Module, named: list[tuple[str, nn.Module]], batch: Any, loss_fn: Any,
-             optimizer: Any, keys: set[int], traced: Hooks) -> tuple[list[SideInput], StepNotes]:
+             optimizer: Any, keys: set[int], traced: Hooks) -> tuple[list[Crossing], StepNotes]:
     """The side inputs of the step ``traced`` saw, after a plain step that notes what each block
-    saves: which side inputs a kept block holds (NOTE [ Side inputs ]); and the notes of a forward
+    saves: which side inputs a kept block holds (NOTE [ Tensors that cross a block boundary ]); and the notes of a forward
     with every block kept that saves nothing, where what the model's code holds shows (NOTE [ A
     first input the model's code holds ] in remat.measure.sides)."""
     saved: dict[Any, set[int]] = {}

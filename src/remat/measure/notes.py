@@ -4,9 +4,8 @@ part (``PartNumbers``): the measurement state, declared here.
 The profiler's hooks (``remat.measure.marked.Hooks``) fill a ``StepNotes`` as the step runs: the
 order the blocks ran in, their boundary bytes, the storages that cross block boundaries (side
 inputs, first inputs and outputs, what blocks return besides their output) and where each dies.
-``remat.measure.sides`` and ``remat.measure.handovers`` read them into ``SideInput`` and
-``Handover`` records; ``remat.measure.attribution`` reads the boundaries. Storage keys are
-addresses, valid while the storage lives (NOTE [ Storage keys are reused ] in
+``remat.measure.sides`` and ``remat.measure.handovers`` read them into ``Crossing`` records;
+``remat.measure.attribution`` reads the boundaries. Storage keys are addresses, valid while the storage lives (NOTE [ Storage keys are reused ] in
 ``remat.measure.sides``). A death point is ``(position, ended)``: the forward position of the last
 block started when the storage was freed, and whether that block had ended (NOTE [ Where a side
 input dies ] in ``remat.plan.sides``).
@@ -40,7 +39,7 @@ class StepNotes:
     """The blocks whose forward has started and not ended, innermost last."""
     forward_done: bool = False
     """Whether the model's forward has returned (deaths after it are not noted)."""
-    # --- side inputs (NOTE [ Side inputs ] in remat.records) ---
+    # --- side inputs (shape 1 of NOTE [ Tensors that cross a block boundary ] in remat.records) ---
     sides: dict[int, list[tuple[int, int]]] = field(default_factory=dict)
     """[block]: (storage key, bytes) of each storage entering it besides its first input."""
     skips_in: set[tuple[int, int]] = field(default_factory=set)
@@ -66,7 +65,7 @@ class StepNotes:
     outlived: set[int] = field(default_factory=set)
     """The blocks whose output outlived the start of their own backward (NOTE [ A replay's cache
     holds the block's output ])."""
-    # --- handovers (NOTE [ Handovers ] in remat.records) ---
+    # --- handovers (shape 2 of NOTE [ Tensors that cross a block boundary ] in remat.records) ---
     returned: dict[int, list[int]] = field(default_factory=dict)
     """[block]: bytes of each storage it returned besides its inputs."""
     returned_hidden: set[tuple[int, int]] = field(default_factory=set)

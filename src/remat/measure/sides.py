@@ -1,5 +1,5 @@
-"""The side inputs of a traced step, as ``SideInput`` records (NOTE [ Side inputs ] in
-``remat.records``).
+"""The side inputs of a traced step, as ``Crossing`` records that enter blocks (shape 1 of NOTE
+[ Tensors that cross a block boundary ] in ``remat.records``).
 
 A block's hooks note, per block, the storages that enter it besides its first input; a plain
 step run under a saved-tensors hook notes what each part saves. Storage keys live only as long as
@@ -23,7 +23,7 @@ import torch
 from remat.errors import ProfileError
 from remat.measure import step as _step
 from remat.measure.notes import StepNotes
-from remat.records import Profile, SideInput
+from remat.records import Crossing, Profile
 
 __all__ = [
     "StepNotes",
@@ -217,7 +217,7 @@ def _in_order(hooks: StepNotes) -> list[tuple[int, int, list[int]]]:
 
 def side_inputs(
     traced: StepNotes, saving: StepNotes, saved: dict[Any, set[int]], names: list[str]
-) -> list[SideInput]:
+) -> list[Crossing]:
     """The records of the traced step's side inputs; ``saving`` is the step that noted ``saved``."""
     seen, again = _in_order(traced), _in_order(saving)
     if [(b, u) for _, b, u in seen] != [(b, u) for _, b, u in again]:
@@ -230,10 +230,10 @@ def side_inputs(
         if key in saved.get("pre", set()):
             continue
         records.append(
-            SideInput(
+            Crossing(
                 size_bytes=nbytes,
                 consumers=[names[i] for i in users],
-                saved_by=[names[i] for i in users if key in saved.get(i, set())],
+                saved_by={names[i]: ["keep"] for i in users if key in saved.get(i, set())},
                 dies_after=_dies_after(traced, traced_key, names),
             )
         )

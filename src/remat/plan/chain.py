@@ -170,7 +170,7 @@ def chain_constraints(profile: Profile, options: Sequence[str] | None = None) ->
                     "expected a finite number of milliseconds (re-profile the model)"
                 )
     columns = [[b.options[o] for b in profile.blocks] for o in options]
-    crossings = Crossings(profile, options) if profile.side_inputs or profile.handovers else None
+    crossings = Crossings(profile, options) if profile.crossings else None
     if crossings is not None:  # NOTE [ What crosses a block boundary, as state ]
         columns = crossings.static(columns)
     fwds, bwds, (tail_fwd, tail_bwd), fixed = _prefix_terms(profile, columns)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from remat.errors import InvalidType, InvalidValue, did_you_mean
 from remat.plan.chain import chain_constraints
-from remat.plan.handovers import handed_over
+from remat.plan.handovers import handed_over, handovers
 from remat.plan.schedule import phase_bytes, step_phases
 from remat.plan.sides import side_groups
 from remat.records import OPTIONS, Estimate, OptionCost, Profile
@@ -30,7 +30,7 @@ def estimate(profile: Profile, choices: Mapping[str, str]) -> Estimate:
     """
     costs = _chosen_costs(profile, choices)
     options = [choices[b.name] for b in profile.blocks]
-    if profile.handovers:  # NOTE [ Handovers ] in remat.records
+    if handovers(profile):  # NOTE [ Tensors that cross a block boundary ] in remat.records
         costs = _chosen_costs(profile := handed_over(profile, options), choices)
     phases = _phases(profile, costs, options)
     peak = max(phases, key=lambda p: p.peak_bytes)  # max() keeps the first phase reaching it
@@ -170,7 +170,7 @@ def smallest_feasible(profile: Profile) -> tuple[int, str]:
         picks.append(o)
         prefix, held = prefix + chain.kept_at(i, o, now[o]), chain.leaving(i, now[o])
     names = [chain.options[o] for o in picks]
-    handed = handed_over(profile, names)  # NOTE [ Handovers ] in remat.records
+    handed = handed_over(profile, names)  # NOTE [ Tensors that cross a block boundary ] in remat.records
     costs = [b.options[name] for b, name in zip(handed.blocks, names)]
     top = max(_phases(handed, costs, names), key=lambda p: p.peak_bytes)
     assert top.peak_bytes == peak, (top.peak_bytes, peak)

@@ -9,7 +9,7 @@ a bit mask, and every number of block i depends on the blocks before it only thr
 mask. The rule, for both kinds:
 1. A bit is set by the option of the block that decides it: a side-input group's by the first
    block whose option holds it (NOTE [ A side input's extra life ] in ``remat.plan.sides``); a
-   handover's (NOTE [ Handovers ] in ``remat.records``) by its maker: one bit for "its option
+   handover's (shape 2 of NOTE [ Tensors that cross a block boundary ] in ``remat.records``) by its maker: one bit for "its option
    saves it", one for "its option offloads it". A bit the maker's options all set alike is no
    bit: its value is a constant.
 2. A bit lives while it can still move a number: a side-input group's and a handover's that dies
@@ -39,7 +39,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TypeAlias
 
-from remat.plan.handovers import OFFLOADS, saved_under
+from remat.plan.handovers import OFFLOADS, handovers, saved_under
 from remat.plan.sides import SideGroups, side_groups
 from remat.records import OptionCost, Profile
 
@@ -121,8 +121,8 @@ class Crossings:
             free_after[at:at + 1] = [self.n if dies is None else dies]
             return len(self.sides.size_bytes) + at
 
-        for h in sorted(profile.handovers, key=lambda h: index[h.made_by]):
-            maker = index[h.made_by]
+        for h in sorted(handovers(profile), key=lambda h: index[str(h.made_by)]):
+            maker = index[str(h.made_by)]
             dies = None if h.dies_after is None else index[h.dies_after]
             assert dies is None or dies > maker, f"a handover dies after its maker: {h}"
             saves = tuple(saved_under(h, o) for o in options)

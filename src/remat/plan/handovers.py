@@ -1,4 +1,5 @@
-"""A plan's handovers (NOTE [ Handovers ] in ``remat.records``): the profile's numbers corrected
+"""A plan's handovers, the crossings that enter no block (shape 2 of NOTE [ Tensors that cross a
+block boundary ] in ``remat.records``): the profile's numbers corrected
 where they were measured under another saving of a handover than the plan's, for one plan
 (``estimate``); the searches carry the same rule as state (``remat.plan.crossings``). Pure numbers.
 
@@ -27,9 +28,9 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Sequence
 
-from remat.records import Handover, Profile
+from remat.records import Crossing, Profile
 
-__all__ = ["OFFLOADS", "handed_over", "saved_under", "segment_neutral"]
+__all__ = ["OFFLOADS", "handed_over", "handovers", "saved_under", "segment_neutral"]
 
 _RUN_OF = {"tiled": "keep", "offload": "keep", "recompute_offload": "recompute"}
 #: The options whose block leaves a device copy of what it saves to the host.
@@ -39,11 +40,11 @@ OFFLOADS = ("offload", "recompute_offload")
 def handed_over(profile: Profile, options: Sequence[str]) -> Profile:
     """``profile`` with its numbers corrected for the handovers under the plan of ``options``
     (one per block); ``profile`` itself when it has none."""
-    if not profile.handovers:
+    if not handovers(profile):
         return profile
-    index = {b.name: i for i, b in enumerate(profile.blocks)}
-    return _corrected(profile, lambda h: saved_under(h, options[index[h.made_by]]),
-                      lambda h: int(options[index[h.made_by]] in OFFLOADS))
+    of = {b.name: option for b, option in zip(profile.blocks, options)}
+    return _corrected(profile, lambda h: saved_under(h, of[str(h.made_by)]),
+                      lambda h: int(of[str(h.made_by)] in OFFLOADS))
 
 
 def segment_neutral(profile: Profile) -> bool:
@@ -53,11 +54,16 @@ def segment_neutral(profile: Profile) -> bool:
     the segment only when its maker's forward saves it under both or neither (a replay's cache
     alone holds it: NOTE [ A hidden output the model's code holds ] in remat.measure.handovers).
     BLOOM's probabilities, which ``keep`` saves and ``recompute`` does not, are not: the segment
-    model does not count them (NOTE [ Handovers ] in remat.records)."""
-    return all(saved_under(h, "keep") == saved_under(h, "recompute") for h in profile.handovers)
+    model does not count them (NOTE [ Tensors that cross a block boundary ] in remat.records)."""
+    return all(saved_under(h, "keep") == saved_under(h, "recompute") for h in handovers(profile))
 
 
-def _corrected(profile: Profile, saved: Callable[[Handover], int], copied: Callable[[Handover], int]) -> Profile:
+def handovers(profile: Profile) -> list[Crossing]:
+    """The crossings of ``profile`` that enter no block: its makers hold them."""
+    return [c for c in profile.crossings if not c.enters_blocks]
+
+
+def _corrected(profile: Profile, saved: Callable[[Crossing], int], copied: Callable[[Crossing], int]) -> Profile:
     """``profile`` with every option's numbers moved for handovers whose makers save them as
     ``saved`` says (1 or 0; the module's docstring) and offload them as ``copied`` says (their
     numbers count none of it on the device, but the model's code holds the device tensor until it
@@ -65,10 +71,12 @@ def _corrected(profile: Profile, saved: Callable[[Handover], int], copied: Calla
     index = {b.name: i for i, b in enumerate(profile.blocks)}
     kept = [dict.fromkeys(b.options, 0) for b in profile.blocks]
     bwd = [dict.fromkeys(b.options, 0) for b in profile.blocks]
-    fwd = [h.size_bytes * copied(h) for h in profile.handovers]  # per handover
+    handed = handovers(profile)
+    fwd = [h.size_bytes * copied(h) for h in handed]  # per handover
     grad, head, head_peak = [0] * len(profile.blocks), 0, 0
     peak = [0] * len(profile.blocks)
-    for h, extra in zip(profile.handovers, fwd):
+    for h, extra in zip(handed, fwd):
+        assert h.made_by is not None
         j, mine = index[h.made_by], saved(h)
         if h.dies_after is not None:
             k = index[h.dies_after]
@@ -90,11 +98,12 @@ def _corrected(profile: Profile, saved: Callable[[Handover], int], copied: Calla
     post = dataclasses.replace(profile.post, kept_bytes=profile.post.kept_bytes + head,
                                fwd_peak_bytes=profile.post.fwd_peak_bytes + head_peak,
                                grad_bytes=profile.post.grad_bytes + head)
-    return dataclasses.replace(profile, blocks=blocks, post=post, handovers=[],
+    crossings = [c for c in profile.crossings if c.enters_blocks]
+    return dataclasses.replace(profile, blocks=blocks, post=post, crossings=crossings,
                                post_fwd_peak_held_bytes=profile.post_fwd_peak_held_bytes + head_peak)
 
 
-def saved_under(h: Handover, option: str) -> int:
-    """1 when a block on ``option`` saves its handover ``h`` for the backward (judged as the run
+def saved_under(h: Crossing, option: str) -> int:
+    """1 when a maker on ``option`` saves its handover ``h`` for the backward (judged as the run
     its numbers come from), else 0."""
-    return int(_RUN_OF.get(option, option) in h.kept_by)
+    return int(h.made_by is not None and _RUN_OF.get(option, option) in h.saved_by.get(h.made_by, ()))

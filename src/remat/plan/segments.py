@@ -55,8 +55,8 @@ from remat.errors import InvalidValue
 from remat.plan.bounds import FreeOption
 from remat.plan.chain import ChainConstraints, chain_constraints
 from remat.plan.costmodel import estimate
-from remat.plan.handovers import handed_over
-from remat.plan.sides import side_groups
+from remat.plan.handovers import handed_over, handovers
+from remat.plan.sides import side_groups, side_inputs
 from remat.records import Estimate, Profile
 
 __all__ = ["SegmentModel", "Tree", "estimate_segments", "forest"]
@@ -106,7 +106,7 @@ class SegmentModel:
         self.profile = profile
         # A block inside a segment counts its handovers as kept (``estimate_segments``): the
         # segment search's per-block moves take them so too, without their state.
-        self.chain = chain_constraints(dataclasses.replace(profile, handovers=[])) if profile.handovers else (
+        self.chain = chain_constraints(dataclasses.replace(profile, crossings=side_inputs(profile))) if handovers(profile) else (
             chain or chain_constraints(profile))
         blocks = profile.blocks
         self.n = n = len(blocks)
@@ -138,7 +138,7 @@ class SegmentModel:
             acc += blocks[j].grad_bytes
         self.grads_at = after
         sides = side_groups(profile)
-        self.sides = sides if profile.side_inputs else None
+        self.sides = sides if side_inputs(profile) else None
         self.uses = [0] * n  # the side-input groups each block receives, as a mask
         self.saves = [0] * n  # those its kept forward saves
         if self.sides is not None:
@@ -288,7 +288,7 @@ def estimate_segments(
     if not segments:
         return estimate(profile, choices)
     estimate(profile, choices)  # validates the choices
-    if profile.handovers:  # inside a segment a block is kept (segment_neutral)
+    if handovers(profile):  # inside a segment a block is kept (segment_neutral)
         profile = handed_over(profile, [choices[b.name] for b in profile.blocks])
     index = {b.name: i for i, b in enumerate(profile.blocks)}
     spans = []

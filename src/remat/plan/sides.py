@@ -1,8 +1,8 @@
 """Side inputs in the cost model: how long each lives under a plan, against the plain step.
 
 # NOTE [ A side input's extra life ]
-A profile's numbers are those of the plain step (NOTE [ Side inputs ] in ``remat.records``): a side
-input dies at the end of the forward (inside the head's forward), or, when a kept consumer saves
+A side input is a crossing that enters blocks (shape 1 of NOTE [ Tensors that cross a block
+boundary ] in ``remat.records``). A profile's numbers are those of the plain step: a side input dies at the end of the forward (inside the head's forward), or, when a kept consumer saves
 it, at the backward of the first such block. Under a plan it dies at the backward of the first
 block, in forward order, that *holds* it: a ``recompute`` or ``selective`` consumer (a checkpoint
 holds its inputs until its backward), or a ``keep`` consumer that saves it. Offloaded blocks hold
@@ -20,7 +20,7 @@ carries it, with the handovers' bits (NOTE [ What crosses a block boundary, as s
 # NOTE [ Where a side input dies ]
 Not every side input lives to the head: one a block makes and hands to the blocks after it dies
 where its stack's loop ends (T5's first layer makes the relative position bias; it dies with the
-encoder). The profile says so (``SideInput.dies_after``, the block in whose forward phase the
+encoder). The profile says so (``Crossing.dies_after``, the block in whose forward phase the
 plain step frees it), and its numbers are stated as if every run freed it there (the runs with
 every block checkpointed hold it instead: ``remat.measure.attribution`` takes it off that block's
 kept bytes). Held by a plan, it then adds its bytes to the forward of every block after that one
@@ -32,9 +32,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from remat.records import Profile
+from remat.records import Crossing, Profile
 
-__all__ = ["HOLDING", "SideGroups", "saves_as_kept", "side_groups"]
+__all__ = ["HOLDING", "SideGroups", "saves_as_kept", "side_groups", "side_inputs"]
 
 #: The options whose block holds every input until its backward (a checkpoint's inputs).
 HOLDING = frozenset({"recompute", "selective"})
@@ -118,17 +118,23 @@ class SideGroups:
 
 
 def side_groups(profile: Profile) -> SideGroups:
-    """The side inputs of ``profile`` grouped by consumers and savers, in first-seen order."""
+    """The side inputs of ``profile`` grouped by consumers, savers and death, in first-seen order."""
     index = {b.name: i for i, b in enumerate(profile.blocks)}
     groups: dict[tuple[tuple[str, ...], tuple[str, ...], str | None], int] = {}
-    for side in profile.side_inputs:
-        groups[side.signature] = groups.get(side.signature, 0) + side.size_bytes
+    for side in side_inputs(profile):
+        together = (tuple(side.consumers), side.savers, side.dies_after)  # they live and die together
+        groups[together] = groups.get(together, 0) + side.size_bytes
     return SideGroups(
         size_bytes=tuple(groups.values()),
         consumers=tuple(frozenset(index[n] for n in users if n in index) for users, _, _ in groups),
         savers=tuple(frozenset(index[n] for n in savers if n in index) for _, savers, _ in groups),
         dies_after=tuple(index.get(d) if d is not None else None for _, _, d in groups),
         post_held_extra_bytes=max(0, profile.post_fwd_peak_held_bytes - profile.post.fwd_peak_bytes)
-        if profile.side_inputs
+        if side_inputs(profile)
         else 0,
     )
+
+
+def side_inputs(profile: Profile) -> list[Crossing]:
+    """The crossings of ``profile`` that enter blocks: its consumers hold them."""
+    return [c for c in profile.crossings if c.enters_blocks]

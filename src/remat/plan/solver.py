@@ -21,7 +21,7 @@ from remat.plan.bounds import optimal_picks
 from remat.plan.chain import ChainConstraints, chain_constraints
 from remat.plan.costmodel import smallest_feasible
 from remat.plan.fastest import fastest
-from remat.plan.handovers import segment_neutral
+from remat.plan.handovers import handovers, segment_neutral
 from remat.plan.head import HEAD_KEEP, best_of_heads, frontier_of_heads, head_names, with_head
 from remat.plan.optimum import Found
 from remat.plan.refusals import exact_bytes, in_eval_mode, infeasible
@@ -232,7 +232,7 @@ def _optimal(
     ``remat.plan.fastest``; segments only where ``_segments_run`` allows them."""
     model = SegmentModel(profile, chain) if segments and _segments_run(profile, chain) else None
     found = fastest(chain, model, budget)
-    if model is not None and profile.handovers:
+    if model is not None and handovers(profile):
         found = _counted(profile, chain, model, budget, found)
     if found is None:
         raise _infeasible(profile, budget, segments)

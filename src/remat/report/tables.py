@@ -18,7 +18,7 @@ from rich.table import Table
 from rich.text import Text
 
 from remat.errors import InvalidValue
-from remat.plan.handovers import handed_over
+from remat.plan.handovers import handed_over, handovers
 from remat.plan.head import head_extra_ms
 from remat.records import Plan, Profile, Segment, in_option_order
 from remat.units import axis_unit, format_bytes
@@ -97,7 +97,7 @@ def plan_table(plan: Plan, profile: Profile | None = None) -> Table:
                 f"profile is of {profile.model} (fingerprint {profile.fingerprint}); pass the "
                 "profile the plan was solved from"
             )
-        if profile.handovers and set(plan.choices) == {b.name for b in profile.blocks}:
+        if handovers(profile) and set(plan.choices) == {b.name for b in profile.blocks}:
             profile = handed_over(profile, [plan.choices[b.name] for b in profile.blocks])  # as estimated
         blocks = {b.name: b for b in profile.blocks}
     est = plan.estimate
