@@ -141,7 +141,7 @@ def compiled_options(control: bool) -> None:
     from remat import models
     from remat.manual.options import option_of
     from remat.measure.tracer import measure_step
-    from remat.plan.segments import estimate_segments
+    from remat.plan.segment_estimate import estimate_segments
     from remat.plan.solver import smallest_any
 
     torch.manual_seed(0)
@@ -208,7 +208,7 @@ def _exact_plans(prof: Any, model: Any, batch: Any, loss_fn: Any, opt: Any, coun
 
     import remat
     from remat.measure.tracer import measure_step
-    from remat.plan.segments import estimate_segments
+    from remat.plan.segment_estimate import estimate_segments
 
     names = [b.name for b in prof.blocks]
     options = [o for o in prof.options if o != "tiled"]

@@ -11,7 +11,8 @@ import numpy as np
 from hypothesis import strategies as st
 
 from remat.plan.chain import chain_constraints
-from remat.records import OPTIONS, BlockProfile, Crossing, OptionCost, Profile, Segment
+from remat.records import BlockProfile, Crossing, OptionCost, Profile, Segment
+from remat.vocabulary import OPTIONS
 
 
 def cost(kept: int, *, fwd: int = 0, bwd: int = 0, ms: float = 0.0) -> OptionCost:

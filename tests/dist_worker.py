@@ -30,7 +30,7 @@ from remat.distributed import WrappingError, apply_distributed
 from remat.manual.blocks import find_blocks
 from remat.manual.options import set_option as _set
 from remat.measure.profiler import profile
-from remat.plan.segments import estimate_segments
+from remat.plan.segment_estimate import estimate_segments
 from remat.plan.solver import solve
 from remat.records import Plan, Profile
 

@@ -1,7 +1,8 @@
-"""Handovers (NOTE [ Tensors that cross a block boundary ] in remat.records): a tensor a block returns besides its hidden
-output, held by the model's loop until the next block returns. Every plan is predicted to the
-byte, ``solve``'s plans fit when applied and are as fast as the best per-block plan found by brute
-force, and the detection leaves out what is not a handover; on a pure-torch loop and on BLOOM."""
+"""Handovers (shape 2 of NOTE [ Tensors that cross a block boundary ] in remat.records): a tensor
+a block returns besides its hidden output, held by the model's loop until the next block returns.
+Every plan, per block or with a segment, is predicted to the byte, ``solve``'s plans fit when
+applied and are as fast as the best per-block plan found by brute force, and the detection leaves
+out what is not a handover; on a pure-torch loop and on BLOOM."""
 
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ from remat.manual.options import clear_option, set_option
 from remat.measure.profiler import profile
 from remat.measure.tracer import measure_step
 from remat.plan.costmodel import estimate
-from remat.plan.handovers import handovers, segment_neutral
+from remat.plan.handovers import handovers
+from remat.plan.segment_estimate import estimate_segments
 from remat.plan.solver import frontier, smallest_any, solve
 from remat.records import Profile
 
@@ -80,6 +82,20 @@ def _measured(model: nn.Module, batch: Any, choices: dict[str, str], loss_fn: An
             clear_option(modules[name])
 
 
+def _plan(prof: Profile, choices: dict[str, str], segments: list[list[str]]) -> remat.Plan:
+    return remat.Plan(choices=choices, budget_bytes=None, method="manual", model=prof.model,
+                      estimate=estimate_segments(prof, choices, segments), fingerprint=prof.fingerprint,
+                      device=prof.device, dtype=prof.dtype, batch_shape=prof.batch_shape, segments=segments)
+
+
+def _measured_plan(model: nn.Module, batch: Any, plan: remat.Plan) -> int:
+    remat.apply(model, plan)
+    try:
+        return measure_step(model, batch, repeats=0).peak_bytes
+    finally:
+        remat.remove(model)
+
+
 def _every_plan() -> tuple[nn.Module, torch.Tensor, Profile, list[Any]]:
     """The loop, its profile, and the estimate of every per-block plan."""
     model, batch = _case()
@@ -131,32 +147,79 @@ def test_every_plan_is_predicted_to_the_byte() -> None:
     assert off == {}
 
 
-def test_segments_are_planned_only_with_handovers_kept_and_recomputed_alike() -> None:
-    # NOTE [ Tensors that cross a block boundary ] in remat.records; remat.plan.handovers.segment_neutral
-    _, _, prof, _ = _every_plan()
-    assert all(h.saved_by == {h.made_by: ["keep"]} for h in handovers(prof)) and not segment_neutral(prof)
-    for saved_by, neutral in ((["selective"], True), (["keep", "selective", "recompute"], True), ([], True),
-                              (["recompute"], False)):
-        alike = dataclasses.replace(prof, crossings=[
-            c if c.enters_blocks else dataclasses.replace(c, saved_by={str(c.made_by): saved_by}) for c in prof.crossings])
-        assert segment_neutral(alike) is neutral, saved_by
+@pytest.mark.parametrize("hold", ["next", "all"])
+def test_plans_with_segments_are_predicted_to_the_byte(hold: str) -> None:
+    # NOTE [ Handovers in a segment ] in remat.plan.segments: a block inside a segment is
+    # recomputed in the forward and kept in the replay. Read as kept in both, no plan here was
+    # exact (up to 149 KiB under); read as recomputed in both, 19 of 24 were over.
+    model, batch = _case(hold)
+    prof = profile(model, batch, repeats=1)
+    names = [b.name for b in prof.blocks]
+    rng = random.Random(0)
+    off = {}
+    for a, b in itertools.combinations(range(len(names)), 2):
+        for _ in range(2):
+            choices = {n: "keep" if a <= i <= b else rng.choice(prof.options) for i, n in enumerate(names)}
+            plan = _plan(prof, choices, [[names[a], names[b]]])
+            if (d := _measured_plan(model, batch, plan) - plan.estimate.peak_bytes) != 0:
+                off[f"{''.join(o[0] for o in choices.values())} {a}..{b}"] = d
+    assert off == {}
+
+
+@pytest.mark.parametrize("hold", ["next", "all", "none"])
+def test_no_plan_of_nested_segments_measures_over_its_prediction(hold: str) -> None:
+    # Several segments, nested ones among them, on six blocks: the replay of an inner segment
+    # inside an outer one is on the safe side (NOTE [ Handovers in a segment ]).
+    torch.manual_seed(0)
+    model, batch = _Loop(hold, n=6).train(), torch.randn(4, 48, 8)
+    prof = profile(model, batch, repeats=1)
+    names, rng = [b.name for b in prof.blocks], random.Random(1)
+    over, exact = {}, 0
+    for _ in range(10):
+        spans, i = [], rng.randrange(2)
+        while i < len(names):
+            e = rng.randrange(i, len(names))
+            spans.append((i, e))
+            if e - i >= 2:
+                a = rng.randrange(i + 1, e)
+                spans.append((a, rng.randrange(a, e + 1)))
+            i = e + 1 + rng.randrange(2)
+        inside = {j for a, b in spans for j in range(a, b + 1)}
+        choices = {n: "keep" if j in inside else rng.choice(prof.options) for j, n in enumerate(names)}
+        plan = _plan(prof, choices, [[names[a], names[b]] for a, b in spans])
+        d = _measured_plan(model, batch, plan) - plan.estimate.peak_bytes
+        exact += d == 0
+        if d > 0:
+            over[str(spans)] = d
+    assert over == {} and exact >= 5, (over, exact)
 
 
 def test_solve_fits_and_is_the_fastest_per_block_plan() -> None:
     model, batch, prof, every = _every_plan()
     low, high = smallest_any(prof)[0], prof.plain_peak_bytes
+    per_block_low = min(e.peak_bytes for e in every)
+    assert low < per_block_low, "segments reach below every per-block plan"
+    segmented = 0
     for k in range(11):
         budget = low + (high - low) * k // 10
+        planned = solve(prof, budget)  # with segments: within its prediction
+        assert _measured_plan(model, batch, planned) <= planned.estimate.peak_bytes <= budget, (k, planned.segments)
+        segmented += bool(planned.segments)
+        if budget < per_block_low:
+            continue
         fastest = min(e.step_ms for e in every if e.peak_bytes <= budget)
         plan = solve(prof, budget, segments=False)
         assert plan.estimate.peak_bytes <= budget and plan.estimate.step_ms == pytest.approx(fastest), (k, plan.choices)
         assert _measured(model, batch, plan.choices) <= budget, (k, plan.choices)
-        assert solve(prof, budget) == plan  # no segments: their model does not count handovers
+        assert planned.estimate.step_ms <= plan.estimate.step_ms
+    assert segmented
 
 
 def test_bloom_every_plan_is_predicted_and_solve_fits() -> None:
     pytest.importorskip("transformers")
     from _hf_zoo import ZOO
+
+    from remat.plan.costmodel import smallest_feasible
 
     model, batch, _ = ZOO["bloom"]()
     prof = profile(model, batch, repeats=1)
@@ -166,9 +229,12 @@ def test_bloom_every_plan_is_predicted_and_solve_fits() -> None:
         choices = dict(zip(names, combo))
         assert _measured(model, batch, choices) == estimate(prof, choices).peak_bytes, combo
     low, high = smallest_any(prof)[0], prof.plain_peak_bytes
-    for budget in (low + (high - low) * k // 6 for k in range(1, 6)):
-        plan = solve(prof, budget, segments=False)
-        assert _measured(model, batch, plan.choices) == plan.estimate.peak_bytes <= budget
+    for budget in (low + (high - low) * k // 6 for k in range(6)):
+        planned = solve(prof, budget)  # with segments (NOTE [ Handovers in a segment ]) at the floor too
+        assert _measured_plan(model, batch, planned) <= planned.estimate.peak_bytes <= budget, planned.segments
+        if budget >= smallest_feasible(prof)[0]:
+            plan = solve(prof, budget, segments=False)
+            assert _measured(model, batch, plan.choices) == plan.estimate.peak_bytes <= budget
 
 
 @pytest.mark.parametrize("hold", ["next", "all"])
@@ -207,13 +273,23 @@ def test_no_phase_of_any_plan_measures_over_its_prediction(hold: str) -> None:
 
 
 def test_smallest_frontier_and_refusals_count_the_handovers() -> None:
-    _, _, prof, every = _every_plan()
+    from remat.plan.costmodel import smallest_feasible
+
+    model, batch, prof, every = _every_plan()
     lowest = min(e.peak_bytes for e in every)
-    assert smallest_any(prof)[0] == lowest
+    assert smallest_feasible(prof)[0] == lowest
     with pytest.raises(remat.InfeasibleBudget) as refused:
-        solve(prof, lowest - 1)
+        solve(prof, lowest - 1, segments=False)
     assert refused.value.smallest_bytes == lowest
-    front = frontier(prof, points=None)  # walks every point (it once never ended)
+    # with segments, lower: a floor solve meets, and that the plan measures
+    low = smallest_any(prof)[0]
+    assert low < lowest
+    plan = solve(prof, low)
+    assert plan.segments and _measured_plan(model, batch, plan) <= plan.estimate.peak_bytes == low
+    with pytest.raises(remat.InfeasibleBudget) as refused:
+        solve(prof, low - 1)
+    assert refused.value.smallest_bytes == low
+    front = frontier(prof, points=None, segments=False)  # walks every point (it once never ended)
     assert [p.estimate.peak_bytes for p in front] == sorted((p.estimate.peak_bytes for p in front), reverse=True)
     assert all(p.estimate.peak_bytes <= p.budget_bytes and not p.segments for p in front)
     fastest = {}

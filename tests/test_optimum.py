@@ -15,8 +15,9 @@ from remat.plan.bounds import PerBlock
 from remat.plan.chain import chain_constraints
 from remat.plan.fastest import fastest
 from remat.plan.optimum import Found, defined
+from remat.plan.segment_estimate import estimate_segments
 from remat.plan.segment_search import EXACT_BLOCKS
-from remat.plan.segments import SegmentModel, estimate_segments
+from remat.plan.segments import SegmentModel
 from remat.plan.solver import smallest_any
 from remat.records import Estimate, Profile
 

@@ -17,7 +17,8 @@ import remat
 from remat.measure.profiler import profile
 from remat.measure.tracer import measure_step
 from remat.models import BiasLMConfig, GPTConfig, UNetConfig, build_model, loss_fn_for, make_batch
-from remat.plan.segments import SegmentModel, estimate_segments
+from remat.plan.segment_estimate import estimate_segments
+from remat.plan.segments import SegmentModel
 from remat.plan.solver import smallest_any, solve
 
 Case = tuple[torch.nn.Module, Any, Any]

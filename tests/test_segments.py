@@ -16,7 +16,8 @@ from torch.utils.checkpoint import checkpoint
 from remat.errors import CheckpointError
 from remat.manual.segments import apply_segments, remove_segments, segments_of
 from remat.measure.tracer import measure_step
-from remat.plan.segments import _replay_ms, forest
+from remat.plan.segment_estimate import _replay_ms
+from remat.plan.segments import forest
 
 
 class Block(nn.Module):

@@ -13,7 +13,7 @@ import remat
 from remat.measure.profiler import profile
 from remat.measure.tracer import measure_step
 from remat.models import BiasLMConfig, GPTConfig, UNetConfig, build_model, loss_fn_for, make_batch
-from remat.plan.segments import estimate_segments
+from remat.plan.segment_estimate import estimate_segments
 from remat.plan.solver import smallest_any, solve
 
 CASES = {

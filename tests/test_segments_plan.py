@@ -21,7 +21,8 @@ from remat.plan.chain import chain_constraints
 from remat.plan.costmodel import estimate
 from remat.plan.head import estimate_with_head, head_extra_ms, head_names, with_head
 from remat.plan.optimum import defined
-from remat.plan.segments import SegmentModel, estimate_segments
+from remat.plan.segment_estimate import estimate_segments
+from remat.plan.segments import SegmentModel
 from remat.plan.solver import frontier, smallest_any, solve
 from remat.records import Plan, Profile
 

@@ -15,7 +15,7 @@ from remat.errors import BlockError
 from remat.manual.options import clear_option, option_of, set_option
 from remat.manual.tiled import find_mlp, tiles
 from remat.plan.solver import solve
-from remat.records import CHECKPOINT_OPTIONS, OPTIONS
+from remat.vocabulary import CHECKPOINT_OPTIONS, OPTIONS
 from tests._tables import block, cost, profile
 
 

@@ -43,8 +43,9 @@ if TYPE_CHECKING:
     from remat.measure.tracer import StepMemory, measure_step
     from remat.plan.costmodel import estimate
     from remat.plan.solver import solve
-    from remat.records import OPTIONS, Estimate, Option, Plan, Profile
+    from remat.records import Estimate, Plan, Profile
     from remat.verifier import Report, verify
+    from remat.vocabulary import OPTIONS, Option
 
 __version__ = "0.1.0"
 
@@ -54,8 +55,8 @@ _EXPORTS = {
     "Profile": "remat.records",
     "Plan": "remat.records",
     "Estimate": "remat.records",
-    "Option": "remat.records",
-    "OPTIONS": "remat.records",
+    "Option": "remat.vocabulary",
+    "OPTIONS": "remat.vocabulary",
     "checkpoint": "remat.manual.checkpoint",
     "checkpoint_call": "remat.manual.checkpoint",
     "checkpoint_sequential": "remat.manual.checkpoint",

@@ -46,7 +46,8 @@ from remat.manual.options import clear_option, set_option
 from remat.manual.segments import apply_segments, remove_segments
 from remat.measure.step import check_compiled
 from remat.models.hf import cache_off, layerdrop_blocks
-from remat.records import OPTIONS, Plan
+from remat.records import Plan
+from remat.vocabulary import OPTIONS
 
 __all__ = ["PlanMismatch", "WrappingError", "applied_plan", "apply", "check_wrapping", "remove"]
 

@@ -35,10 +35,8 @@ it (``dies_after``). Two shapes, one record:
    options does not (BLOOM: a recomputed block after a kept one, 64 KiB more than its profile
    said). ``estimate`` corrects the parts measured under another saving than the plan's
    (``remat.plan.handovers``; one freed in the head's forward counts as live at the head's peak,
-   which may come first). The segment model counts one only as its maker kept would hold it, so
-   ``solve`` plans segments only where ``keep`` and ``recompute`` save each alike
-   (``remat.plan.handovers.segment_neutral``; on a loop that holds BLOOM-like ones, random segment
-   plans measured up to 36 KiB over and 185 KiB under their prediction).
+   which may come first). Inside a segment its maker is recomputed in the forward and kept in the
+   replay (NOTE [ Handovers in a segment ] in ``remat.plan.segment_estimate``).
 The searches carry both as state bits set by the block that decides them, by one rule (NOTE [ What
 crosses a block boundary, as state ] in ``remat.plan.crossings``).
 """
@@ -47,7 +45,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal, TypeAlias, get_args
 
 from remat.errors import RecordError
 from remat.record_json import (
@@ -57,21 +54,17 @@ from remat.record_json import (
     read_record_text,
     write_record_text,
 )
+from remat.vocabulary import OPTIONS, in_option_order
 
 __all__ = [
-    "CHECKPOINT_OPTIONS",
-    "OPTIONS",
     "BlockProfile",
-    "CheckpointOption",
     "Crossing",
     "Estimate",
-    "Option",
     "OptionCost",
     "Plan",
     "Profile",
     "RecordError",
     "Segment",
-    "in_option_order",
     "load_record",
 ]
 
@@ -87,33 +80,6 @@ PLAN_SCHEMA = 2  # 2: the head's option, segments (NOTE [ A segment is one recom
 # measured as a whole ``Segment`` in ``Profile.head_options`` in the same run as the blocks. The
 # solver solves the blocks once per head option under the same budget and keeps the fastest plan
 # that fits (``remat.plan.head``); ``Plan.head`` says which one, ``remat.apply`` applies it.
-
-# NOTE [ One option vocabulary ]
-# What a block does with its activations is an *option*, spelt the same everywhere: in a Profile's
-# ``BlockProfile.options``, a Plan's ``choices``, ``remat.apply``, the per-module
-# ``remat.option_of``, the command line and the docs. The manual API (``remat.checkpoint_call``,
-# ``checkpoint_module``, ``checkpoint_sequential``) takes one as ``mode=``: every option but
-# ``keep`` (which is not checkpointing), ``recompute`` first as its default. ``tiled`` (the block
-# kept, its MLP run over the sequence in tiles, each recomputed: NOTE [ The tiled MLP ] in
-# ``remat.manual.tiled``) is an option of a block's MLP, not a checkpoint of the block: it is
-# offered for blocks with an MLP remat can find, and is no ``mode=`` of the manual API. Neither is
-# ``compiled:<budget>`` (the block compiled at that activation budget: NOTE [ Compiled blocks ] in
-# ``remat.manual.compiled``), measured only when ``remat.profile`` is asked for its budgets.
-
-#: What a block does with its activations (NOTE [ One option vocabulary ]).
-Option: TypeAlias = Literal["keep", "tiled", "selective", "recompute", "offload", "recompute_offload"]
-#: Every option a block can take, in order from most memory to least extra time.
-OPTIONS: tuple[Option, ...] = get_args(Option)
-#: The options a checkpoint runs with: every option but ``keep`` and ``tiled``, the default first.
-CheckpointOption: TypeAlias = Literal["recompute", "selective", "offload", "recompute_offload"]
-CHECKPOINT_OPTIONS: tuple[CheckpointOption, ...] = get_args(CheckpointOption)
-assert set(CHECKPOINT_OPTIONS) == set(OPTIONS) - {"keep", "tiled"}
-
-
-def in_option_order(names: set[str]) -> tuple[str, ...]:
-    """``names`` in ``OPTIONS`` order, then the others (``compiled:<budget>``) by name, descending."""
-    return tuple(o for o in OPTIONS if o in names) + tuple(sorted(names - set(OPTIONS), reverse=True))
-
 
 @dataclass(frozen=True, kw_only=True)
 class OptionCost:

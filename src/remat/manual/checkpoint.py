@@ -31,7 +31,7 @@ from remat.errors import InvalidType, InvalidValue
 from remat.manual.batchnorm import RestoreRunningStats, module_roots
 from remat.manual.policy import SAVE_OPS, default_policy, resolve_policy
 from remat.manual.torch_options import TORCH_OPTIONS, TorchOptions, pop_torch_options, torch_options
-from remat.records import CHECKPOINT_OPTIONS, CheckpointOption
+from remat.vocabulary import CHECKPOINT_OPTIONS, CheckpointOption
 
 __all__ = [
     "MODES",
@@ -46,7 +46,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 #: How a checkpointed call keeps what backward needs.
-MODES = CHECKPOINT_OPTIONS  # NOTE [ One option vocabulary ] in remat.records
+MODES = CHECKPOINT_OPTIONS  # NOTE [ One option vocabulary ] in remat.vocabulary
 
 
 def checkpoint(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:

@@ -21,7 +21,7 @@ from torch import nn
 from remat.errors import InvalidType
 from remat.manual.checkpoint import check_mode, run
 from remat.manual.torch_options import TorchOptions, torch_options
-from remat.records import CheckpointOption
+from remat.vocabulary import CheckpointOption
 
 __all__ = ["CheckpointedForward", "checkpoint_module", "expect_module", "is_checkpointed", "uncheckpoint_module"]
 

@@ -23,7 +23,7 @@ from remat.manual.compiled import (
     uncompile_block,
 )
 from remat.manual.tiled import is_tiled, tile_block, untile_block
-from remat.records import CheckpointOption
+from remat.vocabulary import CheckpointOption
 
 __all__ = ["clear_option", "option_of", "set_option"]
 

@@ -36,8 +36,9 @@ from dataclasses import dataclass
 from remat.errors import InfeasibleBudget
 from remat.plan.costmodel import smallest_feasible
 from remat.plan.solver import solve
-from remat.records import OPTIONS, Plan, Profile
+from remat.records import Plan, Profile
 from remat.units import format_bytes
+from remat.vocabulary import OPTIONS
 
 __all__ = [
     "AccumulationPlan",

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from remat.errors import InvalidValue, did_you_mean
 from remat.plan.crossings import Crossings
 from remat.plan.schedule import phase_bytes, step_phases
-from remat.records import OPTIONS, OptionCost, Profile
+from remat.records import OptionCost, Profile
+from remat.vocabulary import OPTIONS
 
 __all__ = ["ChainConstraints", "chain_constraints"]
 

@@ -17,8 +17,9 @@ from remat.plan.chain import chain_constraints
 from remat.plan.handovers import handed_over, handovers
 from remat.plan.schedule import phase_bytes, step_phases
 from remat.plan.sides import side_groups
-from remat.records import OPTIONS, Estimate, OptionCost, Profile
+from remat.records import Estimate, OptionCost, Profile
 from remat.units import format_bytes
+from remat.vocabulary import OPTIONS
 
 __all__ = ["estimate", "smallest_feasible"]
 

@@ -30,7 +30,7 @@ from collections.abc import Callable, Sequence
 
 from remat.records import Crossing, Profile
 
-__all__ = ["OFFLOADS", "handed_over", "handovers", "saved_under", "segment_neutral"]
+__all__ = ["OFFLOADS", "handed_over", "handovers", "saved_under"]
 
 _RUN_OF = {"tiled": "keep", "offload": "keep", "recompute_offload": "recompute"}
 #: The options whose block leaves a device copy of what it saves to the host.
@@ -45,17 +45,6 @@ def handed_over(profile: Profile, options: Sequence[str]) -> Profile:
     of = {b.name: option for b, option in zip(profile.blocks, options)}
     return _corrected(profile, lambda h: saved_under(h, of[str(h.made_by)]),
                       lambda h: int(of[str(h.made_by)] in OFFLOADS))
-
-
-def segment_neutral(profile: Profile) -> bool:
-    """Whether plans with segments count ``profile``'s handovers right: each lives the same with
-    its maker kept and recomputed. A segment runs its blocks' first forward as checkpoints and
-    replays them kept, so a block inside one is ``keep`` to ``handed_over``; that is its life in
-    the segment only when its maker's forward saves it under both or neither (a replay's cache
-    alone holds it: NOTE [ A hidden output the model's code holds ] in remat.measure.handovers).
-    BLOOM's probabilities, which ``keep`` saves and ``recompute`` does not, are not: the segment
-    model does not count them (NOTE [ Tensors that cross a block boundary ] in remat.records)."""
-    return all(saved_under(h, "keep") == saved_under(h, "recompute") for h in handovers(profile))
 
 
 def handovers(profile: Profile) -> list[Crossing]:

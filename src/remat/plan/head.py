@@ -14,7 +14,7 @@ import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 
 from remat.errors import InfeasibleBudget, InvalidValue, did_you_mean
-from remat.plan.segments import estimate_segments
+from remat.plan.segment_estimate import estimate_segments
 from remat.records import Estimate, Plan, Profile
 
 __all__ = [

@@ -48,18 +48,17 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from remat.errors import InvalidValue
 from remat.plan.bounds import FreeOption
 from remat.plan.chain import ChainConstraints, chain_constraints
-from remat.plan.costmodel import estimate
-from remat.plan.handovers import handed_over, handovers
+from remat.plan.handovers import handovers, saved_under
 from remat.plan.sides import side_groups, side_inputs
-from remat.records import Estimate, Profile
+from remat.records import Profile
 
-__all__ = ["SegmentModel", "Tree", "estimate_segments", "forest"]
+__all__ = ["Handed", "SegmentModel", "Tree", "forest", "held_in_forward"]
 
 _TICKS_PER_MS = 1_000_000  # as remat.plan.search: NOTE [ Time in integer ticks ]
 _NONE = -(2**62)
@@ -98,19 +97,44 @@ def forest(spans: Sequence[tuple[int, int]], n: int) -> list[Tree]:
     return list(build(0, n - 1, clean))
 
 
+@dataclass(frozen=True, kw_only=True)
+class Handed:
+    """A handover the model's code holds in a segment's forward: its maker, the block in whose
+    forward it is let go (None: the head's), its bytes (NOTE [ Handovers in a segment ] in remat.plan.segment_estimate)."""
+
+    maker: int
+    dies: int | None
+    size: int
+
+
+def held_in_forward(profile: Profile, options: Sequence[str]) -> list[Handed]:
+    """The handovers of ``profile`` that the model's code holds when their makers run the forward
+    on ``options`` (one per block): those no maker's option saves."""
+    index = {b.name: i for i, b in enumerate(profile.blocks)}
+    return [Handed(maker=index[str(h.made_by)], dies=None if h.dies_after is None else index[h.dies_after],
+                   size=h.size_bytes)
+            for h in handovers(profile) if not saved_under(h, options[index[str(h.made_by)]])]
+
+
 class SegmentModel:
     """A profile's per-block numbers for segments (NOTE [ A segment's costs from per-block
     numbers ]); None-like when a block offers no ``keep`` or no ``recompute``."""
 
-    def __init__(self, profile: Profile, chain: ChainConstraints | None = None) -> None:
+    def __init__(self, profile: Profile, chain: ChainConstraints | None = None,
+                 replayed: Profile | None = None, handed: Sequence[Handed] = ()) -> None:
+        """``replayed``: the profile whose ``keep`` numbers a replay runs at, when they differ from
+        ``profile``'s; ``handed``: the handovers the model's code holds in a segment's forward
+        (NOTE [ Handovers in a segment ] in remat.plan.segment_estimate)."""
         self.profile = profile
-        # A block inside a segment counts its handovers as kept (``estimate_segments``): the
-        # segment search's per-block moves take them so too, without their state.
-        self.chain = chain_constraints(dataclasses.replace(profile, crossings=side_inputs(profile))) if handovers(profile) else (
-            chain or chain_constraints(profile))
+        if handovers(profile):  # the search's: its moves see each option's own run, without the state
+            self.chain = chain_constraints(dataclasses.replace(profile, crossings=side_inputs(profile)))
+            handed = held_in_forward(profile, ["recompute"] * len(profile.blocks))
+        else:
+            self.chain = chain or chain_constraints(profile)
         blocks = profile.blocks
         self.n = n = len(blocks)
-        k, r = [b.options["keep"] for b in blocks], [b.options["recompute"] for b in blocks]
+        k = [b.options["keep"] for b in (replayed or profile).blocks]
+        r = [b.options["recompute"] for b in blocks]
         self.inp = [b.input_bytes for b in blocks]
         self.kk, self.fk, self.bk = [c.kept_bytes for c in k], [c.fwd_peak_bytes for c in k], [c.bwd_peak_bytes for c in k]
         self.fs = [c.fwd_peak_bytes if b.stop_peak_bytes is None else b.stop_peak_bytes for b, c in zip(blocks, k)]
@@ -121,9 +145,15 @@ class SegmentModel:
         self._rng_sum = [0, *itertools.accumulate(self.rng)]
         # The RNG state alone: the least any checkpoint stashes; what a block's checkpoint keeps
         # beyond it is the code after the block's (a stack's last norm), whose backward comes first.
-        fork = min([r for r in self.rng if r > 0], default=0)
-        self.fork = [min(fork, r) for r in self.rng]
-        self.extra = [r - f for r, f in zip(self.rng, self.fork)]
+        self.handed = handed
+        stash = list(self.rng)  # less what the model's code holds from a call on, more what it lets go
+        for h in handed:
+            stash[h.maker] -= h.size
+            if h.dies is not None:
+                stash[h.dies] += h.size
+        fork = min([r for r in stash if r > 0], default=0)
+        self.fork = [min(fork, max(0, r)) for r in stash]
+        self.extra = [max(0, r - f) for r, f in zip(stash, self.fork)]
         self._fork_sum = [0, *itertools.accumulate(self.fork)]
         skip = [profile.skip_bytes.get(b.name, 0) for b in blocks]
         self.reach = [0] * n  # [s]: the last block a segment from s may end at (no skip inside)
@@ -201,7 +231,8 @@ class SegmentModel:
         s, e = tree.span
         fwd, at = self.forward_need(s, e, before)
         peak, ticks, where = self.replay(tree, before)
-        bwd = self.lead + self.kept(s, e) + peak
+        gone = sum(h.size for h in self.handed if s <= h.maker <= e and h.dies is not None and h.dies > e)
+        bwd = self.lead + self.kept(s, e) - gone + peak
         if fwd >= bwd:
             return fwd, ticks, f"forward of {self.profile.blocks[at].name}"
         return bwd, ticks, where
@@ -275,83 +306,3 @@ def _replay(m: SegmentModel, tree: Tree, before: int) -> tuple[int, int, str]:
         if value > best:
             best, where = value, f"backward of {names[item].name} (segment {names[s].name}..{names[e].name})"
     return best, ticks, where
-
-
-# --- a whole plan ------------------------------------------------------------------------------
-
-
-def estimate_segments(
-    profile: Profile, choices: Mapping[str, str], segments: Sequence[Sequence[str]]
-) -> Estimate:
-    """``remat.plan.costmodel.estimate`` for a plan with segments (``Plan.segments``: pairs of
-    block names); without segments, exactly ``estimate``."""
-    if not segments:
-        return estimate(profile, choices)
-    estimate(profile, choices)  # validates the choices
-    if handovers(profile):  # inside a segment a block is kept (segment_neutral)
-        profile = handed_over(profile, [choices[b.name] for b in profile.blocks])
-    index = {b.name: i for i, b in enumerate(profile.blocks)}
-    spans = []
-    for seg in segments:
-        if len(seg) != 2 or any(n not in index for n in seg):
-            raise InvalidValue(f"segment {list(seg)!r} is not a [first, last] pair of block names of this profile")
-        spans.append((index[seg[0]], index[seg[1]]))
-    trees = forest(spans, len(profile.blocks))
-    m = SegmentModel(profile)
-    chain = m.chain
-    inside = {j for t in trees for j in range(t.span[0], t.span[1] + 1)}
-    for j in sorted(inside):
-        if choices[profile.blocks[j].name] != "keep":
-            raise InvalidValue(f"block {profile.blocks[j].name!r} is inside a segment; its choice must be 'keep'")
-    starts = {t.span[0]: t for t in trees}
-    col = {o: c for c, o in enumerate(chain.options)}
-    peak, where = chain.fixed_bytes, "the embeddings or the optimizer step"
-    prefix = held = 0
-    extra_ms = 0.0
-    i = 0
-    while i < m.n:
-        tree = starts.get(i)
-        if tree is None:
-            o = col[choices[profile.blocks[i].name]]
-            held |= chain.holds[i][o] if chain.holds else 0
-            value = prefix + chain.need_at(i, o, held)
-            if value > peak:
-                peak, where = value, _per_block_where(chain, profile, i, o, held)
-            prefix += chain.kept_bytes[i][o]
-            extra_ms += chain.extra_ms[i][o]
-            i += 1
-            continue
-        s, e = tree.span
-        need, _, at = m.need(tree, held)
-        held |= m.holds(s, e)
-        if prefix + need > peak:
-            peak, where = prefix + need, at
-        prefix += m.kept(s, e)
-        extra_ms += _replay_ms(m, tree) + sum(chain.extra_ms[j][col["keep"]] for j in range(s, e + 1))
-        i = e + 1
-    tail = prefix + chain.tail_at(held)
-    if tail > peak:
-        peak, where = tail, "forward or backward of the head"
-    step_ms = profile.plain_step_ms + extra_ms
-    overhead = step_ms / profile.plain_step_ms - 1.0 if profile.plain_step_ms else 0.0
-    return Estimate(peak_bytes=peak, peak_phase=where, step_ms=step_ms, overhead=overhead)
-
-
-def _per_block_where(chain: ChainConstraints, profile: Profile, i: int, o: int, held: int) -> str:
-    if not chain.holds:
-        return f"forward or backward of {profile.blocks[i].name}"
-    fwd = chain.fwd_need_bytes[i][o]
-    stage = "forward" if fwd >= chain.need_at(i, o, held) else "backward"
-    return f"{stage} of {profile.blocks[i].name}"
-
-
-def _replay_ms(m: SegmentModel, tree: Tree) -> float:
-    """The extra milliseconds of a segment's replays (as ``_replay`` counts ticks)."""
-    s, e = tree.span
-    covered = {j for c in tree.children for j in range(c.span[0], c.span[1] + 1)}
-    ms = sum(m.ms[j] for j in range(s, e + 1) if j not in covered)
-    for c in tree.children:
-        if c.span[1] < e:
-            ms += sum(m.ms[c.span[0] : c.span[1] + 1])
-        ms += _replay_ms(m, c)
-    return ms

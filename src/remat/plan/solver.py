@@ -21,13 +21,14 @@ from remat.plan.bounds import optimal_picks
 from remat.plan.chain import ChainConstraints, chain_constraints
 from remat.plan.costmodel import smallest_feasible
 from remat.plan.fastest import fastest
-from remat.plan.handovers import handovers, segment_neutral
+from remat.plan.handovers import handovers
 from remat.plan.head import HEAD_KEEP, best_of_heads, frontier_of_heads, head_names, with_head
 from remat.plan.optimum import Found
 from remat.plan.refusals import exact_bytes, in_eval_mode, infeasible
 from remat.plan.search import NO_LIMIT_BYTES
+from remat.plan.segment_estimate import estimate_segments
 from remat.plan.segment_search import segment_search
-from remat.plan.segments import SegmentModel, Tree, estimate_segments
+from remat.plan.segments import SegmentModel, Tree
 from remat.records import Estimate, Plan, Profile
 from remat.units import format_bytes, parse_budget
 
@@ -320,10 +321,9 @@ def _plan(
 
 
 def _segments_run(profile: Profile, chain: ChainConstraints) -> bool:
-    """Whether plans with segments can run for ``profile``: blocks that keep and recompute, no
-    FSDP2 (``remat.distributed.apply_distributed`` refuses them there), and no handovers that a
-    segment would hold otherwise than its blocks kept (``segment_neutral``)."""
-    return {"keep", "recompute"} <= set(chain.options) and not profile.fsdp and segment_neutral(profile)
+    """Whether plans with segments can run for ``profile``: blocks that keep and recompute, and no
+    FSDP2 (``remat.distributed.apply_distributed`` refuses them there)."""
+    return {"keep", "recompute"} <= set(chain.options) and not profile.fsdp
 
 
 def _infeasible(profile: Profile, budget_bytes: int, segments: bool = True) -> InfeasibleBudget:

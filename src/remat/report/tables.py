@@ -20,8 +20,9 @@ from rich.text import Text
 from remat.errors import InvalidValue
 from remat.plan.handovers import handed_over, handovers
 from remat.plan.head import head_extra_ms
-from remat.records import Plan, Profile, Segment, in_option_order
+from remat.records import Plan, Profile, Segment
 from remat.units import axis_unit, format_bytes
+from remat.vocabulary import in_option_order
 
 if TYPE_CHECKING:
     pass
