@@ -64,6 +64,8 @@ def note_sides(hooks: StepNotes, i: int, x: torch.Tensor | None, inputs: Any) ->
         weakref.finalize(x.untyped_storage(), _first_died, hooks, i)  # NOTE [ The last block's input ]
         live = hooks.output_keys  # NOTE [ Storage keys are reused ]
         hooks.first_of[i] = next((j for j, key in live.items() if key == storage_key(x)), -1)
+        if any(ref() is x for ref in hooks.output_refs.values()):
+            hooks.handed_on.add(i)
     hooks.sides[i] = []
     for t in _step.tensors_in(inputs):
         if storage_key(t) not in seen and (x is None or t.device == x.device):
@@ -123,6 +125,7 @@ def note_output(hooks: StepNotes, i: int, y: torch.Tensor | None) -> None:
         _note_live(hooks, y)
         hooks.firsts.add(storage_key(y))
         hooks.output_keys[i] = storage_key(y)
+        hooks.output_refs[i] = weakref.ref(y)
         weakref.finalize(y.untyped_storage(), _output_died, hooks, i, storage_key(y))
 
 
@@ -262,6 +265,15 @@ def _dies_after(hooks: StepNotes, key: int, names: list[str]) -> str | None:
 # down path measured 88 KiB (and in another run's plan 246 KiB) over its prediction.
 
 
+# NOTE [ A first input made between blocks ]
+# A segment's frame finds a call's input among the outputs of its earlier calls by identity
+# (``remat.manual.frames``); any other tensor it holds until its replay. A view the model's code
+# makes of a block's output is another tensor over the same storage: wav2vec2 transposes its feature
+# extractor's output before the feature projection, and the frame of a segment over both held it,
+# 9,984 B over the prediction of the floor plan (hf zoo). So a block whose first input is not the
+# very tensor the block before it returned ends segments there, as one computed between blocks does.
+
+
 def with_skips(traced: StepNotes, profile: Profile, unsaved: StepNotes) -> Profile:
     """``profile`` with ``skip_bytes``: per block, the bytes a segment holding it after its first
     block would hold that the segment cost model does not count: the long skips it receives
@@ -285,8 +297,8 @@ def with_skips(traced: StepNotes, profile: Profile, unsaved: StepNotes) -> Profi
             if key in traced.firsts:  # both ends: the block receiving it, the block whose input it is
                 for j in {i, firsts.get(key, i)}:
                     add(j, nbytes)
-    for a, b in zip(traced.order, traced.order[1:]):
-        if b in first_keys and first_of.get(b) != a:
+    for a, b in zip(traced.order, traced.order[1:]):  # NOTE [ A first input made between blocks ]
+        if b in first_keys and (first_of.get(b) != a or b not in traced.handed_on):
             add(b, 0)
     position = {i: k for k, i in enumerate(unsaved.order)}
     for i in unsaved.order[1:]:  # NOTE [ A first input the model's code holds ]
