@@ -4,7 +4,8 @@ libraries' own): a first input that needs no gradient (a frozen embedding, NOTE 
 that needs no gradient ] in remat.measure.marked), a hidden output the model's code consumes and
 holds (NOTE [ A hidden output the model's code holds ] in remat.measure.handovers), first inputs
 the model's code keeps in a list (NOTE [ A first input the model's code holds ] in
-remat.measure.sides). Each is recorded as such, every plan that changes one block's option from an
+remat.measure.sides), a view of a block's output made between blocks (NOTE [ A first input made
+between blocks ] there). Each is recorded as such, every plan that changes one block's option from an
 all-kept or all-recomputed step is predicted to the byte, and the plans at 60%, 40% and the floor
 measure at or below their prediction with the plain step's gradients.
 """
@@ -99,6 +100,23 @@ class HeldOutput(nn.Module):
         y = self.up(self.down[1](skip))
         x = self.join(y, skip)
         return self.head(x[:, : ids.shape[1]])
+
+
+class Viewed(nn.Module):
+    """The model's code hands the third layer a view of the second's output (wav2vec2 transposes
+    its feature extractor's output before the projection): the same storage, another tensor."""
+
+    def __init__(self, d: int = 32, depth: int = 4) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(64, d)
+        self.layers = nn.ModuleList([Mlp(d) for _ in range(depth)])
+        self.head = nn.Linear(d, 64)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        for i, layer in enumerate(self.layers):
+            x = layer(x.transpose(0, 1).transpose(0, 1) if i == 2 else x)
+        return self.head(x)
 
 
 class ListedOutputs(nn.Module):
@@ -223,3 +241,16 @@ def test_first_inputs_the_model_keeps_in_a_list_end_segments() -> None:
         for first, last in plan.segments:
             after_first = names[names.index(first) + 1 : names.index(last) + 1]
             assert not set(after_first) & set(prof.skip_bytes), plan.segments
+
+
+def test_a_view_made_between_blocks_ends_segments() -> None:
+    # NOTE [ A first input made between blocks ] in remat.measure.sides: a segment's frame holds
+    # the view until its replay, which the segment cost model does not count.
+    model, prof = _profiled(lambda: Viewed(depth=6))
+    assert list(prof.skip_bytes) == ["layers.2"]
+    names = [b.name for b in prof.blocks]
+    choices = dict.fromkeys(names, "keep") | {"layers.0": "recompute", "layers.3": "recompute"}
+    predicted, measured = _measured(model, prof, choices, [["layers.1", "layers.2"]])
+    assert measured == predicted + HIDDEN  # what a plan over it would miss: the view, held
+    for plan in _plans_fit(model, prof):  # layers.2 after the first block of no segment
+        assert not any(names.index(a) < 2 <= names.index(b) for a, b in plan.segments), plan.segments

@@ -270,8 +270,9 @@ def _dies_after(hooks: StepNotes, key: int, names: list[str]) -> str | None:
 # (``remat.manual.frames``); any other tensor it holds until its replay. A view the model's code
 # makes of a block's output is another tensor over the same storage: wav2vec2 transposes its feature
 # extractor's output before the feature projection, and the frame of a segment over both held it,
-# 9,984 B over the prediction of the floor plan (hf zoo). So a block whose first input is not the
-# very tensor the block before it returned ends segments there, as one computed between blocks does.
+# 9,984 B over the prediction of the floor plan (hf zoo; tests/test_crossings.py: one hidden state).
+# So a block whose first input is not the very tensor the block before it returned ends segments
+# there, as one computed between blocks does.
 
 
 def with_skips(traced: StepNotes, profile: Profile, unsaved: StepNotes) -> Profile:
