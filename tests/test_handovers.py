@@ -149,7 +149,7 @@ def test_every_plan_is_predicted_to_the_byte() -> None:
 
 @pytest.mark.parametrize("hold", ["next", "all"])
 def test_plans_with_segments_are_predicted_to_the_byte(hold: str) -> None:
-    # NOTE [ Handovers in a segment ] in remat.plan.segments: a block inside a segment is
+    # NOTE [ Handovers in a segment ] in remat.plan.segment_estimate: a block inside a segment is
     # recomputed in the forward and kept in the replay. Read as kept in both, no plan here was
     # exact (up to 149 KiB under); read as recomputed in both, 19 of 24 were over.
     model, batch = _case(hold)

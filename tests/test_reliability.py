@@ -474,7 +474,9 @@ def test_a_bad_field_in_a_profile_file_is_named(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(("crossing", "problem"), [
-    ({"size_bytes": 8, "consumers": ["nowhere"]}, r"names \['nowhere'\], which are not among the profile's blocks"),
+    ({"size_bytes": 8, "consumers": ["nowhere"]}, r"names \['nowhere'\], which are not among the profile's blocks .expected names such as \['layers.0', 'layers.1'\]."),
+    ({"size_bytes": 8, "consumers": ["layers.1"], "saved_by": {"layers.0": ["keep"]}},
+     r"is saved by \['layers.0'\], expected only by the blocks that hold it .\['layers.1'\]."),
     ({"size_bytes": 8}, "expected the blocks it enters .consumers. or the block that made it .made_by., got neither"),
     ({"size_bytes": 8, "consumers": ["layers.1"], "made_by": "layers.0"}, "expected the blocks it enters or the block that made it, got both .'layers.0' made it."),
     ({"size_bytes": 8, "made_by": "layers.1", "dies_after": "layers.0"}, "dies in 'layers.0', which does not come after 'layers.1', its maker"),

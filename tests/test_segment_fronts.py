@@ -23,7 +23,8 @@ def _segment_ticks(p: Profile, tree: Tree, replay_ticks: int) -> int:
 
 
 @settings(max_examples=60, deadline=None)
-@given(chains(max_blocks=14, max_blocks_3=18, sides=True), st.integers(2, 16))
+@given(chains(max_blocks=14, max_blocks_3=18, sides=True) | chains(max_blocks=10, max_blocks_3=12, handovers=True),
+       st.integers(2, 16))
 def test_every_start_at_once_is_the_cost_model_one_by_one(p: Profile, max_len: int) -> None:
     """Each span's flat segment (every block kept in its replay) and two-level one (each block
     but the last a segment of one), as the search's moves from every start and state, against

@@ -355,11 +355,14 @@ def _misplaced(crossing: Crossing, blocks: list[str]) -> str | None:
     """What is wrong with where ``crossing`` says it goes among ``blocks`` (in forward order), or None."""
     named = [*crossing.consumers, *crossing.saved_by, *filter(None, (crossing.made_by, crossing.dies_after))]
     if unknown := [n for n in named if n not in blocks]:
-        return f"names {unknown}, which are not among the profile's blocks"
+        return f"names {unknown}, which are not among the profile's blocks (expected names such as {blocks[:2]})"
     if not crossing.consumers and crossing.made_by is None:
         return "expected the blocks it enters (consumers) or the block that made it (made_by), got neither"
     if crossing.consumers and crossing.made_by is not None:
         return f"expected the blocks it enters or the block that made it, got both ({crossing.made_by!r} made it)"
+    holders = set(crossing.consumers) if crossing.consumers else {crossing.made_by}
+    if strangers := sorted(set(crossing.saved_by) - holders):
+        return f"is saved by {strangers}, expected only by the blocks that hold it ({sorted(map(str, holders))})"
     if crossing.made_by is not None and crossing.dies_after is not None and (
             blocks.index(crossing.dies_after) <= blocks.index(crossing.made_by)):
         return f"dies in {crossing.dies_after!r}, which does not come after {crossing.made_by!r}, its maker"

@@ -92,14 +92,14 @@ def handovers(names: list[str], runs: Mapping[str, StepNotes]) -> list[Crossing]
             if len(places) != 1 or None in places:
                 continue  # saved under every option, freed where it is made, or freed in two places
             place = places.pop()
-            kept_by = [o for o, d in deaths.items() if d == "saved"]
-            if (i, n) in keep.returned_hidden and not kept_by:
+            saved = [o for o, d in deaths.items() if d == "saved"]
+            if (i, n) in keep.returned_hidden and not saved:
                 continue  # NOTE [ A hidden output the model's code holds ]
             key = (i, place if isinstance(place, int) else None)
-            total, kept = found.get(key, (0, kept_by))
-            if kept != kept_by:
+            total, kept = found.get(key, (0, saved))
+            if kept != saved:
                 continue  # one record per maker and place: these live as one
-            found[key] = (total + nbytes, kept_by)
+            found[key] = (total + nbytes, saved)
     return [
         Crossing(size_bytes=nbytes, made_by=names[i], dies_after=None if at is None else names[at],
                  saved_by={names[i]: kept} if kept else {})

@@ -61,8 +61,8 @@ class StepNotes:
     """[block]: the block whose live output its first input is (-1: none)."""
     output_refs: dict[int, Any] = field(default_factory=dict)
     """[block]: a weak reference to its first output, the tensor itself."""
-    handed_on: set[int] = field(default_factory=set)
-    """The blocks whose first input is the very tensor an earlier block returned (NOTE [ A first
+    handed_on: dict[int, int] = field(default_factory=dict)
+    """[block]: the block whose first output, the very tensor, its first input is (NOTE [ A first
     input made between blocks ] in ``remat.measure.sides``)."""
     first_deaths: dict[int, DeathPoint] = field(default_factory=dict)
     """[block]: where its first input died, when in the forward (NOTE [ The last block's input ])."""

@@ -64,8 +64,8 @@ def note_sides(hooks: StepNotes, i: int, x: torch.Tensor | None, inputs: Any) ->
         weakref.finalize(x.untyped_storage(), _first_died, hooks, i)  # NOTE [ The last block's input ]
         live = hooks.output_keys  # NOTE [ Storage keys are reused ]
         hooks.first_of[i] = next((j for j, key in live.items() if key == storage_key(x)), -1)
-        if any(ref() is x for ref in hooks.output_refs.values()):
-            hooks.handed_on.add(i)
+        if (j := next((j for j, ref in hooks.output_refs.items() if ref() is x), None)) is not None:
+            hooks.handed_on[i] = j
     hooks.sides[i] = []
     for t in _step.tensors_in(inputs):
         if storage_key(t) not in seen and (x is None or t.device == x.device):
@@ -299,7 +299,7 @@ def with_skips(traced: StepNotes, profile: Profile, unsaved: StepNotes) -> Profi
                 for j in {i, firsts.get(key, i)}:
                     add(j, nbytes)
     for a, b in zip(traced.order, traced.order[1:]):  # NOTE [ A first input made between blocks ]
-        if b in first_keys and (first_of.get(b) != a or b not in traced.handed_on):
+        if b in first_keys and (first_of.get(b) != a or traced.handed_on.get(b) != a):
             add(b, 0)
     position = {i: k for k, i in enumerate(unsaved.order)}
     for i in unsaved.order[1:]:  # NOTE [ A first input the model's code holds ]

@@ -49,7 +49,7 @@ def handed_over(profile: Profile, options: Sequence[str]) -> Profile:
 
 def handovers(profile: Profile) -> list[Crossing]:
     """The crossings of ``profile`` that enter no block: its makers hold them."""
-    return [c for c in profile.crossings if not c.enters_blocks]
+    return [c for c in profile.crossings if not c.enters_blocks and c.made_by is not None]
 
 
 def _corrected(profile: Profile, saved: Callable[[Crossing], int], copied: Callable[[Crossing], int]) -> Profile:

@@ -42,7 +42,7 @@ class Fronts:
         if key not in self._tops:
             m = self.m
             fwd, _ = m.forward_need(s, e, before)
-            base = m.lead + m.kept(s, e)
+            base = m.lead + m.kept(s, e) - m.gone(s, e)
             self._tops[key] = _front2([(max(fwd, base + p), t, tree) for p, t, tree in self.replays(s, e, before)])
         return self._tops[key]
 
@@ -190,6 +190,8 @@ class _Arrays:
         self.extra, self.reach, self.grads_at = arr(m.extra), arr(m.reach), arr(m.grads_at)
         self.uses, self.saves = arr(m.uses), arr(m.saves)
         self.rng_sum = np.concatenate([[0], np.cumsum(self.rng)]).astype(np.int64)
+        self.stashed = self.fork + self.extra  # what a call stashes: ``SegmentModel.stash``
+        self.stash_sum = np.concatenate([[0], np.cumsum(self.stashed)]).astype(np.int64)
         keep = m.chain.options.index("keep")
         ms = np.array([row[keep] for row in m.chain.extra_ms], dtype=np.float64).reshape(m.n)
         self.kept_ticks = np.concatenate([[0], np.cumsum(np.rint(ms * 1e6))]).astype(np.int64)
@@ -229,13 +231,16 @@ class _Grid:
 
         inp, kk, bk, fk, fs, fr = col(a.inp), col(a.kk), col(a.bk), col(a.fk), col(a.fs), col(a.fr)
         fork, extra, tr, uses, saves = col(a.fork), col(a.extra), col(a.tr), col(a.uses), col(a.saves)
-        stash = a.rng_sum[e + 1] - a.rng_sum[s]  # stash(s, e)
-        stash_before = a.rng_sum[e] - a.rng_sum[s]  # stash(s, e - 1)
+        stash = a.stash_sum[e + 1] - a.stash_sum[s]  # stash(s, e)
+        stash_before = a.stash_sum[e] - a.stash_sum[s]  # stash(s, e - 1)
         # the forward: what the segment keeps so far, with the side inputs held so far
         fwd_level = before_each(np.where(d[None, :] == 0, a.kr[s], col(a.rng)), 0, np.add)
         fwd_held = before_each(uses, 0, np.bitwise_or) | before
         self.fwd = np.maximum.accumulate(m.lead + fwd_level + fr + m.gather + a.fwd_delta[e, fwd_held], axis=1)
-        self.base = m.lead + a.kr[s] + a.rng_sum[e + 1] - a.rng_sum[s + 1]  # lead + kept(s, e)
+        self.base = m.lead + a.kr[s] + a.rng_sum[e + 1] - a.rng_sum[s + 1]  # lead + kept(s, e) - gone(s, e)
+        for h in m.handed:
+            if h.dies is not None:
+                self.base -= h.size * ((s <= h.maker) & (h.maker <= e) & (e < h.dies))
         ge = g(np.bitwise_or.accumulate(uses, axis=1) | before)
         # the flat segment: every block kept in the replay
         level = before_each(kk, 0, np.add) - a.inp[s]
@@ -250,7 +255,7 @@ class _Grid:
         level = before_each(inp, 0, np.add) - a.inp[s]
         temp = before_each(fork, 0, np.add)
         held = before_each(uses, 0, np.bitwise_or) | before
-        alone = np.maximum(g(held | uses) - inp + fork + fs, g(held | saves) - inp + kk + bk + extra - col(a.rng))
+        alone = np.maximum(g(held | uses) - inp + fork + fs, g(held | saves) - inp + kk + bk + extra - col(a.stashed))
         two_b = before_each(level + inp + alone + stash, _NONE, np.maximum)
         two_f = before_each(level + temp + fr + fork, _NONE, np.maximum)
         self.two = np.maximum(ge + np.maximum(two_f, level + temp + fork + fs),

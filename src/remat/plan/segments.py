@@ -7,8 +7,9 @@ backward-peak bytes (keep: Kk, Fk, Bk; recompute: Kr, Fr, Br, and Tr its extra t
 re-forward); Fs_j is the kept forward's peak up to the block's last saved tensor
 (``BlockProfile.stop_peak_bytes``). A checkpoint's kept bytes beyond its input, rng_j = Kr_j - in_j,
 are what it stashes, the RNG state (on the CPU; the least rng_j of the profile, "fork" below),
-plus what the code after the block keeps (a stack's last norm: "extra"); a segment stashes as
-much per call. Everything is read off the profile, nothing is measured for segments
+plus what the code after the block keeps (a stack's last norm: "extra"), and what the model's
+code holds past the block (a handover: not stashed, NOTE [ Handovers in a segment ] in
+``remat.plan.segment_estimate``); a segment stashes as much per call. Everything is read off the profile, nothing is measured for segments
 (``remat.manual.segments`` is the mechanism, and this is what its frames do):
 - the forward of a segment [s..e] is that of recomputed blocks whose inputs, but the first, are
   not kept: block s keeps Kr_s, each later block rng_j, and each runs at its Fr_j;
@@ -124,7 +125,9 @@ class SegmentModel:
                  replayed: Profile | None = None, handed: Sequence[Handed] = ()) -> None:
         """``replayed``: the profile whose ``keep`` numbers a replay runs at, when they differ from
         ``profile``'s; ``handed``: the handovers the model's code holds in a segment's forward
-        (NOTE [ Handovers in a segment ] in remat.plan.segment_estimate)."""
+        (NOTE [ Handovers in a segment ] in remat.plan.segment_estimate). A profile with handovers
+        is the search's: its chain is each option's own run and ``handed`` its makers' recomputed,
+        whatever is passed; ``estimate_segments`` passes a corrected one, without them."""
         self.profile = profile
         if handovers(profile):  # the search's: its moves see each option's own run, without the state
             self.chain = chain_constraints(dataclasses.replace(profile, crossings=side_inputs(profile)))
@@ -155,6 +158,7 @@ class SegmentModel:
         self.fork = [min(fork, max(0, r)) for r in stash]
         self.extra = [max(0, r - f) for r, f in zip(stash, self.fork)]
         self._fork_sum = [0, *itertools.accumulate(self.fork)]
+        self._stash_sum = [0, *itertools.accumulate(f + x for f, x in zip(self.fork, self.extra))]
         skip = [profile.skip_bytes.get(b.name, 0) for b in blocks]
         self.reach = [0] * n  # [s]: the last block a segment from s may end at (no skip inside)
         for s in range(n - 1, -1, -1):
@@ -200,8 +204,9 @@ class SegmentModel:
 
     def stash(self, a: int, b: int) -> int:
         """What the calls of blocks a..b stash in the forward: an RNG state each (as a checkpoint's),
-        and what the code after each block keeps."""
-        return self._rng_sum[b + 1] - self._rng_sum[a]
+        and what the code after each block keeps; not what the model's code holds (NOTE [ Handovers
+        in a segment ] in remat.plan.segment_estimate), which ``kept`` counts."""
+        return self._stash_sum[b + 1] - self._stash_sum[a]
 
     def forks(self, a: int, b: int) -> int:
         """The RNG states alone of the calls of blocks a..b."""
@@ -210,6 +215,12 @@ class SegmentModel:
     def kept(self, s: int, e: int) -> int:
         """Bytes the segment keeps from its forward until its first block's backward ends."""
         return self.kr[s] + self._rng_sum[e + 1] - self._rng_sum[s + 1]
+
+    def gone(self, s: int, e: int) -> int:
+        """What ``kept`` counts that the model's code lets go after the segment's forward and
+        before its backward: what its blocks made and a later block's forward drops (NOTE
+        [ Handovers in a segment ] in remat.plan.segment_estimate)."""
+        return sum(h.size for h in self.handed if s <= h.maker <= e and h.dies is not None and h.dies > e)
 
     def forward_need(self, s: int, e: int, before: int = 0) -> tuple[int, int]:
         """The segment's highest forward candidate minus what the blocks before it keep, and at
@@ -231,8 +242,7 @@ class SegmentModel:
         s, e = tree.span
         fwd, at = self.forward_need(s, e, before)
         peak, ticks, where = self.replay(tree, before)
-        gone = sum(h.size for h in self.handed if s <= h.maker <= e and h.dies is not None and h.dies > e)
-        bwd = self.lead + self.kept(s, e) - gone + peak
+        bwd = self.lead + self.kept(s, e) - self.gone(s, e) + peak
         if fwd >= bwd:
             return fwd, ticks, f"forward of {self.profile.blocks[at].name}"
         return bwd, ticks, where
