@@ -13,6 +13,7 @@ measure at or below their prediction with the plain step's gradients.
 from __future__ import annotations
 
 import copy
+import gc
 from collections.abc import Callable
 
 import pytest
@@ -20,6 +21,8 @@ import torch
 from torch import nn
 
 import remat
+from remat.measure.notes import StepNotes
+from remat.measure.sides import note_sides, read_side_inputs, storage_key
 from remat.measure.tracer import measure_step
 from remat.plan.handovers import handovers
 from remat.plan.segment_estimate import estimate_segments
@@ -254,3 +257,26 @@ def test_a_view_made_between_blocks_ends_segments() -> None:
     assert measured == predicted + HIDDEN  # what a plan over it would miss: the view, held
     for plan in _plans_fit(model, prof):  # layers.2 after the first block of no segment
         assert not any(names.index(a) < 2 <= names.index(b) for a, b in plan.segments), plan.segments
+
+
+def test_a_side_storage_that_takes_a_dead_ones_key_is_another_side_input() -> None:
+    # NOTE [ Storage keys are reused ] in remat.measure.sides: T5's decoder position bias took the
+    # key of the encoder's in some runs, and the two were read as one side input of both stacks.
+    hooks = StepNotes()
+    x0, x1 = torch.randn(8), torch.randn(8)
+    hooks.order.append(0)
+    hooks.running.append(0)
+    bias = torch.randn(256)
+    note_sides(hooks, 0, x0, (x0, bias))
+    key = storage_key(bias)
+    hooks.running.pop()
+    del bias  # dies after block 0 ended
+    gc.collect()
+    held = []  # the allocator hands a freed storage's address to a later one
+    while len(held) < 10_000 and storage_key(again := torch.randn(256)) != key:
+        held.append(again)
+    assert storage_key(again) == key, "no storage took the dead one's key"
+    hooks.order.append(1)
+    note_sides(hooks, 1, x1, (x1, again))
+    records = read_side_inputs(hooks, hooks, {}, ["enc", "dec"])
+    assert [(s.consumers, s.dies_after) for s in records] == [(["enc"], "enc"), (["dec"], None)]

@@ -68,7 +68,7 @@ from torch import nn
 from remat.errors import ProfileError
 from remat.manual.blocks import fingerprint
 from remat.measure import step as _step
-from remat.measure.handovers import handovers
+from remat.measure.handovers import read_handovers
 from remat.measure.notes import PartNumbers, StepNotes
 from remat.measure.sides import head_frees_last_input, replay_holds_output
 from remat.measure.tracer import Trace
@@ -242,7 +242,7 @@ def assemble(
             per_option["selective"][i].kept += hooks_keep.out_bytes[i]
     # The head's forward with the side inputs still held: every block recomputed holds them.
     held = runs["recompute"][1].fwd_peak_bytes if sides and "recompute" in runs else post.fwd_peak_bytes
-    handed = handovers([n for n, _ in named], {o: h for o, (_, h) in traces.items()})  # NOTE [ Tensors that cross a block boundary ]
+    handed = read_handovers([n for n, _ in named], {o: h for o, (_, h) in traces.items()})  # NOTE [ Tensors that cross a block boundary ]
     if sides and "recompute" in runs:  # as if the handovers freed in the head were saved as kept
         held += sum(h.size_bytes * (saved_under(h, "keep") - saved_under(h, "recompute"))
                     for h in handed if h.dies_after is None)

@@ -34,7 +34,7 @@ from remat.manual.compiled import PREFIX, compiled_option
 from remat.measure.attribution import attribute_over_keep
 from remat.measure.notes import StepNotes
 from remat.measure.runner import StepRunner, every_block
-from remat.measure.sides import side_inputs
+from remat.measure.sides import read_side_inputs
 from remat.measure.tracer import Trace
 from remat.plan.handovers import handovers
 from remat.records import Crossing, OptionCost, Profile
@@ -68,7 +68,7 @@ def measure_compiled(named: Sequence[tuple[str, nn.Module]], runner: StepRunner,
             run, run_hooks, _ = runner.traced()
             saved: dict[Any, set[int]] = {}
             saving = runner.marked(lambda _: None, saved=saved) if sides else run_hooks
-        if sides and (mine := side_inputs(run_hooks, saving, saved, [n for n, _ in named])) != sides:
+        if sides and (mine := read_side_inputs(run_hooks, saving, saved, [n for n, _ in named])) != sides:
             _warn(option, _difference(sides, mine))
             continue
         numbers[option] = attribute_over_keep((run, run_hooks), kept, list(named), sides)

@@ -35,7 +35,7 @@ from remat.measure.notes import StepNotes
 from remat.measure.sides import death_point, storage_key
 from remat.records import Crossing
 
-__all__ = ["handovers", "note_handover_uses", "note_returned"]
+__all__ = ["note_handover_uses", "note_returned", "read_handovers"]
 
 def note_returned(hooks: StepNotes, i: int, output: Any, y: torch.Tensor | None) -> None:
     """Note what block i returned besides its inputs, its hidden output ``y`` among them (the
@@ -75,7 +75,7 @@ def _freed(hooks: StepNotes, i: int, n: int, key: int) -> None:
         hooks.returned_deaths[(i, n)] = at
 
 
-def handovers(names: list[str], runs: Mapping[str, StepNotes]) -> list[Crossing]:
+def read_handovers(names: list[str], runs: Mapping[str, StepNotes]) -> list[Crossing]:
     """The handovers of the steps ``runs`` (option -> the hooks of a step with every block on it;
     ``keep`` among them), one record per maker and place of death, in forward order."""
     keep = runs["keep"]

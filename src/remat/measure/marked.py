@@ -29,7 +29,7 @@ from remat.measure.sides import (
     note_sides,
     noting_deaths,
     noting_saved,
-    side_inputs,
+    read_side_inputs,
 )
 from remat.measure.sides import first_tensor as _first_tensor
 from remat.measure.sides import storage_key as _storage_key
@@ -268,7 +268,7 @@ def sides_of(model: nn.Module, named: list[tuple[str, nn.Module]], batch: Any, l
                 _step.forward_loss(model, batch, loss_fn)
         finally:
             unsaved.remove()
-    return side_inputs(traced, saving, saved, [n for n, _ in named]), unsaved
+    return read_side_inputs(traced, saving, saved, [n for n, _ in named]), unsaved
 
 
 # NOTE [ A tensor carried from one step into the next ]

@@ -14,13 +14,24 @@ input dies ] in ``remat.plan.sides``).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from remat.records import OptionCost
 
-__all__ = ["DeathPoint", "PartNumbers", "StepNotes"]
+__all__ = ["DeathPoint", "PartNumbers", "Side", "StepNotes"]
 
 DeathPoint = tuple[int, bool]
+
+
+class Side(NamedTuple):
+    """A storage that entered a block besides its first input."""
+
+    key: int
+    """Its storage key (an address, valid while it lives)."""
+    number: int
+    """Its number among the side storages of the step, in the order they first entered a block:
+    unlike the key, never another storage's."""
+    nbytes: int
 
 
 @dataclass(eq=False)
@@ -41,13 +52,18 @@ class StepNotes:
     forward_done: bool = False
     """Whether the model's forward has returned (deaths after it are not noted)."""
     # --- side inputs (shape 1 of NOTE [ Tensors that cross a block boundary ] in remat.records) ---
-    sides: dict[int, list[tuple[int, int]]] = field(default_factory=dict)
-    """[block]: (storage key, bytes) of each storage entering it besides its first input."""
+    sides: dict[int, list[Side]] = field(default_factory=dict)
+    """[block]: each storage entering it besides its first input."""
+    live_sides: dict[int, int] = field(default_factory=dict)
+    """Storage key -> the number of the side storage that has it, while that storage lives (NOTE
+    [ Storage keys are reused ] in ``remat.measure.sides``)."""
+    sides_seen: int = 0
+    """How many side storages have entered blocks so far."""
     skips_in: set[tuple[int, int]] = field(default_factory=set)
     """(block, storage key): a side storage that is another block's first input or output, alive
     when it arrived (a skip)."""
     deaths: dict[int, DeathPoint] = field(default_factory=dict)
-    """Side storage key -> where it died, when before the model's forward returned."""
+    """Side storage number -> where it died, when before the model's forward returned."""
     # --- first inputs and outputs ---
     firsts: set[int] = field(default_factory=set)
     """Storages that were some block's first input or output."""

@@ -22,7 +22,7 @@ import torch
 
 from remat.errors import ProfileError
 from remat.measure import step as _step
-from remat.measure.notes import StepNotes
+from remat.measure.notes import Side, StepNotes
 from remat.records import Crossing, Profile
 
 __all__ = [
@@ -33,7 +33,7 @@ __all__ = [
     "note_sides",
     "noting_deaths",
     "noting_saved",
-    "side_inputs",
+    "read_side_inputs",
     "storage_key",
     "with_skips",
 ]  # fmt: skip
@@ -70,11 +70,20 @@ def note_sides(hooks: StepNotes, i: int, x: torch.Tensor | None, inputs: Any) ->
     for t in _step.tensors_in(inputs):
         if storage_key(t) not in seen and (x is None or t.device == x.device):
             seen.add(storage_key(t))
-            hooks.sides[i].append((storage_key(t), t.untyped_storage().nbytes()))
+            hooks.sides[i].append(Side(storage_key(t), _side_number(hooks, t), t.untyped_storage().nbytes()))
             if storage_key(t) in alive:  # a block's first input or output, alive: a skip
                 hooks.skips_in.add((i, storage_key(t)))
-            if storage_key(t) not in hooks.deaths:
-                weakref.finalize(t.untyped_storage(), _died, hooks, storage_key(t))
+
+
+def _side_number(hooks: StepNotes, t: torch.Tensor) -> int:
+    """The number of ``t``'s storage among the step's side storages; a new one for a storage that
+    took the key of one that died (NOTE [ Storage keys are reused ])."""
+    key, live = storage_key(t), hooks.live_sides
+    if key not in live:
+        live[key] = number = hooks.sides_seen
+        hooks.sides_seen += 1
+        weakref.finalize(t.untyped_storage(), _died, hooks, key, number)
+    return live[key]
 
 
 def _first_died(hooks: StepNotes, i: int) -> None:
@@ -94,9 +103,10 @@ def head_frees_last_input(hooks: StepNotes) -> int:
     return hooks.in_bytes.get(last, 0)
 
 
-def _died(hooks: StepNotes, key: int) -> None:
+def _died(hooks: StepNotes, key: int, number: int) -> None:
+    del hooks.live_sides[key]
     if (at := death_point(hooks)) is not None:
-        hooks.deaths[key] = at
+        hooks.deaths[number] = at
 
 
 def death_point(hooks: StepNotes) -> tuple[int, bool] | None:
@@ -143,7 +153,10 @@ def _output_died(hooks: StepNotes, i: int, key: int) -> None:
     A storage key is an address, and a freed storage's address is soon another's: a UNet's
     interpolated and concatenated input can take the key of the output it was computed from,
     once that output is freed. So an output's key is dropped when its storage dies, and a
-    block's first input is matched, when it arrives, only against the outputs still alive."""
+    block's first input is matched, when it arrives, only against the outputs still alive; and a
+    side storage is known by its number (``Side.number``), not its key: in some runs T5's decoder
+    position bias took the key of the encoder's, dead by then, and the two plain steps of a
+    profile disagreed on the side inputs (a flaky ``ProfileError``)."""
     live = hooks.output_keys
     if live.get(i) == key:
         del live[i]
@@ -207,48 +220,50 @@ def noting_saved(
     gc.collect()  # the packed outputs hold themselves
 
 
-def _in_order(hooks: StepNotes) -> list[tuple[int, int, list[int]]]:
-    """(storage key, bytes, consumers) of each side input, in order of first appearance."""
-    found: dict[int, tuple[int, list[int]]] = {}
+def _in_order(hooks: StepNotes) -> list[tuple[Side, list[int]]]:
+    """Each side input as it first entered a block, and the blocks it entered, in order of first
+    appearance."""
+    found: dict[int, tuple[Side, list[int]]] = {}
     for i in hooks.order:
-        for key, nbytes in hooks.sides.get(i, []):
-            if (i, key) in hooks.skips_in:  # judged when it arrived
+        for side in hooks.sides.get(i, []):
+            if (i, side.key) in hooks.skips_in:  # judged when it arrived
                 continue
-            found.setdefault(key, (nbytes, []))[1].append(i)
-    return [(key, nbytes, users) for key, (nbytes, users) in found.items()]
+            found.setdefault(side.number, (side, []))[1].append(i)
+    return list(found.values())
 
 
-def side_inputs(
+def read_side_inputs(
     traced: StepNotes, saving: StepNotes, saved: dict[Any, set[int]], names: list[str]
 ) -> list[Crossing]:
     """The records of the traced step's side inputs; ``saving`` is the step that noted ``saved``."""
     seen, again = _in_order(traced), _in_order(saving)
-    if [(b, u) for _, b, u in seen] != [(b, u) for _, b, u in again]:
+    if [(s.nbytes, u) for s, u in seen] != [(s.nbytes, u) for s, u in again]:
         raise ProfileError(
             "the blocks received different extra inputs in two plain steps of the same batch; "
             "remat plans steps that repeat (check for randomness in the model's forward)"
         )
     records = []
-    for (traced_key, nbytes, users), (key, _, _) in zip(seen, again):
+    for (side, users), (again_side, _) in zip(seen, again):
+        key = again_side.key  # the key ``saved`` knows it by, in the run that noted it
         if key in saved.get("pre", set()):
             continue
         records.append(
             Crossing(
-                size_bytes=nbytes,
+                size_bytes=side.nbytes,
                 consumers=[names[i] for i in users],
                 saved_by={names[i]: ["keep"] for i in users if key in saved.get(i, set())},
-                dies_after=_dies_after(traced, traced_key, names),
+                dies_after=_dies_after(traced, side.number, names),
             )
         )
     return records
 
 
-def _dies_after(hooks: StepNotes, key: int, names: list[str]) -> str | None:
-    """The block in whose forward phase the side input died, or None: in the head's forward
-    (after the last block ended) or later."""
-    if key not in hooks.deaths:
+def _dies_after(hooks: StepNotes, number: int, names: list[str]) -> str | None:
+    """The block in whose forward phase side storage ``number`` died, or None: in the head's
+    forward (after the last block ended) or later."""
+    if number not in hooks.deaths:
         return None
-    position, ended = hooks.deaths[key]
+    position, ended = hooks.deaths[number]
     if position == len(hooks.order) - 1 and ended:
         return None
     return names[hooks.order[position]]
@@ -294,10 +309,10 @@ def with_skips(traced: StepNotes, profile: Profile, unsaved: StepNotes) -> Profi
             skips[names[j]] = skips.get(names[j], 0) + max(1, nbytes)
 
     for i in traced.order:
-        for key, nbytes in traced.sides.get(i, []):
-            if key in traced.firsts:  # both ends: the block receiving it, the block whose input it is
-                for j in {i, firsts.get(key, i)}:
-                    add(j, nbytes)
+        for side in traced.sides.get(i, []):
+            if side.key in traced.firsts:  # both ends: the block receiving it, the block whose input it is
+                for j in {i, firsts.get(side.key, i)}:
+                    add(j, side.nbytes)
     for a, b in zip(traced.order, traced.order[1:]):  # NOTE [ A first input made between blocks ]
         if b in first_keys and (first_of.get(b) != a or traced.handed_on.get(b) != a):
             add(b, 0)
