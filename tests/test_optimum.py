@@ -66,6 +66,21 @@ def test_fastest_finds_the_defined_optimum_with_handovers(p: Profile, data: st.D
     _same(p, budget_near(data, brute_force(p)))
 
 
+def test_a_relaxation_nothing_fits_rules_segments_out() -> None:
+    # Found by the property above: a per-block plan fits, but the relaxation of the chain without
+    # the handover's state (the segment search's) has no room at all; bounding it divided by zero.
+    from _tables import block, cost, profile, segment
+
+    from remat.records import Crossing
+
+    blocks = [block("layers.0", grad=18, keep=cost(14, fwd=58, bwd=34, ms=9.0), recompute=cost(1, fwd=13, bwd=19, ms=10.0)),
+              block("layers.1", grad=58, keep=cost(1, fwd=12, bwd=21, ms=9.25), recompute=cost(64, fwd=31, bwd=56, ms=7.0))]
+    p = profile(blocks, base=23, pre=segment(50, fwd=4, bwd=23, grad=12), post=segment(55, fwd=25, bwd=58, grad=6),
+                optimizer_peak=13, gather=6, post_fwd_held=32,
+                crossings=[Crossing(size_bytes=19, made_by="layers.0", saved_by={"layers.0": ["keep", "selective"]})])
+    assert _same(p, 180) is not None
+
+
 @pytest.mark.parametrize("seed", range(3))
 def test_fastest_finds_the_defined_optimum_where_segments_win(seed: int) -> None:
     p = varied_chain(EXACT_BLOCKS, seed)

@@ -16,8 +16,15 @@ from remat.plan.chain import ChainConstraints
 from remat.plan.search import NO_LIMIT_BYTES, NOTHING_FITS_32, NoneLeft, Table, pareto_search
 
 __all__ = [
-    "FreeOption", "PerBlock", "bounded", "optimal_picks", "relaxed_beats", "relaxed_optimum",
-    "relaxed_search", "relaxed_table",
+    "FreeOption",
+    "PerBlock",
+    "bounded",
+    "optimal_picks",
+    "relaxed_beats",
+    "relaxed_fits",
+    "relaxed_optimum",
+    "relaxed_search",
+    "relaxed_table",
 ]
 
 # NOTE [ Bounding the search ]
@@ -135,9 +142,12 @@ def relaxed_optimum(relaxed: Table) -> tuple[list[int], int, Table | None] | Non
 def relaxed_search(relaxed: Table) -> PerBlock | None:
     """The search for ``relaxed``'s fastest plan, begun (``PerBlock``); None when nothing fits
     even there."""
-    if relaxed.fixed_bytes > relaxed.budget_bytes or int(relaxed.room[0, 0]) < 0:
-        return None
-    return PerBlock.of(relaxed)
+    return PerBlock.of(relaxed) if relaxed_fits(relaxed) else None
+
+
+def relaxed_fits(relaxed: Table) -> bool:
+    """Whether some plan fits ``relaxed`` (else no plan of the moves it bounds fits either)."""
+    return relaxed.fixed_bytes <= relaxed.budget_bytes and int(relaxed.room[0, 0]) >= 0
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,14 @@ does less to find it; each device below drops only partial plans that cannot win
 
 from __future__ import annotations
 
-from remat.plan.bounds import PerBlock, bounded, relaxed_beats, relaxed_search, relaxed_table
+from remat.plan.bounds import (
+    PerBlock,
+    bounded,
+    relaxed_beats,
+    relaxed_fits,
+    relaxed_search,
+    relaxed_table,
+)
 from remat.plan.chain import ChainConstraints
 from remat.plan.optimum import Found
 from remat.plan.search import Table
@@ -56,7 +63,7 @@ def fastest(chain: ChainConstraints, model: SegmentModel | None, budget: int) ->
     if model is not None and upper != 0:
         relaxed = relaxed or relaxed_table(model.chain, budget, model.free_option())
         floor = None
-        if upper is not None:
+        if upper is not None and relaxed_fits(relaxed):  # else no plan with segments fits
             floor = relaxed if relaxed.rest is not None else bounded(relaxed)
             if floor_ticks is not None:
                 hopeful = floor_ticks < upper
