@@ -242,7 +242,8 @@ def assemble(
             per_option["selective"][i].kept += hooks_keep.out_bytes[i]
     # The head's forward with the side inputs still held: every block recomputed holds them.
     held = runs["recompute"][1].fwd_peak_bytes if sides and "recompute" in runs else post.fwd_peak_bytes
-    handed = read_handovers([n for n, _ in named], {o: h for o, (_, h) in traces.items()})  # NOTE [ Tensors that cross a block boundary ]
+    # NOTE [ Tensors that cross a block boundary ] in remat.records: the ones that enter no block
+    handed = read_handovers([n for n, _ in named], {o: h for o, (_, h) in traces.items()})
     if sides and "recompute" in runs:  # as if the handovers freed in the head were saved as kept
         held += sum(h.size_bytes * (saved_under(h, "keep") - saved_under(h, "recompute"))
                     for h in handed if h.dies_after is None)

@@ -254,9 +254,10 @@ def dtype_name(model: nn.Module) -> str:
 def sides_of(model: nn.Module, named: list[tuple[str, nn.Module]], batch: Any, loss_fn: Any,
              optimizer: Any, keys: set[int], traced: Hooks) -> tuple[list[Crossing], StepNotes]:
     """The side inputs of the step ``traced`` saw, after a plain step that notes what each block
-    saves: which side inputs a kept block holds (NOTE [ Tensors that cross a block boundary ]); and the notes of a forward
-    with every block kept that saves nothing, where what the model's code holds shows (NOTE [ A
-    first input the model's code holds ] in remat.measure.sides)."""
+    saves: which side inputs a kept block holds (NOTE [ Tensors that cross a block boundary ] in
+    remat.records); and the notes of a forward with every block kept that saves nothing, where what
+    the model's code holds shows (NOTE [ A first input the model's code holds ] in
+    remat.measure.sides)."""
     saved: dict[Any, set[int]] = {}
     with every_block(named, "keep"):
         saving = marked_step(model, named, batch, loss_fn, optimizer, lambda _: None, keys, saved)

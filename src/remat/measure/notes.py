@@ -5,8 +5,8 @@ The profiler's hooks (``remat.measure.marked.Hooks``) fill a ``StepNotes`` as th
 order the blocks ran in, their boundary bytes, the storages that cross block boundaries (side
 inputs, first inputs and outputs, what blocks return besides their output) and where each dies.
 ``remat.measure.sides`` and ``remat.measure.handovers`` read them into ``Crossing`` records;
-``remat.measure.attribution`` reads the boundaries. Storage keys are addresses, valid while the storage lives (NOTE [ Storage keys are reused ] in
-``remat.measure.sides``). A death point is ``(position, ended)``: the forward position of the last
+``remat.measure.attribution`` reads the boundaries. Storage keys are addresses, valid while the
+storage lives (NOTE [ Storage keys are reused ] in ``remat.measure.sides``). A death point is ``(position, ended)``: the forward position of the last
 block started when the storage was freed, and whether that block had ended (NOTE [ Where a side
 input dies ] in ``remat.plan.sides``).
 """

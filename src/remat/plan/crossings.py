@@ -39,7 +39,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TypeAlias
 
-from remat.plan.handovers import OFFLOADS, handovers, saved_under
+from remat.plan.handovers import OFFLOADS, placed, saved_under
 from remat.plan.sides import SideGroups, side_groups
 from remat.records import OptionCost, Profile
 
@@ -109,7 +109,6 @@ class Crossings:
         self.options = tuple(options)
         self.n = len(profile.blocks)
         self.side_mask = self.sides.masks - 1
-        index = {b.name: i for i, b in enumerate(profile.blocks)}
         handed: list[_Handed] = []
         free_after: list[int] = []  # per bit above the side groups': the last block that uses it
 
@@ -121,13 +120,12 @@ class Crossings:
             free_after[at:at + 1] = [self.n if dies is None else dies]
             return len(self.sides.size_bytes) + at
 
-        for h in sorted(handovers(profile), key=lambda h: index[str(h.made_by)]):
-            maker = index[str(h.made_by)]
-            dies = None if h.dies_after is None else index[h.dies_after]
+        for p in sorted(placed(profile), key=lambda p: p.maker):
+            maker, dies, h = p.maker, p.dies, p.record
             assert dies is None or dies > maker, f"a handover dies after its maker: {h}"
             saves = tuple(saved_under(h, o) for o in options)
             copies = tuple(int(o in OFFLOADS) for o in options)
-            handed.append(_Handed(size=h.size_bytes, maker=maker, dies=dies, saves=saves, copies=copies,
+            handed.append(_Handed(size=p.size, maker=maker, dies=dies, saves=saves, copies=copies,
                                   kept_saves=saved_under(h, "keep"), save_bit=bit(saves, maker, dies),
                                   copy_bit=bit(copies, maker, dies)))
         self.handed = handed

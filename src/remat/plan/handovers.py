@@ -27,10 +27,11 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from remat.records import Crossing, Profile
 
-__all__ = ["OFFLOADS", "handed_over", "handovers", "saved_under"]
+__all__ = ["OFFLOADS", "Placed", "handed_over", "handovers", "placed", "saved_under"]
 
 _RUN_OF = {"tiled": "keep", "offload": "keep", "recompute_offload": "recompute"}
 #: The options whose block leaves a device copy of what it saves to the host.
@@ -42,9 +43,8 @@ def handed_over(profile: Profile, options: Sequence[str]) -> Profile:
     (one per block); ``profile`` itself when it has none."""
     if not handovers(profile):
         return profile
-    of = {b.name: option for b, option in zip(profile.blocks, options)}
-    return _corrected(profile, lambda h: saved_under(h, of[str(h.made_by)]),
-                      lambda h: int(of[str(h.made_by)] in OFFLOADS))
+    return _corrected(profile, lambda h: saved_under(h.record, options[h.maker]),
+                      lambda h: int(options[h.maker] in OFFLOADS))
 
 
 def handovers(profile: Profile) -> list[Crossing]:
@@ -52,26 +52,39 @@ def handovers(profile: Profile) -> list[Crossing]:
     return [c for c in profile.crossings if not c.enters_blocks and c.made_by is not None]
 
 
-def _corrected(profile: Profile, saved: Callable[[Crossing], int], copied: Callable[[Crossing], int]) -> Profile:
+@dataclass(frozen=True, kw_only=True)
+class Placed:
+    """A handover at block positions (forward order): its maker, the block in whose forward the
+    model's code drops it (None: the head's), its bytes, and its record."""
+
+    maker: int
+    dies: int | None
+    size: int
+    record: Crossing
+
+
+def placed(profile: Profile) -> list[Placed]:
+    """The handovers of ``profile`` at block positions, in the profile's order."""
+    index = {b.name: i for i, b in enumerate(profile.blocks)}
+    return [Placed(maker=index[str(h.made_by)], dies=None if h.dies_after is None else index[h.dies_after],
+                   size=h.size_bytes, record=h) for h in handovers(profile)]
+
+
+def _corrected(profile: Profile, saved: Callable[[Placed], int], copied: Callable[[Placed], int]) -> Profile:
     """``profile`` with every option's numbers moved for handovers whose makers save them as
     ``saved`` says (1 or 0; the module's docstring) and offload them as ``copied`` says (their
     numbers count none of it on the device, but the model's code holds the device tensor until it
     drops it: one more transient in the forward where it dies), and no handovers left."""
-    index = {b.name: i for i, b in enumerate(profile.blocks)}
     kept = [dict.fromkeys(b.options, 0) for b in profile.blocks]
     bwd = [dict.fromkeys(b.options, 0) for b in profile.blocks]
-    handed = handovers(profile)
-    fwd = [h.size_bytes * copied(h) for h in handed]  # per handover
     grad, head, head_peak = [0] * len(profile.blocks), 0, 0
     peak = [0] * len(profile.blocks)
-    for h, extra in zip(handed, fwd):
-        assert h.made_by is not None
-        j, mine = index[h.made_by], saved(h)
-        if h.dies_after is not None:
-            k = index[h.dies_after]
-            peak[k] += extra
-            for o in kept[k]:
-                kept[k][o] += h.size_bytes * (mine - saved_under(h, o))
+    for p in placed(profile):
+        h, j, mine, extra = p.record, p.maker, saved(p), p.size * copied(p)
+        if p.dies is not None:
+            peak[p.dies] += extra
+            for o in kept[p.dies]:
+                kept[p.dies][o] += h.size_bytes * (mine - saved_under(h, o))
             continue
         moved = h.size_bytes * (mine - saved_under(h, "keep"))
         head += moved

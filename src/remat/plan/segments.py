@@ -55,11 +55,11 @@ from dataclasses import dataclass
 from remat.errors import InvalidValue
 from remat.plan.bounds import FreeOption
 from remat.plan.chain import ChainConstraints, chain_constraints
-from remat.plan.handovers import handovers, saved_under
+from remat.plan.handovers import Placed, handovers, placed, saved_under
 from remat.plan.sides import side_groups, side_inputs
 from remat.records import Profile
 
-__all__ = ["Handed", "SegmentModel", "Tree", "forest", "held_in_forward"]
+__all__ = ["SegmentModel", "Tree", "forest", "held_in_forward"]
 
 _TICKS_PER_MS = 1_000_000  # as remat.plan.search: NOTE [ Time in integer ticks ]
 _NONE = -(2**62)
@@ -98,23 +98,11 @@ def forest(spans: Sequence[tuple[int, int]], n: int) -> list[Tree]:
     return list(build(0, n - 1, clean))
 
 
-@dataclass(frozen=True, kw_only=True)
-class Handed:
-    """A handover the model's code holds in a segment's forward: its maker, the block in whose
-    forward it is let go (None: the head's), its bytes (NOTE [ Handovers in a segment ] in remat.plan.segment_estimate)."""
-
-    maker: int
-    dies: int | None
-    size: int
-
-
-def held_in_forward(profile: Profile, options: Sequence[str]) -> list[Handed]:
+def held_in_forward(profile: Profile, options: Sequence[str]) -> list[Placed]:
     """The handovers of ``profile`` that the model's code holds when their makers run the forward
-    on ``options`` (one per block): those no maker's option saves."""
-    index = {b.name: i for i, b in enumerate(profile.blocks)}
-    return [Handed(maker=index[str(h.made_by)], dies=None if h.dies_after is None else index[h.dies_after],
-                   size=h.size_bytes)
-            for h in handovers(profile) if not saved_under(h, options[index[str(h.made_by)]])]
+    on ``options`` (one per block): those no maker's option saves (NOTE [ Handovers in a segment ]
+    in remat.plan.segment_estimate)."""
+    return [p for p in placed(profile) if not saved_under(p.record, options[p.maker])]
 
 
 class SegmentModel:
@@ -122,7 +110,7 @@ class SegmentModel:
     numbers ]); None-like when a block offers no ``keep`` or no ``recompute``."""
 
     def __init__(self, profile: Profile, chain: ChainConstraints | None = None,
-                 replayed: Profile | None = None, handed: Sequence[Handed] = ()) -> None:
+                 replayed: Profile | None = None, handed: Sequence[Placed] = ()) -> None:
         """``replayed``: the profile whose ``keep`` numbers a replay runs at, when they differ from
         ``profile``'s; ``handed``: the handovers the model's code holds in a segment's forward
         (NOTE [ Handovers in a segment ] in remat.plan.segment_estimate). A profile with handovers
