@@ -18,11 +18,12 @@ from collections.abc import Callable
 
 import pytest
 import torch
+from _tables import varied_chain
 from torch import nn
 
 import remat
 from remat.measure.notes import StepNotes
-from remat.measure.sides import note_sides, read_side_inputs, storage_key
+from remat.measure.sides import note_output, note_sides, read_side_inputs, storage_key, with_skips
 from remat.measure.tracer import measure_step
 from remat.plan.handovers import handovers
 from remat.plan.segment_estimate import estimate_segments
@@ -259,10 +260,19 @@ def test_a_view_made_between_blocks_ends_segments() -> None:
         assert not any(names.index(a) < 2 <= names.index(b) for a, b in plan.segments), plan.segments
 
 
+def _taking_key(key: int, held: list[torch.Tensor]) -> torch.Tensor:
+    """A new storage at ``key``, a dead one's: the allocator hands a freed address on soon."""
+    gc.collect()
+    while len(held) < 10_000 and storage_key(again := torch.randn(256)) != key:
+        held.append(again)
+    assert storage_key(again) == key, "no storage took the dead one's key"
+    return again
+
+
 def test_a_side_storage_that_takes_a_dead_ones_key_is_another_side_input() -> None:
     # NOTE [ Storage keys are reused ] in remat.measure.sides: T5's decoder position bias took the
     # key of the encoder's in some runs, and the two were read as one side input of both stacks.
-    hooks = StepNotes()
+    hooks, held = StepNotes(), []
     x0, x1 = torch.randn(8), torch.randn(8)
     hooks.order.append(0)
     hooks.running.append(0)
@@ -271,12 +281,25 @@ def test_a_side_storage_that_takes_a_dead_ones_key_is_another_side_input() -> No
     key = storage_key(bias)
     hooks.running.pop()
     del bias  # dies after block 0 ended
-    gc.collect()
-    held = []  # the allocator hands a freed storage's address to a later one
-    while len(held) < 10_000 and storage_key(again := torch.randn(256)) != key:
-        held.append(again)
-    assert storage_key(again) == key, "no storage took the dead one's key"
+    again = _taking_key(key, held)
     hooks.order.append(1)
     note_sides(hooks, 1, x1, (x1, again))
     records = read_side_inputs(hooks, hooks, {}, ["enc", "dec"])
     assert [(s.consumers, s.dies_after) for s in records] == [(["enc"], "enc"), (["dec"], None)]
+
+
+def test_a_side_storage_that_takes_a_dead_first_inputs_key_is_no_skip() -> None:
+    hooks, held = StepNotes(), []
+    x0 = torch.randn(256)
+    y0 = torch.randn(8)
+    hooks.order.append(0)
+    note_sides(hooks, 0, x0, (x0,))
+    note_output(hooks, 0, y0)
+    key = storage_key(x0)
+    del x0
+    again = _taking_key(key, held)
+    hooks.order.append(1)
+    note_sides(hooks, 1, y0, (y0, again))
+    prof = with_skips(hooks, varied_chain(2, 0), StepNotes())
+    assert prof.skip_bytes == {}
+    assert [s.consumers for s in read_side_inputs(hooks, hooks, {}, ["a", "b"])] == [["b"]]

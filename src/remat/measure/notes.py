@@ -5,10 +5,11 @@ The profiler's hooks (``remat.measure.marked.Hooks``) fill a ``StepNotes`` as th
 order the blocks ran in, their boundary bytes, the storages that cross block boundaries (side
 inputs, first inputs and outputs, what blocks return besides their output) and where each dies.
 ``remat.measure.sides`` and ``remat.measure.handovers`` read them into ``Crossing`` records;
-``remat.measure.attribution`` reads the boundaries. Storage keys are addresses, valid while the
-storage lives (NOTE [ Storage keys are reused ] in ``remat.measure.sides``). A death point is ``(position, ended)``: the forward position of the last
-block started when the storage was freed, and whether that block had ended (NOTE [ Where a side
-input dies ] in ``remat.plan.sides``).
+``remat.measure.attribution`` reads the boundaries. A storage is noted by its number in the step,
+not its key: a key is an address, another storage's once it dies (NOTE [ Storage keys are reused ]
+in ``remat.measure.sides``). A death point is ``(position, ended)``: the forward position of the
+last block started when the storage was freed, and whether that block had ended (NOTE [ Where a
+side input dies ] in ``remat.plan.sides``).
 """
 
 from __future__ import annotations
@@ -27,10 +28,9 @@ class Side(NamedTuple):
     """A storage that entered a block besides its first input."""
 
     key: int
-    """Its storage key (an address, valid while it lives)."""
+    """Its storage key when it entered (an address, valid while it lives)."""
     number: int
-    """Its number among the side storages of the step, in the order they first entered a block:
-    unlike the key, never another storage's."""
+    """Its storage number in the step (``remat.measure.sides.storage_number``)."""
     nbytes: int
 
 
@@ -51,37 +51,34 @@ class StepNotes:
     """The blocks whose forward has started and not ended, innermost last."""
     forward_done: bool = False
     """Whether the model's forward has returned (deaths after it are not noted)."""
+    # --- the storages noted: first inputs, outputs, side inputs ---
+    live_numbers: dict[int, int] = field(default_factory=dict)
+    """Storage key -> the number of the noted storage that has it, while that storage lives
+    (NOTE [ Storage keys are reused ] in ``remat.measure.sides``)."""
+    numbered: int = 0
+    """How many storages have been numbered so far."""
+    deaths: dict[int, DeathPoint] = field(default_factory=dict)
+    """Storage number -> where it died, when before the model's forward returned."""
     # --- side inputs (shape 1 of NOTE [ Tensors that cross a block boundary ] in remat.records) ---
     sides: dict[int, list[Side]] = field(default_factory=dict)
     """[block]: each storage entering it besides its first input."""
-    live_sides: dict[int, int] = field(default_factory=dict)
-    """Storage key -> the number of the side storage that has it, while that storage lives (NOTE
-    [ Storage keys are reused ] in ``remat.measure.sides``)."""
-    sides_seen: int = 0
-    """How many side storages have entered blocks so far."""
     skips_in: set[tuple[int, int]] = field(default_factory=set)
-    """(block, storage key): a side storage that is another block's first input or output, alive
+    """(block, storage number): a side storage that was another block's first input or output
     when it arrived (a skip)."""
-    deaths: dict[int, DeathPoint] = field(default_factory=dict)
-    """Side storage number -> where it died, when before the model's forward returned."""
     # --- first inputs and outputs ---
     firsts: set[int] = field(default_factory=set)
-    """Storages that were some block's first input or output."""
-    live_firsts: set[int] = field(default_factory=set)
-    """Those still alive."""
-    first_keys: dict[int, int] = field(default_factory=dict)
-    """[block]: the storage key of its first input."""
-    output_keys: dict[int, int] = field(default_factory=dict)
-    """[block]: the storage key of its first output, while that lives."""
+    """The numbers of the storages that were some block's first input or output."""
+    first_numbers: dict[int, int] = field(default_factory=dict)
+    """[block]: the storage number of its first input."""
+    output_numbers: dict[int, int] = field(default_factory=dict)
+    """[block]: the storage number of its first output."""
     first_of: dict[int, int] = field(default_factory=dict)
-    """[block]: the block whose live output its first input is (-1: none)."""
+    """[block]: the block whose output its first input is, the same storage (-1: none)."""
     output_refs: dict[int, Any] = field(default_factory=dict)
     """[block]: a weak reference to its first output, the tensor itself."""
     handed_on: dict[int, int] = field(default_factory=dict)
     """[block]: the block whose first output, the very tensor, its first input is (NOTE [ A first
     input made between blocks ] in ``remat.measure.sides``)."""
-    first_deaths: dict[int, DeathPoint] = field(default_factory=dict)
-    """[block]: where its first input died, when in the forward (NOTE [ The last block's input ])."""
     began: set[int] = field(default_factory=set)
     """The blocks whose backward has begun."""
     outlived: set[int] = field(default_factory=set)

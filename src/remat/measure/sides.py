@@ -22,12 +22,13 @@ import torch
 
 from remat.errors import ProfileError
 from remat.measure import step as _step
-from remat.measure.notes import Side, StepNotes
+from remat.measure.notes import DeathPoint, Side, StepNotes
 from remat.records import Crossing, Profile
 
 __all__ = [
     "StepNotes",
     "death_point",
+    "first_death",
     "first_tensor",
     "note_output",
     "note_sides",
@@ -35,6 +36,7 @@ __all__ = [
     "noting_saved",
     "read_side_inputs",
     "storage_key",
+    "storage_number",
     "with_skips",
 ]  # fmt: skip
 
@@ -52,43 +54,48 @@ def first_tensor(obj: Any) -> torch.Tensor | None:
     return None
 
 
+def storage_number(hooks: StepNotes, t: torch.Tensor) -> int:
+    """The number of ``t``'s storage among those ``hooks`` noted in this step: unlike its key,
+    never another storage's (NOTE [ Storage keys are reused ]); where it dies is noted."""
+    key, live = storage_key(t), hooks.live_numbers
+    if key not in live:
+        live[key] = number = hooks.numbered
+        hooks.numbered += 1
+        weakref.finalize(t.untyped_storage(), _died, hooks, key, number)
+    return live[key]
+
+
+def _died(hooks: StepNotes, key: int, number: int) -> None:
+    del hooks.live_numbers[key]
+    if (at := death_point(hooks)) is not None:
+        hooks.deaths[number] = at
+
+
 def note_sides(hooks: StepNotes, i: int, x: torch.Tensor | None, inputs: Any) -> None:
     """Note the tensors entering block i besides ``x``, once per storage, on ``hooks``."""
     seen = set(hooks.base_keys)
-    alive = hooks.live_firsts  # NOTE [ Storage keys are reused ]
     if x is not None:
-        _note_live(hooks, x)
-        hooks.firsts.add(storage_key(x))
+        number = storage_number(hooks, x)
+        hooks.firsts.add(number)
         seen.add(storage_key(x))
-        hooks.first_keys[i] = storage_key(x)
-        weakref.finalize(x.untyped_storage(), _first_died, hooks, i)  # NOTE [ The last block's input ]
-        live = hooks.output_keys  # NOTE [ Storage keys are reused ]
-        hooks.first_of[i] = next((j for j, key in live.items() if key == storage_key(x)), -1)
+        hooks.first_numbers[i] = number
+        hooks.first_of[i] = next((j for j, n in hooks.output_numbers.items() if n == number), -1)
         if (j := next((j for j, ref in hooks.output_refs.items() if ref() is x), None)) is not None:
             hooks.handed_on[i] = j
     hooks.sides[i] = []
     for t in _step.tensors_in(inputs):
         if storage_key(t) not in seen and (x is None or t.device == x.device):
             seen.add(storage_key(t))
-            hooks.sides[i].append(Side(storage_key(t), _side_number(hooks, t), t.untyped_storage().nbytes()))
-            if storage_key(t) in alive:  # a block's first input or output, alive: a skip
-                hooks.skips_in.add((i, storage_key(t)))
+            number = storage_number(hooks, t)
+            hooks.sides[i].append(Side(storage_key(t), number, t.untyped_storage().nbytes()))
+            if number in hooks.firsts:  # a block's first input or output (alive: here): a skip
+                hooks.skips_in.add((i, number))
 
 
-def _side_number(hooks: StepNotes, t: torch.Tensor) -> int:
-    """The number of ``t``'s storage among the step's side storages; a new one for a storage that
-    took the key of one that died (NOTE [ Storage keys are reused ])."""
-    key, live = storage_key(t), hooks.live_sides
-    if key not in live:
-        live[key] = number = hooks.sides_seen
-        hooks.sides_seen += 1
-        weakref.finalize(t.untyped_storage(), _died, hooks, key, number)
-    return live[key]
-
-
-def _first_died(hooks: StepNotes, i: int) -> None:
-    if (at := death_point(hooks)) is not None:
-        hooks.first_deaths[i] = at
+def first_death(hooks: StepNotes, i: int) -> DeathPoint | None:
+    """Where block i's first input died, when in the forward (NOTE [ The last block's input ] in
+    ``remat.measure.attribution``)."""
+    return hooks.deaths.get(hooks.first_numbers[i]) if i in hooks.first_numbers else None
 
 
 def head_frees_last_input(hooks: StepNotes) -> int:
@@ -98,15 +105,9 @@ def head_frees_last_input(hooks: StepNotes) -> int:
     if not hooks.order:
         return 0
     last = hooks.order[-1]
-    if hooks.first_deaths.get(last) != (len(hooks.order) - 1, True):
+    if first_death(hooks, last) != (len(hooks.order) - 1, True):
         return 0
     return hooks.in_bytes.get(last, 0)
-
-
-def _died(hooks: StepNotes, key: int, number: int) -> None:
-    del hooks.live_sides[key]
-    if (at := death_point(hooks)) is not None:
-        hooks.deaths[number] = at
 
 
 def death_point(hooks: StepNotes) -> tuple[int, bool] | None:
@@ -132,34 +133,24 @@ def noting_deaths(hooks: StepNotes, model: torch.nn.Module) -> Iterator[None]:
 def note_output(hooks: StepNotes, i: int, y: torch.Tensor | None) -> None:
     """Note block i's first output (``y``), a storage that is no side input of later blocks."""
     if y is not None:
-        _note_live(hooks, y)
-        hooks.firsts.add(storage_key(y))
-        hooks.output_keys[i] = storage_key(y)
+        number = storage_number(hooks, y)
+        hooks.firsts.add(number)
+        hooks.output_numbers[i] = number
         hooks.output_refs[i] = weakref.ref(y)
-        weakref.finalize(y.untyped_storage(), _output_died, hooks, i, storage_key(y))
+        weakref.finalize(y.untyped_storage(), _output_died, hooks, i)
 
 
-def _note_live(hooks: StepNotes, t: torch.Tensor) -> None:
-    """Note ``t``'s storage as a block's first input or output while it lives."""
-    key = storage_key(t)
-    live = hooks.live_firsts
-    if key not in live:
-        live.add(key)
-        weakref.finalize(t.untyped_storage(), live.discard, key)
+# NOTE [ Storage keys are reused ]
+# A storage key is an address, and a freed storage's address is soon another's: a UNet's
+# interpolated and concatenated input can take the key of the output it was computed from, once
+# that output is freed, and in some runs T5's decoder position bias took the key of the encoder's
+# (the two plain steps of a profile then disagreed on the side inputs: a flaky ``ProfileError``).
+# So what the hooks note of first inputs, outputs and side inputs is a storage's number in the step
+# (``storage_number``), given while it lives, never another's; a key is only compared with storages
+# alive at the same moment (the base, one call's inputs, what the forward saves).
 
 
-def _output_died(hooks: StepNotes, i: int, key: int) -> None:
-    """# NOTE [ Storage keys are reused ]
-    A storage key is an address, and a freed storage's address is soon another's: a UNet's
-    interpolated and concatenated input can take the key of the output it was computed from,
-    once that output is freed. So an output's key is dropped when its storage dies, and a
-    block's first input is matched, when it arrives, only against the outputs still alive; and a
-    side storage is known by its number (``Side.number``), not its key: in some runs T5's decoder
-    position bias took the key of the encoder's, dead by then, and the two plain steps of a
-    profile disagreed on the side inputs (a flaky ``ProfileError``)."""
-    live = hooks.output_keys
-    if live.get(i) == key:
-        del live[i]
+def _output_died(hooks: StepNotes, i: int) -> None:
     if i in hooks.began:  # NOTE [ A replay's cache holds the block's output ]
         hooks.outlived.add(i)
 
@@ -189,8 +180,8 @@ def replay_holds_output(selective: StepNotes, recompute: StepNotes, keep: StepNo
     ``selective`` (a replay's cache held it) but not on ``recompute``, and whose next block, kept,
     let it go in the forward (NOTE [ A replay's cache holds the block's output ])."""
     held = selective.outlived - recompute.outlived
-    deaths, first_of = keep.first_deaths, keep.first_of
-    return sorted(i for i in held if any(first_of.get(j) == i and j in deaths for j in first_of))
+    first_of = keep.first_of
+    return sorted(i for i in held if any(first_of.get(j) == i and first_death(keep, j) is not None for j in first_of))
 
 
 @contextmanager
@@ -226,7 +217,7 @@ def _in_order(hooks: StepNotes) -> list[tuple[Side, list[int]]]:
     found: dict[int, tuple[Side, list[int]]] = {}
     for i in hooks.order:
         for side in hooks.sides.get(i, []):
-            if (i, side.key) in hooks.skips_in:  # judged when it arrived
+            if (i, side.number) in hooks.skips_in:  # judged when it arrived
                 continue
             found.setdefault(side.number, (side, []))[1].append(i)
     return list(found.values())
@@ -300,8 +291,8 @@ def with_skips(traced: StepNotes, profile: Profile, unsaved: StepNotes) -> Profi
     forward that saves nothing (NOTE [ A first input the model's code holds ])."""
     # The hooks number blocks as found; the profile lists them as they ran.
     names = {i: block.name for i, block in zip(traced.order, profile.blocks)}
-    first_keys, first_of = traced.first_keys, traced.first_of
-    firsts = {key: i for i, key in first_keys.items()}
+    first_numbers, first_of = traced.first_numbers, traced.first_of
+    firsts = {number: i for i, number in first_numbers.items()}
     skips: dict[str, int] = {}
 
     def add(j: int, nbytes: int) -> None:
@@ -310,15 +301,15 @@ def with_skips(traced: StepNotes, profile: Profile, unsaved: StepNotes) -> Profi
 
     for i in traced.order:
         for side in traced.sides.get(i, []):
-            if side.key in traced.firsts:  # both ends: the block receiving it, the block whose input it is
-                for j in {i, firsts.get(side.key, i)}:
+            if side.number in traced.firsts:  # both ends: the block receiving it, the block whose input it is
+                for j in {i, firsts.get(side.number, i)}:
                     add(j, side.nbytes)
     for a, b in zip(traced.order, traced.order[1:]):  # NOTE [ A first input made between blocks ]
-        if b in first_keys and (first_of.get(b) != a or traced.handed_on.get(b) != a):
+        if b in first_numbers and (first_of.get(b) != a or traced.handed_on.get(b) != a):
             add(b, 0)
     position = {i: k for k, i in enumerate(unsaved.order)}
     for i in unsaved.order[1:]:  # NOTE [ A first input the model's code holds ]
-        died = unsaved.first_deaths.get(i)
-        if i in unsaved.first_keys and (died is None or died[0] > position[i]):
+        died = first_death(unsaved, i)
+        if i in unsaved.first_numbers and (died is None or died[0] > position[i]):
             add(i, unsaved.in_bytes.get(i, 0))
     return dataclasses.replace(profile, skip_bytes=skips)
