@@ -249,7 +249,37 @@ def test_block_running_twice_is_refused() -> None:
             return x
 
     with pytest.raises(ProfileError, match="ran twice in one step"):
-        profile(Twice(), torch.randn(2, 8), repeats=1)
+        profile(Twice(), torch.randn(2, 8), blocks=["layers.0", "layers.1"], repeats=1)
+    # NOTE [ Blocks by what runs ] in remat.manual.blocks, rule 6: remat's own choice is no error
+    with pytest.warns(UserWarning, match=r"\['layers.0'\] ran more than once in one training step"):
+        prof = profile(Twice(), torch.randn(2, 8), repeats=1)
+    assert [b.name for b in prof.blocks] == ["layers.1"]
+
+
+def test_a_weight_tied_layer_inside_nested_lists_is_no_block() -> None:
+    class Layer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.norm, self.ff = nn.LayerNorm(16), nn.Linear(16, 16)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x + self.ff(self.norm(x))
+
+    class Tied(nn.Module):  # perceiver-pytorch's weight_tie_layers: the later pairs are one pair
+        def __init__(self) -> None:
+            super().__init__()
+            shared = [Layer(), Layer()]
+            self.layers = nn.ModuleList([nn.ModuleList([Layer(), Layer()]), *(nn.ModuleList(shared) for _ in range(3))])
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for attn, ff in self.layers:
+                x = ff(attn(x))
+            return x
+
+    torch.manual_seed(0)
+    with pytest.warns(UserWarning, match=r"\['layers.1.0', 'layers.1.1'\] ran more than once"):
+        prof = profile(Tied(), torch.randn(2, 8, 16), repeats=1)
+    assert [b.name for b in prof.blocks] == ["layers.0.0", "layers.0.1"]
 
 
 class _Caching(nn.Module):
@@ -304,3 +334,26 @@ def test_a_storage_no_step_frees_is_not_named(how: str) -> None:
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message=".*keeps tensors of each training step.*")
         profile(_caching_model(how), torch.randn(16, 32), loss_fn=lambda out, b: out.sum())
+
+
+class _Stabilised(nn.Module):
+    """A softmax kernel's stabiliser: a branch the forward cuts off (``amax`` saves its own output)."""
+
+    def __init__(self, d: int = 32) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(d, 8 * d), nn.Linear(8 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.up(x)
+        return x + self.down(torch.exp(h - h.amax(-1, keepdim=True).detach()))
+
+
+def test_a_branch_the_forward_detaches_is_freed_as_in_the_plain_step() -> None:
+    # NOTE [ What the saving hook holds ] in remat.measure.sides
+    torch.manual_seed(0)
+    model, x = nn.Sequential(*[_Stabilised() for _ in range(4)]), torch.randn(4, 64, 32)
+    loss_fn = lambda out, batch: out.square().mean()  # noqa: E731
+    prof = profile(model, x, loss_fn=loss_fn, repeats=1)
+    plain = measure_step(model, x, loss_fn=loss_fn, repeats=0).peak_bytes
+    assert prof.plain_peak_bytes == plain
+    assert estimate(prof, dict.fromkeys([b.name for b in prof.blocks], "keep")).peak_bytes == plain

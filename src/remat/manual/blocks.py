@@ -159,6 +159,10 @@ def no_blocks(model: nn.Module) -> BlockError:
 #    reversible and plain paths share their layers) is counted under its first name only, which
 #    may be in a path that never runs as a whole (a shared layer's name under the reversible
 #    blocks, while the plain blocks that hold it run).
+# 6. A module that runs more than once (a weight-tied layer the model calls in every iteration of its
+#    loop: perceiver-pytorch's ``weight_tie_layers``, ALBERT) is no block, nor is anything in it:
+#    remat's cost model replays each block once. Its calls are the model's code between blocks, and
+#    the profiler says so (``repeated``).
 # So every block remat chooses has run once in that forward: a block that does not run is never the
 # user's error. One that runs with gradients only after the forward (in the model's own backward: a
 # reversible network) has nothing to checkpoint, and is refused with that reason.
@@ -180,13 +184,21 @@ class Calls:
     """The modules whose first call's hidden input (first floating-point tensor) requires grad."""
 
 
-def by_calls(model: nn.Module, found: list[tuple[str, nn.Module]], calls: Calls) -> list[tuple[str, nn.Module]]:
-    """The blocks found by containers, settled by what ran (NOTE [ Blocks by what runs ])."""
+def by_calls(model: nn.Module, found: list[tuple[str, nn.Module]], calls: Calls
+             ) -> tuple[list[tuple[str, nn.Module]], list[str]]:
+    """The blocks found by containers, settled by what ran (NOTE [ Blocks by what runs ]), and the
+    modules left out because they ran more than once (rule 6)."""
     blocks: list[tuple[str, nn.Module]] = []
     stacks: dict[str, list[bool]] = {}
+    repeated: list[str] = []  # rule 6
+    canonical = {id(m): n for n, m in model.named_modules()}  # rule 5
     for name, module in found:
-        within = [(name, module)] if name in calls.count else _running_within(name, module, calls)
-        stacks.setdefault(name.rpartition(".")[0], []).append(bool(within))
+        if calls.count.get(name, 0) > 1:
+            repeated.append(name)
+            continue
+        tied = len(repeated)
+        within = [(name, module)] if name in calls.count else _running_within(name, module, calls, canonical, repeated)
+        stacks.setdefault(name.rpartition(".")[0], []).append(bool(within) or len(repeated) > tied)
         blocks += within
     if skipped := [stack for stack, ran in stacks.items() if any(ran) and not all(ran)]:
         missing = [n for n, _ in found if n.rpartition(".")[0] in skipped and not any(
@@ -199,23 +211,28 @@ def by_calls(model: nn.Module, found: list[tuple[str, nn.Module]], calls: Calls)
     above = {".".join(n.split(".")[:k]) for n in taken for k in range(n.count(".") + 1)}  # with the root, ""
     blocks += _uncovered(model, "", taken, above, calls, last_end)
     order = {n: i for i, (n, _) in enumerate(model.named_modules())}
-    return sorted(_outermost(blocks), key=lambda b: order[b[0]])
+    return sorted(_outermost(blocks), key=lambda b: order[b[0]]), list(dict.fromkeys(repeated))
 
 
 def _outermost(blocks: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
     """The blocks inside no other, by object (rule 5): a module the model holds under two names
     is one module, named once (``named_modules`` gives the first name)."""
     inner = {id(m) for _, block in blocks for m in block.modules() if m is not block}
-    return [(n, b) for n, b in blocks if id(b) not in inner]
+    return list({id(b): (n, b) for n, b in blocks if id(b) not in inner}.values())
 
 
-def _running_within(name: str, module: nn.Module, calls: Calls) -> list[tuple[str, nn.Module]]:
-    """The outermost modules inside ``module`` that ran and hold parameters (rule 1)."""
+def _running_within(name: str, module: nn.Module, calls: Calls, canonical: dict[int, str],
+                    repeated: list[str]) -> list[tuple[str, nn.Module]]:
+    """The outermost modules inside ``module`` that ran once and hold parameters (rule 1), each by
+    its first name (``canonical``); those that ran more than once are added to ``repeated`` (rule
+    6)."""
     found: list[tuple[str, nn.Module]] = []
-    for child_name, child in module.named_children():
-        full = f"{name}.{child_name}"
+    for child in module.children():
+        full = canonical[id(child)]
         if full not in calls.count:
-            found += _running_within(full, child, calls)
+            found += _running_within(full, child, calls, canonical, repeated)
+        elif calls.count[full] > 1:
+            repeated.append(full)
         elif _param_count(child) > 0 and full in calls.grads:
             found.append((full, child))
     return found

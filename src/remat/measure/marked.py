@@ -220,7 +220,14 @@ def running(model: nn.Module, named: list[tuple[str, nn.Module]], explicit: bool
             raise ProfileError(f"blocks {missing} did not run in the training step; remat plans blocks that run "
                                "once per step with gradients (check blocks=, and that the model trains)")
         return named
-    kept = by_calls(model, named, calls)
+    kept, repeated = by_calls(model, named, calls)
+    if repeated:
+        warnings.warn(
+            f"{repeated[:4]}{' ...' if len(repeated) > 4 else ''} ran more than once in one training step "
+            "(weight-tied layers); remat plans modules that run once per step, so these keep their "
+            "activations as in the plain step. To checkpoint them, wrap each call in the model's code with "
+            "remat.checkpoint (NOTE [ Blocks by what runs ] in remat.manual.blocks, rule 6)",
+            stacklevel=_outside_remat())
     if not kept:
         if inside := [b for b, _ in named if b in late] or sorted(
                 n for n in late if any(n.startswith(b + ".") for b, _ in named)):
