@@ -357,3 +357,38 @@ def test_a_branch_the_forward_detaches_is_freed_as_in_the_plain_step() -> None:
     plain = measure_step(model, x, loss_fn=loss_fn, repeats=0).peak_bytes
     assert prof.plain_peak_bytes == plain
     assert estimate(prof, dict.fromkeys([b.name for b in prof.blocks], "keep")).peak_bytes == plain
+
+
+class _ScaledInPlace(nn.Module):
+    """fairseq's and ESM's attention: the query projection's output scaled in place."""
+
+    def __init__(self, d: int = 32) -> None:
+        super().__init__()
+        self.q, self.k, self.out = nn.Linear(d, d), nn.Linear(d, d), nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q = self.q(x)
+        q *= 0.5
+        return x + self.out(torch.softmax(q @ self.k(x).transpose(-1, -2), -1) @ x)
+
+
+def test_a_block_that_changes_a_kept_output_in_place_is_planned_without_selective() -> None:
+    # NOTE [ A kept output changed in place ] in remat.measure.marked
+    import remat
+
+    torch.manual_seed(0)
+    model, x = nn.Sequential(*[_ScaledInPlace() for _ in range(4)]), torch.randn(4, 64, 32)
+    loss_fn = lambda out, batch: out.square().mean()  # noqa: E731
+    with pytest.warns(UserWarning, match="offers no 'selective'"):
+        prof = profile(model, x, loss_fn=loss_fn, repeats=1)
+    assert "selective" not in prof.options and {"keep", "recompute"} <= set(prof.options)
+    plain = measure_step(model, x, loss_fn=loss_fn, repeats=0).peak_bytes
+    assert prof.plain_peak_bytes == plain
+    with pytest.warns(UserWarning, match="offers no 'selective'"):
+        estimated = profile(lambda: nn.Sequential(*[_ScaledInPlace() for _ in range(4)]), x, loss_fn=loss_fn, device="cpu")
+    assert "selective" not in estimated.options
+    with pytest.warns(UserWarning, match="offers no 'selective'"):  # the step does not fit: no plain step
+        plan, report = remat.auto(model, x, int(0.7 * plain), loss_fn=loss_fn, repeats=1, verify=True)
+    remat.remove(model)
+    assert not plan.plain_ran and "selective" not in plan.choices.values()
+    assert report.fits and report.grads_equal and report.max_grad_diff == 0

@@ -282,7 +282,7 @@ class _Timing:
             log.warning("remat: not even every block recomputed fits the budget of %s (only nested "
                         "segments do): the profile's times are the roofline's, not measured",
                         format_bytes(self.budget))
-            return Measured(times={o: self.run.times[o] for o in ("keep", "selective")}, heads=self.run.heads,
+            return Measured(times={o: t for o, t in self.run.times.items() if o in ("keep", "selective")}, heads=self.run.heads,
                             tiles=self.run.tiles, scratch=self.scratch, roofline=True)
         lean_blocks, lean_parts = self._measure(self.lean, self.head)
         self.scratch.add("recompute", self.names, lean_blocks)
@@ -292,7 +292,7 @@ class _Timing:
         tiled = self.run.tiles
         groups = {
             "keep": self._groups("keep", lambda i: True),
-            "selective": self._groups("selective", lambda i: True),
+            "selective": self._groups("selective", lambda i: "selective" in self.fake.options),
             "tiled": self._groups("tiled", lambda i: self.names[i] in tiled),
         }
         for option, gs in groups.items():
@@ -313,7 +313,8 @@ class _Timing:
         timed = {o: [(g, next(rest)) for g in gs] for o, gs in groups.items()}
         keep = self._keep(lean, timed["keep"], by_head.get(HEAD_KEEP))
         return Measured(
-            times={"keep": keep, "selective": self._selective(keep, timed["selective"])},
+            times={"keep": keep} | ({"selective": self._selective(keep, timed["selective"])}
+                                    if "selective" in self.fake.options else {}),
             heads=self._heads(by_head), tiles=self._tiles(keep, timed["tiled"]), scratch=self.scratch,
         )  # fmt: skip
 

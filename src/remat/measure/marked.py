@@ -170,11 +170,35 @@ def option_runs(model: nn.Module, named: list[tuple[str, nn.Module]], batch: Any
         with every_block(named, option):
             model.zero_grad(set_to_none=True)
             m = meter()
-            with m:
-                hooks = marked_step(model, named, batch, loss_fn, optimizer, m.mark, keys, saves=option == "keep")
+            try:
+                with m:
+                    hooks = marked_step(model, named, batch, loss_fn, optimizer, m.mark, keys, saves=option == "keep")
+            except RuntimeError as e:
+                if option != "selective" or _MUTATED not in str(e):
+                    raise
+                _warn_no_selective(e)
+                continue
             runs[option] = (m, hooks)
     warn_carried(held, model)
     return runs
+
+
+# NOTE [ A kept output changed in place ]
+# ``selective`` keeps the outputs of a block's matmuls for its replay, and torch refuses a replay
+# whose kept output the block's forward then changed in place (fairseq's and ESM's ``q *=
+# self.scaling`` after the query projection): the saved value is no longer the matmul's. Such a
+# model is planned without ``selective``: its step under it fails in the profiler's run, which is
+# then left out, and the profile offers keep, recompute and the rest.
+_MUTATED = "cached during selective activation checkpoint has been mutated"
+
+
+def _warn_no_selective(error: RuntimeError) -> None:
+    warnings.warn(
+        "a block changes in place the output of an op that remat's 'selective' option keeps for the "
+        f"backward (torch: {error}), so the profile offers no 'selective'. To have it, make the change "
+        "out of place (q = q * scaling for q *= scaling) (NOTE [ A kept output changed in place ])",
+        stacklevel=_outside_remat(),
+    )
 
 
 def running(model: nn.Module, named: list[tuple[str, nn.Module]], explicit: bool,

@@ -165,8 +165,9 @@ def _measured(
         # Timed in turns, so that a change in the machine's load hits both options alike.
         marked = functools.partial(marked_step, model, named, batch, loss_fn, optimizer, base_keys=keys)
         runner = StepRunner(marked, model, device=device, repeats=repeats)
-        timed = runner.times([functools.partial(every_block, named, o) for o in ("keep", "selective")])
-        times = dict(zip(("keep", "selective"), timed))
+        timed_options: list[str] = [o for o in ("keep", "selective") if o in runs]  # NOTE [ A kept output changed in place ]
+        timed = runner.times([functools.partial(every_block, named, o) for o in timed_options])
+        times = dict(zip(timed_options, timed))
         # NOTE [ The head's options ] in remat.records; NOTE [ The tiled MLP ] in remat.manual.tiled
         heads, tiles = measure_heads(model, named, runner), measure_tiles(named, runner)
         extra = measure_compiled(named, runner, compiled, sides, traces["keep"])  # NOTE [ Compiled blocks ]
