@@ -177,7 +177,7 @@ def test_verified_auto_solves_again_until_the_plan_measures_within_budget(
     from remat.measure.tracer import measure_step
 
     # A profile blind to side inputs (as before they were crossings) mispredicts this model.
-    monkeypatch.setattr(marked, "side_inputs", lambda *args: [])
+    monkeypatch.setattr(marked, "read_side_inputs", lambda *args: [])
     torch.manual_seed(0)
     model, batch = SideInput(), (torch.randint(0, 64, (8, 128)),)
     plain = measure_step(model, batch, loss_fn=_side_loss, repeats=0).peak_bytes
