@@ -4,12 +4,13 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 LIBS_ZOO := diffusers x-transformers vit-pytorch litgpt peft einops einx loguru torch-einops-utils \
-	requests urllib3 certifi charset-normalizer frozendict
+	requests urllib3 certifi charset-normalizer frozendict \
+	performer-pytorch local-attention axial-positional-embedding hyper-connections perceiver-pytorch
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
 .PHONY: demo test lint typecheck bench install clean
 
-$(STAMP): pyproject.toml constraints.txt
+$(STAMP): pyproject.toml constraints.txt Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	# torch first, pinned to the CPU build on this machine's disk; everything else under the constraint.
 	$(BIN)/pip install -q torch==2.13.0

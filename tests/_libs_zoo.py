@@ -10,7 +10,10 @@ The shapes they bring: diffusers' UNets keep their down path as a list of differ
 their middle block as a lone attribute; vit-pytorch and x-transformers keep each layer as a
 ``ModuleList`` of ``ModuleList``s iterated by their own loop (``for attn, ff in self.layers``);
 litgpt has its own layer loop with rotary tables passed to every block; peft freezes the base
-model, so the first block's input does not require grad.
+model, so the first block's input does not require grad; performer-pytorch computes its random
+features in a branch it detaches, and counts its calls in a buffer; perceiver-pytorch's
+``weight_tie_layers`` calls one module for every layer after the first (no block: it runs more
+than once per step).
 """
 
 from __future__ import annotations
@@ -131,6 +134,24 @@ def peft_lora_llama() -> Built:
     return model.train(), {"input_ids": _ids()}, lambda output, batch: _lm_loss(output, (batch["input_ids"],))
 
 
+def performer_lm() -> Built:
+    from performer_pytorch import PerformerLM
+
+    torch.manual_seed(0)
+    model = PerformerLM(num_tokens=256, max_seq_len=128, dim=64, depth=4, heads=4, causal=False,
+                        feature_redraw_interval=None)
+    return model.train(), (_ids(),), _lm_loss
+
+
+def perceiver_tied() -> Built:
+    from perceiver_pytorch import Perceiver
+
+    torch.manual_seed(0)
+    model = Perceiver(input_channels=3, input_axis=2, num_freq_bands=4, max_freq=10.0, depth=4, num_latents=32,
+                      latent_dim=64, latent_heads=2, cross_heads=1, num_classes=10, weight_tie_layers=True)
+    return model.train(), (torch.randn(BATCH, 16, 16, 3, generator=_gen()),), _class_loss
+
+
 LIBS: dict[str, Callable[[], Built]] = {
     "diffusers-unet": diffusers_unet,
     "diffusers-cond-unet": diffusers_cond_unet,
@@ -138,4 +159,9 @@ LIBS: dict[str, Callable[[], Built]] = {
     "x-transformers-gpt": x_transformers_gpt,
     "litgpt-gpt": litgpt_gpt,
     "peft-lora-llama": peft_lora_llama,
+    "performer-lm": performer_lm,
+    "perceiver-tied": perceiver_tied,
 }
+
+# What profiling a model warns of (a match for pytest.warns): the tests expect it.
+WARNS: dict[str, str] = {"perceiver-tied": "ran more than once in one training step"}

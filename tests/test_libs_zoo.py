@@ -5,11 +5,12 @@ Per model: the blocks cover the step (remat's smallest feasible peak is at or be
 checkpoint on every one of them, and below the library's own gradient checkpointing where it has
 one); plans at 60%, 40% and the smallest feasible budget, applied without verifying, measure at or
 below their prediction, with the plain step's gradients; ``remove`` gives the
-model back as it was.
+model back as it was (but for what the model's own step changes: performer's call counter).
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 from typing import Any
@@ -79,13 +80,17 @@ def case(request: pytest.FixtureRequest) -> dict[str, Any]:
     and the library's own checkpointing."""
     name = request.param
     model, batch, loss_fn = _build(name)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
     plain_grads = _grads(model, batch, loss_fn)
+    moving = {k for k, v in model.state_dict().items() if not torch.equal(v, before[k])}  # the model's own counters
     plain = _peak(model, batch, loss_fn)
-    prof = remat.profile(model, batch, loss_fn=loss_fn, repeats=1)
+    warns = _libs_zoo.WARNS.get(name)
+    with pytest.warns(UserWarning, match=warns) if warns else contextlib.nullcontext():
+        prof = remat.profile(model, batch, loss_fn=loss_fn, repeats=1)
     names = [b.name for b in prof.blocks]
     with pytest.raises(remat.InfeasibleBudget) as refused:
         remat.solve(prof, 1)
-    return {"name": name, "model": model, "batch": batch, "loss_fn": loss_fn, "grads": plain_grads,
+    return {"name": name, "model": model, "batch": batch, "loss_fn": loss_fn, "grads": plain_grads, "moving": moving,
             "plain": plain, "profile": prof, "smallest": refused.value.smallest_bytes,
             "torch": _torch_every_block(model, names, batch, loss_fn),
             "library": _library_checkpointing(model, batch, loss_fn)}
@@ -124,4 +129,4 @@ def test_every_plan_fits_without_verifying(case: dict[str, Any], budget: str) ->
             assert torch.equal(g, plain_grads[n]), n
         else:
             torch.testing.assert_close(g, plain_grads[n], rtol=1e-4, atol=1e-6)
-    assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
+    assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items() if k not in case["moving"])
