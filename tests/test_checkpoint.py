@@ -456,3 +456,44 @@ def test_one_tensor_passed_twice_under_a_saved_tensor_hook(mode: str) -> None:
     q.grad = x.grad = None
     mha(q, x, x)[0].sum().backward()
     assert torch.equal(grads[0], q.grad) and torch.equal(grads[1], x.grad)
+
+
+class _WrapsItsErrors(nn.Module):
+    """A block that re-raises every error of its ops as its own, as einx does (x-transformers)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 16), nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        try:
+            return self.b(torch.tanh(self.a(x))) * 2
+        except Exception as e:
+            raise RuntimeError("the library's own error") from e
+
+
+@pytest.mark.parametrize("mode", ["recompute", "selective", "tiled"])
+def test_a_block_that_wraps_errors_recomputes(mode: str) -> None:
+    """NOTE [ A recompute stopped early ]: torch's early stop passes through the block's own
+    error; torch's checkpoint fails there (the control)."""
+    torch.manual_seed(0)
+    block = _WrapsItsErrors()
+    x = torch.randn(2, 8, 16, requires_grad=True)
+    with pytest.raises(RuntimeError, match="the library's own error"):
+        torch_checkpoint(block, x, use_reentrant=False).sum().backward()
+    block.zero_grad()
+    x.grad = None
+    block(x).sum().backward()
+    plain = [p.grad.clone() for p in [x, *block.parameters()]]
+    block.zero_grad()
+    x.grad = None
+    if mode == "tiled":
+        from remat.manual.tiled import _tile_forward
+
+        out = torch.cat([torch_checkpoint(_tile_forward, block, x[:, i:i + 4], use_reentrant=False)
+                         for i in (0, 4)], dim=1)
+    else:
+        out = checkpoint_call(block, (x,), mode=mode)
+    out.sum().backward()
+    for got, want in zip([x, *block.parameters()], plain):
+        assert torch.allclose(got.grad, want)

@@ -19,11 +19,12 @@ import contextlib
 import functools
 import itertools
 import logging
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import _StopRecomputationError as _StopRecomputation
 from torch.utils.checkpoint import checkpoint as _torch_checkpoint
 from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
@@ -237,8 +238,31 @@ class _Staged:
             with self.fwd:
                 return self.fn(*args, **self.kwargs)
         roots = module_roots(self.fn, self.kwargs) + self.arg_roots
-        with self.rec, RestoreRunningStats(roots):
+        with self.rec, RestoreRunningStats(roots), stop_passes_through():
             return self.fn(*args, **self.kwargs)
+
+
+# NOTE [ A recompute stopped early ]
+# torch stops a recompute once it holds every tensor the backward needs, by raising its own
+# ``_StopRecomputationError`` inside the block's forward, to be caught around it. A library that
+# re-raises every error of its calls as its own (einx, which x-transformers calls for masks and
+# residuals) hides it, and the backward fails: the same block runs with torch's checkpoint only
+# with ``early_stop=False``. A recompute re-raises torch's error wherever it finds it in the chain.
+
+
+@contextlib.contextmanager
+def stop_passes_through() -> Iterator[None]:
+    """Re-raise torch's early stop of a recompute that the block's code wrapped in its own error
+    (NOTE [ A recompute stopped early ])."""
+    try:
+        yield
+    except Exception as e:
+        cause: BaseException | None = e
+        while cause is not None and not isinstance(cause, _StopRecomputation):
+            cause = cause.__cause__ or cause.__context__
+        if cause is None or cause is e:
+            raise
+        raise cause from None
 
 
 # NOTE [ Recompute with offloaded inputs ]

@@ -29,6 +29,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint as _torch_checkpoint
 
 from remat.errors import BlockError
+from remat.manual.checkpoint import stop_passes_through
 
 __all__ = ["find_mlp", "is_tiled", "tile_block", "tiles", "untile_block"]
 
@@ -92,7 +93,7 @@ class TiledForward:
         out = []
         for row in range(rows.shape[0]):
             parts = [
-                _torch_checkpoint(original, _tile(rows, row, start, min(size, seq - start), x.dim()),
+                _torch_checkpoint(_tile_forward, original, _tile(rows, row, start, min(size, seq - start), x.dim()),
                                   use_reentrant=False)
                 for start in range(0, seq, size)
             ]  # fmt: skip
@@ -135,3 +136,8 @@ def untile_block(block: nn.Module) -> None:
 def is_tiled(block: nn.Module) -> bool:
     """Whether ``block``'s MLP runs in tiles."""
     return any(_RECORD in m.__dict__ for m in block.children())
+
+
+def _tile_forward(mlp: Any, tile: torch.Tensor) -> Any:
+    with stop_passes_through():  # NOTE [ A recompute stopped early ] in remat.manual.checkpoint
+        return mlp(tile)
