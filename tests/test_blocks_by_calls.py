@@ -15,6 +15,7 @@ from torch import nn
 
 import remat
 from remat.errors import ProfileError
+from remat.manual.blocks import find_blocks
 from remat.measure.tracer import measure_step
 
 
@@ -191,3 +192,135 @@ def test_blocks_run_only_in_the_backward_are_refused_with_the_reason(blocks: lis
     batch = (torch.randint(0, 64, (4, 32), generator=torch.Generator().manual_seed(1)),)
     with pytest.raises(ProfileError, match=r"only after the model's forward returned.*reversible"):
         remat.profile(model, batch, loss_fn=_loss, repeats=1, blocks=blocks)
+
+
+def _fits_at_the_floor(model: nn.Module, batch: Any) -> remat.Profile:
+    """The profile of ``model``, and its floor plan measured at or below its prediction."""
+    prof = remat.profile(model, batch, loss_fn=_mean_square, repeats=1)
+    with pytest.raises(remat.InfeasibleBudget) as refused:
+        remat.solve(prof, 1)
+    assert refused.value.smallest_bytes is not None
+    plan = remat.solve(prof, refused.value.smallest_bytes)
+    remat.apply(model, plan)
+    try:
+        measured = measure_step(model, batch, loss_fn=_mean_square, repeats=0).peak_bytes
+    finally:
+        remat.remove(model)
+    assert plan.estimate is not None and measured <= plan.estimate.peak_bytes, (measured, plan.estimate)
+    return prof
+
+
+def _mean_square(output: Any, batch: Any) -> torch.Tensor:
+    out = output["y"] if isinstance(output, dict) else output
+    return out.square().mean()
+
+
+class _Transpose(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.transpose(1, 2)
+
+
+class Unfolding(nn.Module):
+    """T2T-ViT's patch embedding: a ``Sequential`` in which reshapes repeat (found by containers),
+    the first of them on the image (no gradient), the later ones without parameters; and DETR's
+    frozen backbone, a stack whose output needs no gradient."""
+
+    def __init__(self, d: int = 32) -> None:
+        super().__init__()
+        self.backbone = nn.ModuleList([nn.Sequential(nn.Conv2d(3, 3, 3, padding=1), nn.ReLU())
+                                       for _ in range(2)]).requires_grad_(False)
+        self.embed = nn.Sequential(nn.Unfold(3, padding=1), _Transpose(), nn.Linear(27, 16 * d), _Transpose(),
+                                   _Transpose(), nn.Linear(16 * d, d), nn.Identity())  # the largest stack
+        self.layers = nn.ModuleList([Mlp(d) for _ in range(3)])
+
+    def forward(self, image: torch.Tensor) -> torch.Tensor:
+        for conv in self.backbone:
+            image = conv(image)
+        x = self.embed(image)
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def test_found_blocks_without_parameters_or_a_backward_are_the_models_code() -> None:
+    """Rule 1: before, their missing backward marks crashed the profile (KeyError 'bs0')."""
+    torch.manual_seed(0)
+    model = Unfolding()
+    assert [n for n, _ in find_blocks(model, None)] == [
+        *(f"backbone.{i}" for i in range(2)), *(f"embed.{i}" for i in range(7)), *(f"layers.{i}" for i in range(3))]
+    prof = _fits_at_the_floor(model, (torch.randn(4, 3, 16, 16),))
+    assert [b.name for b in prof.blocks] == ["embed.2", "embed.5", "layers.0", "layers.1", "layers.2"]
+
+
+class _Joint(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(d, d)
+
+    def forward(self, hidden: torch.Tensor, context: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        y = self.lin(torch.cat([context, hidden], 1)).tanh()
+        return y[:, :4], y[:, 4:]
+
+
+class TwoStreams(nn.Module):
+    """Flux's single blocks: each returns (context, hidden); the last block's context is dropped,
+    so its first output gets no gradient."""
+
+    def __init__(self, d: int = 64, depth: int = 3) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([_Joint(d) for _ in range(depth)])
+
+    def forward(self, hidden: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            context, hidden = block(hidden, context)
+        return hidden
+
+
+def test_a_block_whose_first_output_gets_no_gradient_is_profiled() -> None:
+    """The backward of a block begins at the first gradient any of its outputs receives (before,
+    only the first output's was marked: KeyError 'bs2')."""
+    torch.manual_seed(0)
+    prof = _fits_at_the_floor(TwoStreams(), (torch.randn(8, 60, 64), torch.randn(8, 4, 64)))
+    assert len(prof.blocks) == 3
+
+
+class WritesIntoItsBatch(nn.Module):
+    """sentence-transformers' forward adds its outputs to the features dict it is given."""
+
+    def __init__(self, d: int = 32) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([Mlp(d) for _ in range(3)])
+
+    def forward(self, features: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        x = features["x"]
+        for layer in self.layers:
+            x = layer(x)
+        features["y"] = x
+        return features
+
+
+def test_a_model_that_writes_into_its_batch_profiles() -> None:
+    """NOTE [ A batch the model writes into ]: each step gets new containers; before, the next
+    step saw the last one's output among its inputs (ProfileError: different extra inputs)."""
+    torch.manual_seed(0)
+    batch = ({"x": torch.randn(4, 64, 32)},)
+    prof = _fits_at_the_floor(WritesIntoItsBatch(), batch)
+    assert len(prof.blocks) == 3 and list(batch[0]) == ["x"]
+
+
+class Twin(nn.Module):
+    """A contrastive pair: one encoder called twice per step."""
+
+    def __init__(self, d: int = 32) -> None:
+        super().__init__()
+        self.encoder = nn.Sequential(*[Mlp(d) for _ in range(3)])
+
+    def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return self.encoder(a).mean(1) @ self.encoder(b).mean(1).T
+
+
+def test_a_model_that_runs_every_block_twice_is_refused_with_the_reason() -> None:
+    torch.manual_seed(0)
+    with pytest.warns(UserWarning, match="ran more than once"), \
+            pytest.raises(ProfileError, match="every block remat found ran more than once.*twin encoder"):
+        remat.profile(Twin(), (torch.randn(4, 8, 32), torch.randn(4, 8, 32)), repeats=1)

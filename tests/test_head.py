@@ -201,3 +201,22 @@ def test_models_that_transform_logits_get_no_head_option() -> None:
     model.config.final_logit_softcapping = 30.0
     assert causal_lm_head(model) is None
     assert causal_lm_head(nn.Linear(2, 2)) is None
+
+
+def test_causal_lms_with_their_own_loss_get_no_head_option() -> None:
+    """XLNet's LM head model computes its loss without the causal shift: a chunked head gave it
+    another loss (3.59 became 4.15). Only a forward with transformers' causal LM loss is offered."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    xlnet = transformers.XLNetLMHeadModel(transformers.XLNetConfig(
+        vocab_size=64, d_model=32, n_layer=2, n_head=4, d_inner=64, dropout=0.0, bos_token_id=1, eos_token_id=2,
+        pad_token_id=0))
+    assert causal_lm_head(xlnet) is None
+    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=1, n_head=2,
+                                                                bos_token_id=0, eos_token_id=0))
+    assert causal_lm_head(gpt2) == "lm_head"
+    ids = torch.randint(0, 64, (2, 16))
+    plain = xlnet(input_ids=ids, labels=ids).loss
+    prof = remat.profile(xlnet, {"input_ids": ids, "labels": ids}, repeats=1)
+    assert prof.head_options == {} or not prof.head_causal_lm
+    assert torch.equal(xlnet(input_ids=ids, labels=ids).loss, plain)

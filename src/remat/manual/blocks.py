@@ -138,10 +138,14 @@ def no_blocks(model: nn.Module) -> BlockError:
 # NOTE [ Blocks by what runs ]
 # Containers say what repeats; only a forward says what runs. ``by_calls`` takes the module calls of
 # one forward with gradients (``Calls``) and settles the blocks:
-# 1. A found block that ran is a block. One that never runs but whose modules do (a ``ModuleList`` of
-#    ``ModuleList``s that the model iterates in its own loop, ``for attn, ff in self.layers``) gives
-#    way to its outermost modules that run, hold parameters and return what requires grad; those
-#    without parameters (a residual wrapper) are the model's code between blocks.
+# 1. A found block that ran, holds parameters and returned what requires grad is a block; one whose
+#    output needs no gradient (DETR's frozen backbone, T2T-ViT's unfolding of the image) has no
+#    backward to replay in, and one without parameters (T2T-ViT's reshapes and ``Identity``, in a
+#    ``Sequential`` where they repeat) is the model's code. One that never runs but whose modules
+#    do (a ``ModuleList`` of ``ModuleList``s that the model iterates in its own loop, ``for attn,
+#    ff in self.layers``) gives way to its outermost modules that run, hold parameters and return
+#    what requires grad; those without parameters (a residual wrapper) are the model's code
+#    between blocks.
 # 2. A found stack of which nothing runs is left out (a T5's decoder in an encoder-only step); one
 #    of which some blocks run and others do not skips layers at random, and is refused.
 # 3. What no block covers and runs before the last block ends is the trunk's too: from the root,
@@ -196,6 +200,8 @@ def by_calls(model: nn.Module, found: list[tuple[str, nn.Module]], calls: Calls
         if calls.count.get(name, 0) > 1:
             repeated.append(name)
             continue
+        if name in calls.count and (name not in calls.grads or _param_count(module) == 0):
+            continue  # rule 1: no backward, or the model's code
         tied = len(repeated)
         within = [(name, module)] if name in calls.count else _running_within(name, module, calls, canonical, repeated)
         stacks.setdefault(name.rpartition(".")[0], []).append(bool(within) or len(repeated) > tied)

@@ -16,7 +16,8 @@ the logits; the loss is then ``chunked_cross_entropy`` of the hidden states that
 ``shift_labels`` and ``num_items_in_batch`` honoured). The output's ``loss`` is that loss and its
 ``logits`` is None: computing them is what the chunked head avoids. Without labels, in ``eval()``
 or under ``no_grad`` the model runs its own forward unchanged. Models that transform the logits
-after ``lm_head`` (final-logit soft-capping, a logit scale) are not offered the option.
+after ``lm_head`` (final-logit soft-capping, a logit scale), or that compute their loss with their
+own code instead of transformers' causal LM loss (XLNet, BART's decoder), are not offered the option.
 ``remove`` restores the instance exactly (``clear_head``).
 """
 
@@ -76,9 +77,23 @@ def causal_lm_head(model: nn.Module) -> str | None:
         return None
     get = getattr(model, "get_output_embeddings", None)
     head = get() if callable(get) else None
-    if not isinstance(head, nn.Linear):
+    if not isinstance(head, nn.Linear) or not _causal_loss(model):
         return None
     return next((name for name, m in model.named_modules() if m is head), None)
+
+
+def _causal_loss(model: nn.Module) -> bool:
+    """Whether ``model``'s forward computes its loss with transformers' causal LM loss (labels
+    shifted by one), the loss the chunked head computes. Some ``*ForCausalLM`` and
+    ``*LMHeadModel`` classes compute their own without the shift (XLNet's, BART's decoder's: a
+    chunked head gave XLNet another loss)."""
+    try:
+        from transformers.loss.loss_utils import LOSS_MAPPING  # the model is transformers'
+
+        source = inspect.getsource(type(model).forward)
+    except (ImportError, OSError, TypeError):
+        return False
+    return "self.loss_function(" in source and getattr(model, "loss_function", None) is LOSS_MAPPING.get("ForCausalLM")
 
 
 def set_head(model: nn.Module, head_name: str, option: str, *, causal_lm: bool) -> None:

@@ -105,8 +105,10 @@ class Hooks(StepNotes):
             note_output(self, i, y)
             note_returned(self, i, output, y)
             self.out_bytes[i] = y.untyped_storage().nbytes() if y is not None else 0
-            if y is not None and y.requires_grad:
-                y.register_hook(backward_mark(self, i, self.mark))
+            began = backward_mark(self, i, self.mark)  # at the first gradient any output receives
+            for t in _step.tensors_in(output):  # the first may get none (Flux's last single block)
+                if t.requires_grad:
+                    t.register_hook(began)
 
         return hook
 
@@ -256,6 +258,14 @@ def running(model: nn.Module, named: list[tuple[str, nn.Module]], explicit: bool
         if inside := [b for b, _ in named if b in late] or sorted(
                 n for n in late if any(n.startswith(b + ".") for b, _ in named)):
             raise _in_backward(inside)
+        if repeated:
+            raise ProfileError(
+                f"every block remat found ran more than once in one training step ({repeated[:4]}"
+                f"{' ...' if len(repeated) > 4 else ''}): a model called twice per step (a twin encoder of "
+                "a contrastive pair) or one layer run for every depth. remat plans modules that run once "
+                "per step: plan the shared module on one call's batch (remat.auto(encoder, one_batch, "
+                "budget) with the budget split between its calls; the plan then holds for every call), or "
+                "wrap each call in your code with remat.checkpoint")
         raise no_blocks(model)
     if left := sorted({n for n, _ in named} - {n for n, _ in kept}):
         log.info("blocks found by the model's containers that do not run as blocks in a training step: %s", left)

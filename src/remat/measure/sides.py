@@ -155,10 +155,12 @@ def _output_died(hooks: StepNotes, i: int) -> None:
 
 
 def backward_mark(hooks: StepNotes, i: int, mark: Callable[[str], None]) -> Callable[[Any], None]:
-    """The hook on block i's output: marks ``bs{i}`` and notes that block i's backward began."""
+    """The hook on block i's outputs: at the first gradient, marks ``bs{i}`` and notes that block
+    i's backward began."""
     def hook(grad: Any) -> None:
-        hooks.began.add(i)
-        mark(f"bs{i}")
+        if i not in hooks.began:
+            hooks.began.add(i)
+            mark(f"bs{i}")
 
     return hook
 

@@ -102,12 +102,32 @@ def check_trainable(model: Any, verb: str) -> None:
         )
 
 
+# NOTE [ A batch the model writes into ]
+# A model may write into the dict it is given: sentence-transformers' forward adds its
+# ``token_embeddings`` and ``sentence_embedding`` to its features. remat runs one batch for many
+# steps, so the next step found the last one's outputs, graph and all, among its inputs, and two
+# plain steps of a profile disagreed (a ProfileError). Each call gets the batch in new containers
+# (dicts, lists and tuples copied shallowly, the tensors the batch's own), as a data loader gives a
+# new batch each step.
+
+
 def call_model(model: Callable[..., Any], batch: Batch) -> Any:
+    """``model`` called with ``batch``: its keywords if a mapping, its items if a sequence, else
+    itself, in new containers (NOTE [ A batch the model writes into ])."""
+    batch = _fresh(batch)
     if isinstance(batch, Mapping):
         return model(**batch)
     if isinstance(batch, (tuple, list)):
         return model(*batch)
     return model(batch)
+
+
+def _fresh(obj: Any) -> Any:
+    if isinstance(obj, dict) and type(obj) is dict:
+        return {k: _fresh(v) for k, v in obj.items()}
+    if type(obj) in (list, tuple):
+        return type(obj)(_fresh(v) for v in obj)
+    return obj
 
 
 def default_loss(output: Any, batch: Batch) -> torch.Tensor:
