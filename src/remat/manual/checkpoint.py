@@ -247,18 +247,20 @@ class _Staged:
 # ``_StopRecomputationError`` inside the block's forward, to be caught around it. A library that
 # re-raises every error of its calls as its own (einx, which x-transformers calls for masks and
 # residuals) hides it, and the backward fails: the same block runs with torch's checkpoint only
-# with ``early_stop=False``. A recompute re-raises torch's error wherever it finds it in the chain.
+# with ``early_stop=False``. A recompute re-raises torch's error wherever it finds it in the chain,
+# and a segment's replay its own (``Done``, NOTE [ A segment is one recompute frame over several
+# calls ] in remat.manual.segments).
 
 
 @contextlib.contextmanager
-def stop_passes_through() -> Iterator[None]:
-    """Re-raise torch's early stop of a recompute that the block's code wrapped in its own error
-    (NOTE [ A recompute stopped early ])."""
+def stop_passes_through(stop: type[BaseException] = _StopRecomputation) -> Iterator[None]:
+    """Re-raise the early stop of a recompute (torch's, or a segment's replay's ``Done``) that the
+    block's code wrapped in its own error (NOTE [ A recompute stopped early ])."""
     try:
         yield
     except Exception as e:
         cause: BaseException | None = e
-        while cause is not None and not isinstance(cause, _StopRecomputation):
+        while cause is not None and not isinstance(cause, stop):
             cause = cause.__cause__ or cause.__context__
         if cause is None or cause is e:
             raise

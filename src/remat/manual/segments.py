@@ -40,6 +40,7 @@ from torch import nn
 from torch.utils.checkpoint import get_device_states
 
 from remat.errors import CheckpointError, InvalidType, InvalidValue
+from remat.manual.checkpoint import stop_passes_through
 from remat.manual.frames import Call, Done, Frame, autocast_state, walk
 
 __all__ = ["SegmentForward", "Segments", "apply_segments", "remove_segments", "segments_of"]
@@ -123,7 +124,7 @@ class Segments:
                     f.record(call, args, kwargs)
                 if replaying and stack[0].complete():
                     raise Done  # the replaying frame has all it needs (NOTE above: early stop)
-            with torch.autograd.graph.saved_tensors_hooks(top.pack, top.unpack):
+            with torch.autograd.graph.saved_tensors_hooks(top.pack, top.unpack), stop_passes_through(Done):
                 out = inner(*args, **kwargs)
             for f in recording:
                 f.note_output(out)
