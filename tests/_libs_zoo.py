@@ -7,7 +7,8 @@ with ``--no-deps`` beside the pinned torch (``make install``); a model whose lib
 import is skipped by the tests, with the reason.
 
 The shapes they bring: diffusers' UNets keep their down path as a list of different classes and
-their middle block as a lone attribute; vit-pytorch and x-transformers keep each layer as a
+their middle block as a lone attribute; its Flux transformer's single blocks return (context,
+hidden), and the last one's context is dropped (its first output gets no gradient); vit-pytorch and x-transformers keep each layer as a
 ``ModuleList`` of ``ModuleList``s iterated by their own loop (``for attn, ff in self.layers``);
 litgpt has its own layer loop with rotary tables passed to every block; peft freezes the base
 model, so the first block's input does not require grad; performer-pytorch computes its random
@@ -64,6 +65,22 @@ def diffusers_cond_unet() -> Built:
     x = torch.randn(BATCH, 4, 16, 16, generator=_gen())
     text = torch.randn(BATCH, 8, 32, generator=_gen())
     return model.train(), (x, torch.tensor([10] * BATCH), text), _sample_loss
+
+
+def diffusers_flux() -> Built:
+    from diffusers import FluxTransformer2DModel
+
+    torch.manual_seed(0)
+    model = FluxTransformer2DModel(patch_size=1, in_channels=16, num_layers=2, num_single_layers=3,
+                                   attention_head_dim=16, num_attention_heads=2, joint_attention_dim=32,
+                                   pooled_projection_dim=24, guidance_embeds=False, axes_dims_rope=(4, 6, 6))
+    tokens, text = 64, 8
+    image_ids = torch.stack([torch.zeros(tokens), torch.arange(tokens) // 8, torch.arange(tokens) % 8], dim=1)
+    batch = {"hidden_states": torch.randn(BATCH, tokens, 16, generator=_gen()),
+             "encoder_hidden_states": torch.randn(BATCH, text, 32, generator=_gen()),
+             "pooled_projections": torch.randn(BATCH, 24, generator=_gen()),
+             "timestep": torch.full((BATCH,), 0.5), "img_ids": image_ids, "txt_ids": torch.zeros(text, 3)}
+    return model.train(), batch, _sample_loss
 
 
 def _file_module(package: str, name: str) -> ModuleType:
@@ -155,6 +172,7 @@ def perceiver_tied() -> Built:
 LIBS: dict[str, Callable[[], Built]] = {
     "diffusers-unet": diffusers_unet,
     "diffusers-cond-unet": diffusers_cond_unet,
+    "diffusers-flux": diffusers_flux,
     "vit-pytorch-vit": vit_pytorch_vit,
     "x-transformers-gpt": x_transformers_gpt,
     "litgpt-gpt": litgpt_gpt,
