@@ -458,12 +458,13 @@ def test_one_tensor_passed_twice_under_a_saved_tensor_hook(mode: str) -> None:
     assert torch.equal(grads[0], q.grad) and torch.equal(grads[1], x.grad)
 
 
-class _WrapsItsErrors(nn.Module):
-    """A block that re-raises every error of its ops as its own, as einx does (x-transformers)."""
+class WrapsItsErrors(nn.Module):
+    """A block that re-raises every error of its ops as its own, as einx does (x-transformers);
+    tests/test_segments.py uses it too."""
 
-    def __init__(self) -> None:
+    def __init__(self, d: int = 16) -> None:
         super().__init__()
-        self.a, self.b = nn.Linear(16, 16), nn.Linear(16, 16)
+        self.a, self.b = nn.Linear(d, d), nn.Linear(d, d)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         try:
@@ -477,7 +478,7 @@ def test_a_block_that_wraps_errors_recomputes(mode: str) -> None:
     """NOTE [ A recompute stopped early ]: torch's early stop passes through the block's own
     error; torch's checkpoint fails there (the control)."""
     torch.manual_seed(0)
-    block = _WrapsItsErrors()
+    block = WrapsItsErrors()
     x = torch.randn(2, 8, 16, requires_grad=True)
     with pytest.raises(RuntimeError, match="the library's own error"):
         torch_checkpoint(block, x, use_reentrant=False).sum().backward()

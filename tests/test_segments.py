@@ -10,6 +10,7 @@ import types
 import pytest
 import torch
 import torch.nn.functional as F
+from test_checkpoint import WrapsItsErrors
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -215,25 +216,11 @@ def test_measured_peak_goes_below_checkpointing_every_block() -> None:
     assert nested < every_peak < plain
 
 
-class _WrapsItsErrors(nn.Module):
-    """A block that re-raises every error of its ops as its own, as einx does (x-transformers)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        try:
-            return self.b(torch.tanh(self.a(x))) * 2
-        except Exception as e:
-            raise RuntimeError("the library's own error") from e
-
-
 def test_a_replay_stops_early_through_a_block_that_wraps_errors() -> None:
     """NOTE [ A recompute stopped early ] in remat.manual.checkpoint: the replay's ``Done`` passes
     through the block's own error (x-transformers' masked attention failed the backward)."""
     torch.manual_seed(0)
-    blocks = nn.Sequential(*[_WrapsItsErrors() for _ in range(3)])
+    blocks = nn.Sequential(*[WrapsItsErrors(8) for _ in range(3)])
     x = torch.randn(4, 5, 8, requires_grad=True)
     blocks(x).sum().backward()
     plain = [p.grad.clone() for p in blocks.parameters()]
