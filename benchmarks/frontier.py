@@ -81,6 +81,7 @@ from _peers import (
 )
 
 from remat.measure import step as _step
+from remat.measure.preserve import preserved
 from remat.measure.profiler import profile
 from remat.measure.tracer import measure_step
 from remat.plan.costmodel import estimate
@@ -166,7 +167,7 @@ def time_interleaved(case: Case, configs: list[Config], repeats: int, clock: Clo
     times: dict[str, list[float]] = {c.name: [] for c in configs}
     walls: dict[str, list[float]] = {c.name: [] for c in configs}
     n = len(configs)
-    with _step.preserved(case.model, case.optimizer):
+    with preserved(case.model, case.optimizer):
         for c in configs:  # one untimed step each
             with c.active() as runner:
                 _step.train_step(runner, case.batch, case.loss_fn, case.optimizer)
@@ -190,7 +191,7 @@ def compile_now(case: Case, config: Config, timeout_s: float) -> None:
     """Compile ``config`` with one step under a time limit; on failure set ``config.error``."""
     t0 = time.perf_counter()
     try:
-        with time_limit(timeout_s), _step.preserved(case.model, case.optimizer), \
+        with time_limit(timeout_s), preserved(case.model, case.optimizer), \
                 config.active() as runner:
             _step.train_step(runner, case.batch, case.loss_fn, case.optimizer)
     except Exception as e:  # a compile failure is a result to report, not a crash

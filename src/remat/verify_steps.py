@@ -12,6 +12,7 @@ from torch import nn
 
 from remat.applier import apply, remove
 from remat.measure import step as _step
+from remat.measure.preserve import preserved
 from remat.records import Plan
 
 __all__ = ["compare", "loss_and_grads", "plan_key", "reserved_peak", "times_in_turns"]
@@ -22,7 +23,7 @@ def reserved_peak(model: nn.Module, batch: Any, loss_fn: Any, optimizer: Any) ->
     device = _step.batch_device(model, batch)
     if device.type != "cuda":
         return None
-    with _step.preserved(model, optimizer):
+    with preserved(model, optimizer):
         torch.cuda.reset_peak_memory_stats(device)
         _step.train_step(model, batch, loss_fn, optimizer)
         return int(torch.cuda.max_memory_reserved(device))
@@ -54,7 +55,7 @@ def compare(plain: list[torch.Tensor], planned: list[torch.Tensor], *, exact: bo
 
 def loss_and_grads(model: nn.Module, batch: Any, loss_fn: Any, optimizer: Any, seed: int) -> list[torch.Tensor]:
     """The loss and every gradient of one forward+backward from a fixed RNG state."""
-    with _step.preserved(model, optimizer):
+    with preserved(model, optimizer):
         torch.manual_seed(seed)
         model.zero_grad(set_to_none=True)
         loss = _step.forward_loss(model, batch, loss_fn)
@@ -90,7 +91,7 @@ def times_in_turns(
         finally:
             remove(model)
 
-    with _step.preserved(model, optimizer):
+    with preserved(model, optimizer):
         for i in range(n):  # one untimed step of each: lazy state, the allocator's caches
             run(i, timed=False)
         for r in range(repeats):

@@ -61,6 +61,7 @@ from remat.measure.estimated import (
 from remat.measure.heads import HeadMeasures, head_option
 from remat.measure.marked import base_keys, marked_step
 from remat.measure.notes import PartNumbers
+from remat.measure.preserve import preserved
 from remat.measure.runner import StepRunner, every_block
 from remat.measure.scratch import Scratch
 from remat.measure.tracer import host_link_bytes_per_s
@@ -139,7 +140,7 @@ def lean_profile(model: nn.Module, batch: Any, loss_fn: Any, optimizer: torch.op
     solve(fake, lean.budget_bytes)  # InfeasibleBudget before any real step (rule 3)
     modules = dict(model.named_modules())
     named = [(name, modules[name]) for name, _ in run.named]
-    with _step.preserved(model, optimizer):
+    with preserved(model, optimizer):
         keys = base_keys(model, optimizer, batch)
         marked = functools.partial(marked_step, model, named, batch, loss_fn, optimizer, base_keys=keys)
         runner = StepRunner(marked, model, device=device, repeats=repeats)

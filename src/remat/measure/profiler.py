@@ -36,6 +36,7 @@ from remat.measure.estimated import check_factory, fake_run
 from remat.measure.heads import add_heads, measure_heads
 from remat.measure.lean import lean_profile, resolve_budget
 from remat.measure.marked import base_keys, dtype_name, marked_step, option_runs, running, sides_of
+from remat.measure.preserve import preserved
 from remat.measure.runner import StepRunner, every_block
 from remat.measure.sides import with_skips
 from remat.measure.tiles import add_tiles, measure_tiles
@@ -152,7 +153,7 @@ def _measured(
     named = find_blocks(model, blocks, required=False)
     device = _step.batch_device(model, batch)
     cuda = device.type == "cuda"
-    with _step.preserved(model, optimizer):
+    with preserved(model, optimizer):
         # warm-up: lazy state, allocator, and which blocks run
         named = running(model, named, blocks is not None, lambda: _step.train_step(model, batch, loss_fn, optimizer))
         model.zero_grad(set_to_none=True)

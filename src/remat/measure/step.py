@@ -9,10 +9,6 @@ The calling convention for a user's model and batch:
 
 Step times come from ``step_clock_ms``: this process's CPU time on a CPU, synchronised wall-clock
 time on CUDA (NOTE [ CPU time on a shared CPU ]).
-
-``preserved(model, optimizer)`` puts back everything a measuring run changes (weights, buffers such
-as BatchNorm statistics, gradients, optimizer state, RNG state), so that profiling or verifying a
-model never alters what the user gave.
 """
 
 from __future__ import annotations
@@ -41,7 +37,6 @@ __all__ = [
     "no_gc",
     "optimizer_bytes",
     "param_bytes",
-    "preserved",
     "resolve_loss_fn",
     "step_clock_ms",
     "storage_bytes",
@@ -357,58 +352,3 @@ def batch_device(model: nn.Module, batch: Batch) -> torch.device:
         return first.device
     param = next(model.parameters(), None)
     return param.device if param is not None else torch.device("cpu")
-
-
-# --- leaving the user's objects as they were -----------------------------------------------------
-
-
-@contextlib.contextmanager
-def preserved(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> Iterator[None]:
-    """Run measuring steps, then put back weights, buffers, grads, optimizer state and RNG state."""
-    tensors = {name: t for name, t in _named_state(model)}
-    saved = {name: t.detach().to("cpu", copy=True) for name, t in tensors.items()}
-    grads = {
-        name: (p.grad.detach().to("cpu", copy=True) if p.grad is not None else None)
-        for name, p in model.named_parameters()
-    }
-    opt_state = _copy_to_cpu(optimizer.state_dict()) if optimizer is not None else None
-    cpu_rng = torch.get_rng_state()
-    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
-    training = {m: m.training for m in model.modules()}
-    try:
-        yield
-    finally:
-        with torch.no_grad():
-            for name, t in tensors.items():
-                t.copy_(saved[name])
-            for name, p in model.named_parameters():
-                g = grads.get(name)
-                p.grad = g.to(p.device) if g is not None else None
-        if optimizer is not None and opt_state is not None:
-            optimizer.load_state_dict(opt_state)
-            if not opt_state["state"]:
-                optimizer.state.clear()
-        torch.set_rng_state(cpu_rng)
-        if cuda_rng is not None:
-            torch.cuda.set_rng_state_all(cuda_rng)
-        for m, flag in training.items():
-            m.training = flag
-
-
-def _named_state(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    seen: set[int] = set()
-    for name, t in [*model.named_parameters(), *model.named_buffers()]:
-        if t is None or id(t) in seen:
-            continue
-        seen.add(id(t))
-        yield name, t
-
-
-def _copy_to_cpu(obj: Any) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().to("cpu", copy=True)
-    if isinstance(obj, dict):
-        return {k: _copy_to_cpu(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_copy_to_cpu(v) for v in obj]
-    return obj

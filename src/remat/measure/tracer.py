@@ -30,6 +30,7 @@ from remat.errors import InvalidState, InvalidValue, UnknownKey
 from remat.manual.module_form import expect_module
 from remat.measure import step as _step
 from remat.measure.collector import collecting_once
+from remat.measure.preserve import preserved
 
 __all__ = ["MemoryTracer", "StepMemory", "TimelinePoint", "Trace", "base_bytes", "host_link_bytes_per_s", "measure_step"]
 
@@ -262,7 +263,7 @@ def measure_step(
         raise InvalidValue(f"repeats and warmup must be >= 0, got repeats={repeats}, warmup={warmup}")
     loss_fn = _step.resolve_loss_fn(loss_fn)
     device = _step.batch_device(model, batch)
-    with _step.preserved(model, optimizer):
+    with preserved(model, optimizer):
         for _ in range(warmup):
             _step.train_step(model, batch, loss_fn, optimizer)
         memory = _measure_once(model, batch, loss_fn, optimizer, device)

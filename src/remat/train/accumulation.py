@@ -18,6 +18,7 @@ from remat.errors import InfeasibleBudget, ProfileError
 from remat.measure import step as _step
 from remat.measure.estimated import plain_peak
 from remat.measure.lean import lean_spec
+from remat.measure.preserve import preserved
 from remat.measure.profiler import profile
 from remat.plan.accumulation import (
     AccumulationPlan,
@@ -122,7 +123,7 @@ def _optimizer_ms(model: nn.Module, make_optimizer: Callable[[Any], torch.optim.
                   device: torch.device, repeats: int = 3) -> float:
     """Median time of one optimizer step, milliseconds, on zero gradients (weights restored)."""
     params = [p for p in model.parameters() if p.requires_grad]
-    with _step.preserved(model):
+    with preserved(model):
         optimizer = make_optimizer(params)
         for p in params:
             p.grad = torch.zeros_like(p)
