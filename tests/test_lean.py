@@ -128,3 +128,25 @@ def test_the_device_budget() -> None:
     model, batch, loss_fn = _gpt()
     with pytest.raises(InvalidValue, match="only on a CUDA device"):
         remat.auto(model, batch, "device", loss_fn=loss_fn, repeats=1)
+
+
+def test_a_reference_is_judged_against_the_plans_own_fake_peak(monkeypatch: pytest.MonkeyPatch) -> None:
+    """NOTE [ Verifying without the plain step ]: fake peaks miss the kernels' scratch (a
+    diffusers UNet's reference step, predicted 50.14 MB under a 50.25 MB budget, measured 55.57 MB).
+    Here every fake peak is made to miss 1 MiB: a reference whose fake peak is above the plan's,
+    with the plan at its budget, is not run."""
+    from remat import verifier
+
+    model, batch, loss_fn = _gpt()
+    plain = measure_step(model, batch, loss_fn=loss_fn, repeats=0).peak_bytes
+    prof = profile(model, batch, loss_fn=loss_fn, repeats=1)
+    with pytest.raises(InfeasibleBudget) as refused:
+        solve(prof, 1)
+    assert refused.value.smallest_bytes is not None
+    plan = solve(prof, refused.value.smallest_bytes)  # segments: below every block recomputed
+    recomputed = estimate_with_head(prof, dict.fromkeys(plan.choices, "recompute")).peak_bytes
+    assert plan.estimate.peak_bytes < recomputed < plain
+    fake = verifier.plain_peak
+    monkeypatch.setattr(verifier, "plain_peak", lambda *a, **k: fake(*a, **k) - 2**20)
+    lean = verifier._lean(model, batch, loss_fn, None, [plan], recomputed - 2**19)
+    assert lean is not None and lean.reference is None, lean

@@ -243,8 +243,21 @@ def verify_many(
 # Gradients are compared with a reference step that fits: every block recomputed gives the plain
 # step's gradients bit for bit in eager, and with the plan's chunked head to round-off; when
 # neither is predicted within the budget there is no reference, and the gradients do not count as
-# equal. The overhead is against the plain step time the plan predicts. The report says which
-# (``plain_ran``, ``reference``).
+# equal. A reference is predicted from fake tensors, which miss the kernels' scratch (a diffusers
+# UNet's: predicted 50.14 MB under a 50.25 MB budget, it measured 55.57 MB and ran out of memory),
+# while the plan's prediction holds measured corrections: so the reference runs only where its
+# fake peak is no higher than the first plan's fake peak plus that plan's room under the budget.
+# The gradients verify keeps wait on the host. The overhead is against the plain step time the plan
+# predicts. The report says which (``plain_ran``, ``reference``).
+
+
+def _compared(ref_grads: list[torch.Tensor], grads: list[torch.Tensor], plan: Plan, lean: _Lean) -> tuple[float, bool]:
+    """(largest difference, equal) of a plan's gradients and the reference's, where there is one."""
+    if not ref_grads:
+        return float("nan"), False
+    exact = plan.head == "keep" and lean.reference is not None and lean.reference.head == "keep" and not any(
+        o == "tiled" or o.startswith("compiled:") for o in plan.choices.values())
+    return compare(ref_grads, grads, exact=exact)
 
 
 @dataclass(frozen=True)
@@ -264,6 +277,10 @@ def _lean(model: nn.Module, batch: Any, loss_fn: Any, optimizer: Any, plans: Seq
         if plain <= budget_bytes:
             return None
         plan = plans[0]
+        # Fake peaks miss the kernels' scratch; the plan's prediction does not: the reference is
+        # judged against the plan's own fake peak and room (NOTE [ Verifying without the plain step ]).
+        ceiling = plain_peak(model, batch, loss_fn, optimizer, spec, configure=functools.partial(apply, plan=plan)) + (
+            budget_bytes - plan.estimate.peak_bytes)
         recomputed = {name: "recompute" for name in plan.choices}
         candidates = [("every block recomputed", dataclasses.replace(
             plan, choices=recomputed, head="keep", segments=[], method="reference"))]
@@ -271,7 +288,7 @@ def _lean(model: nn.Module, batch: Any, loss_fn: Any, optimizer: Any, plans: Seq
             candidates.append((f"every block recomputed, the head {plan.head}", dataclasses.replace(
                 plan, choices=recomputed, segments=[], method="reference")))
         for name, ref in candidates:
-            if plain_peak(model, batch, loss_fn, optimizer, spec, configure=functools.partial(apply, plan=ref)) <= budget_bytes:
+            if plain_peak(model, batch, loss_fn, optimizer, spec, configure=functools.partial(apply, plan=ref)) <= ceiling:
                 return _Lean(plain, ref, name)
     return _Lean(plain, None, "none: no reference step is predicted within the budget")
 
@@ -287,7 +304,7 @@ def _verify_lean(model: nn.Module, batch: Any, plans: Sequence[Plan], loss_fn: A
             "above the budget. Verify a plan solved for the budget (remat.solve), or raise the budget"
         )
     previous = applied_plan(model)
-    measured: dict[tuple[tuple[str, str], ...], tuple[StepMemory, list[torch.Tensor], int | None]] = {}
+    measured: dict[tuple[tuple[str, str], ...], tuple[StepMemory, tuple[float, bool], int | None]] = {}
     with without_cache(model), every_layer(model):  # NOTE [ layerdrop ] in remat.models.hf
         try:
             ref_grads: list[torch.Tensor] = []
@@ -299,7 +316,9 @@ def _verify_lean(model: nn.Module, batch: Any, plans: Sequence[Plan], loss_fn: A
                     apply(model, plan)
                     reserved = reserved_peak(model, batch, loss_fn, optimizer)
                     mem = measure_step(model, batch, loss_fn=loss_fn, optimizer=optimizer, repeats=0)
-                    measured[plan_key(plan)] = (mem, loss_and_grads(model, batch, loss_fn, optimizer, seed), reserved)
+                    grads = loss_and_grads(model, batch, loss_fn, optimizer, seed)
+                    measured[plan_key(plan)] = (mem, _compared(ref_grads, grads, plan, lean), reserved)
+                    del grads
             keys = list(measured)
             by_key = {plan_key(p): p for p in plans}
             times = times_in_turns(model, [by_key[k] for k in keys], batch, loss_fn, optimizer, repeats)
@@ -312,11 +331,8 @@ def _verify_lean(model: nn.Module, batch: Any, plans: Sequence[Plan], loss_fn: A
     reports = []
     for plan in plans:
         key = plan_key(plan)
-        mem, grads, reserved = measured[key]
+        mem, (diff, equal), reserved = measured[key]
         plain_ms = plan.estimate.step_ms / (1.0 + plan.estimate.overhead)  # predicted
-        exact = plan.head == "keep" and lean.reference is not None and lean.reference.head == "keep" and not any(
-            o == "tiled" or o.startswith("compiled:") for o in plan.choices.values())
-        diff, equal = compare(ref_grads, grads, exact=exact) if ref_grads else (float("nan"), False)
         reports.append(Report(
             method=plan.method, budget_bytes=plan.budget_bytes, predicted_peak_bytes=plan.estimate.peak_bytes,
             measured_peak_bytes=mem.peak_bytes, plain_peak_bytes=lean.plain_peak_bytes,

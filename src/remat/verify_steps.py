@@ -54,14 +54,15 @@ def compare(plain: list[torch.Tensor], planned: list[torch.Tensor], *, exact: bo
 
 
 def loss_and_grads(model: nn.Module, batch: Any, loss_fn: Any, optimizer: Any, seed: int) -> list[torch.Tensor]:
-    """The loss and every gradient of one forward+backward from a fixed RNG state."""
+    """The loss and every gradient of one forward+backward from a fixed RNG state, copied to the
+    host: kept on the device, they would take room from the steps verify runs after."""
     with preserved(model, optimizer):
         torch.manual_seed(seed)
         model.zero_grad(set_to_none=True)
         loss = _step.forward_loss(model, batch, loss_fn)
         loss.backward()
-        out = [loss.detach().clone()]
-        out += [p.grad.detach().clone() for p in model.parameters() if p.grad is not None]
+        out = [loss.detach().to("cpu", copy=True)]
+        out += [p.grad.detach().to("cpu", copy=True) for p in model.parameters() if p.grad is not None]
     return out
 
 
