@@ -14,7 +14,8 @@ litgpt has its own layer loop with rotary tables passed to every block; peft fre
 model, so the first block's input does not require grad; performer-pytorch computes its random
 features in a branch it detaches, and counts its calls in a buffer; perceiver-pytorch's
 ``weight_tie_layers`` calls one module for every layer after the first (no block: it runs more
-than once per step).
+than once per step); x-unet's UNet keeps each down stage's output in a list for the up path, and
+that output is the first input of the stage's downsampler too, which saves nothing of it.
 """
 
 from __future__ import annotations
@@ -98,6 +99,15 @@ def _file_module(package: str, name: str) -> ModuleType:
     return module
 
 
+def x_unet() -> Built:
+    from x_unet import XUnet
+
+    torch.manual_seed(0)
+    model = XUnet(dim=16, channels=3, dim_mults=(1, 2, 4), num_blocks_per_stage=(1, 1, 1), nested_unet_depths=(0, 0, 0),
+                  num_self_attn_per_stage=(0, 0, 1), attn_heads=2, attn_dim_head=8)
+    return model.train(), (torch.randn(2, 3, 32, 32, generator=_gen()),), lambda output, batch: output.square().mean()
+
+
 def _class_loss(output: Any, batch: Any) -> torch.Tensor:
     return F.cross_entropy(output, torch.arange(output.shape[0]) % output.shape[-1])
 
@@ -173,6 +183,7 @@ LIBS: dict[str, Callable[[], Built]] = {
     "diffusers-unet": diffusers_unet,
     "diffusers-cond-unet": diffusers_cond_unet,
     "diffusers-flux": diffusers_flux,
+    "x-unet": x_unet,
     "vit-pytorch-vit": vit_pytorch_vit,
     "x-transformers-gpt": x_transformers_gpt,
     "litgpt-gpt": litgpt_gpt,

@@ -4,7 +4,8 @@ libraries' own): a first input that needs no gradient (a frozen embedding, NOTE 
 that needs no gradient ] in remat.measure.marked), a hidden output the model's code consumes and
 holds (NOTE [ A hidden output the model's code holds ] in remat.measure.handovers), first inputs
 the model's code keeps in a list (NOTE [ A first input the model's code holds ] in
-remat.measure.sides), a view of a block's output made between blocks (NOTE [ A first input made
+remat.measure.sides) or for a skip that no block saves (NOTE [ A first input the model's code
+keeps for a skip ] there), a view of a block's output made between blocks (NOTE [ A first input made
 between blocks ] there). Each is recorded as such, every plan that changes one block's option from an
 all-kept or all-recomputed step is predicted to the byte, and the plans at 60%, 40% and the floor
 measure at or below their prediction with the plain step's gradients.
@@ -331,8 +332,12 @@ class KeepsASkip(nn.Module):
         return self.head(self.blocks[3](h))
 
 
-@pytest.mark.xfail(strict=True, reason="issue 28: a first input the model's code keeps for a skip is no crossing yet; "
-                                       "recomputing block 1 is predicted one hidden state low, block 2 one high")
 def test_a_first_input_the_model_keeps_for_a_skip_is_held_by_a_checkpoint() -> None:
+    """Before it was a crossing, recomputing block 1 was predicted one hidden state low and
+    recomputing block 2 one high (NOTE [ A first input the model's code keeps for a skip ] in
+    remat.measure.sides)."""
     model, prof = _profiled(KeepsASkip)
+    (held,) = [c for c in prof.crossings if c.consumers == ["blocks.1"]]
+    assert held.dies_after == "blocks.2" and held.size_bytes == prof.blocks[1].input_bytes and not held.saved_by
     _every_flip_exact(model, prof)
+    _plans_fit(model, prof)

@@ -19,9 +19,10 @@ for the backward and under which options (``saved_by``, measured), and where the
 it (``dies_after``). Two shapes, one record:
 1. **One that enters blocks** (``consumers``): an attention mask, a position bias, rotary cos/sin
    made once in the model's forward, an encoder's output feeding cross-attention, T5's position
-   bias that its first layer makes and the later ones take. Its consumers hold it: a checkpointed
-   one (``recompute``, ``selective``) holds its inputs until its backward, a kept one when its
-   forward saves it. The numbers are those of the plain step, where it dies at the end of the
+   bias that its first layer makes and the later ones take, a block's hidden input that the
+   model's code keeps for a skip (NOTE [ A first input the model's code keeps for a skip ] in
+   remat.measure.sides). Its consumers hold it: a checkpointed one (``recompute``,
+   ``selective``) holds its inputs until its backward, a kept one when its forward saves it. The numbers are those of the plain step, where it dies at the end of the
    forward (or in ``dies_after``'s forward), or at the backward of the first kept block that saves
    it. Under a plan it lives until the backward of the first block (in forward order) that holds
    it; the cost model adds the difference (``remat.plan.sides``, NOTE [ A side input's extra life ]).
@@ -153,8 +154,9 @@ class Crossing:
     size_bytes: int
     """Bytes of its storages."""
     consumers: list[str] = field(default_factory=list)
-    """The blocks it enters besides their hidden input, in forward order; empty: it enters none,
-    and the model's code holds what ``made_by`` returned."""
+    """The blocks it enters, in forward order (besides their hidden input, or as the hidden input
+    of the first where the model's code keeps that for a skip); empty: it enters none, and the
+    model's code holds what ``made_by`` returned."""
     made_by: str | None = None
     """The block that returned it, for one that enters no block; None for one that enters blocks."""
     saved_by: dict[str, list[str]] = field(default_factory=dict)

@@ -29,6 +29,7 @@ from remat.measure.sides import (
     note_sides,
     noting_deaths,
     noting_saved,
+    read_held_firsts,
     read_side_inputs,
 )
 from remat.measure.sides import first_tensor as _first_tensor
@@ -310,7 +311,8 @@ def sides_of(model: nn.Module, named: list[tuple[str, nn.Module]], batch: Any, l
                 _step.forward_loss(model, batch, loss_fn)
         finally:
             unsaved.remove()
-    return read_side_inputs(traced, saving, saved, [n for n, _ in named]), unsaved
+    names = [n for n, _ in named]  # NOTE [ A first input the model's code keeps for a skip ] in remat.measure.sides
+    return [*read_side_inputs(traced, saving, saved, names), *read_held_firsts(traced, names)], unsaved
 
 
 # NOTE [ A tensor carried from one step into the next ]

@@ -33,6 +33,7 @@ __all__ = [
     "note_sides",
     "noting_deaths",
     "noting_saved",
+    "read_held_firsts",
     "read_side_inputs",
     "storage_key",
     "storage_number",
@@ -268,6 +269,37 @@ def _dies_after(hooks: StepNotes, number: int, names: list[str]) -> str | None:
     if position == len(hooks.order) - 1 and ended:
         return None
     return names[hooks.order[position]]
+
+
+# NOTE [ A first input the model's code keeps for a skip ]
+# The model's code may hold a block's first input past the block: x-unet's and Karras' UNets keep
+# each down block's input for a skip, diffusers' UNet3D its temporal layer's residual. Where no
+# kept block saves it, the plain step frees it where that code drops it, in a later block's
+# forward, and the profile's numbers say so; but a checkpoint of the block holds it to the block's
+# backward. Read as the hidden state alone, recomputing the block was predicted one hidden state
+# low and recomputing the block that drops it one high (tests/test_crossings.py: 131,072 B each
+# way). So it is a crossing that enters the block and the later blocks it reaches as a skip (shape
+# 1 of NOTE [ Tensors that cross a block boundary ] in remat.records), dying where the plain step
+# frees it: its life under a plan is the side inputs' rule (NOTE [ A side input's extra life ] in
+# remat.plan.sides), and no other part of the cost model changes.
+
+
+def read_held_firsts(traced: StepNotes, names: list[str]) -> list[Crossing]:
+    """The first inputs the traced step (every block kept) freed in a later block's forward, or in
+    the head's, as crossings (NOTE [ A first input the model's code keeps for a skip ])."""
+    position = {i: k for k, i in enumerate(traced.order)}
+    records, seen = [], set()
+    for i in traced.order:
+        number = traced.first_numbers.get(i)
+        died = first_death(traced, i)
+        if number is None or number in seen or died is None or died[0] <= position[i] or not traced.in_bytes.get(i):
+            continue
+        seen.add(number)
+        enters = [j for j in traced.order if position[j] > position[i]
+                  and (traced.first_numbers.get(j) == number or any(s.number == number for s in traced.sides.get(j, [])))]
+        records.append(Crossing(size_bytes=traced.in_bytes[i], consumers=[names[j] for j in [i, *enters]],
+                                dies_after=_dies_after(traced, number, names)))
+    return records
 
 
 # NOTE [ A first input the model's code holds ]
