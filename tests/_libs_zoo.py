@@ -15,7 +15,9 @@ model, so the first block's input does not require grad; performer-pytorch compu
 features in a branch it detaches, and counts its calls in a buffer; perceiver-pytorch's
 ``weight_tie_layers`` calls one module for every layer after the first (no block: it runs more
 than once per step); x-unet's UNet keeps each down stage's output in a list for the up path, and
-that output is the first input of the stage's downsampler too, which saves nothing of it.
+that output is the first input of the stage's downsampler too, which saves nothing of it;
+x-transformers' attention with a mask calls einx, which wraps every error in its own (a recompute's
+early stop too).
 """
 
 from __future__ import annotations
@@ -138,6 +140,18 @@ def x_transformers_gpt() -> Built:
     return model.train(), (_ids(),), _lm_loss
 
 
+def x_transformers_masked() -> Built:
+    from x_transformers import ContinuousTransformerWrapper, Encoder
+
+    torch.manual_seed(0)
+    model = ContinuousTransformerWrapper(dim_in=16, dim_out=16, max_seq_len=64,
+                                         attn_layers=Encoder(dim=64, depth=6, heads=4))
+    mask = torch.ones(BATCH, 64, dtype=torch.bool)
+    mask[:, 48:] = False
+    batch = {"x": torch.randn(BATCH, 64, 16, generator=_gen()), "mask": mask}
+    return model.train(), batch, lambda output, batch: output.square().mean()
+
+
 def litgpt_gpt() -> Built:
     from litgpt.config import Config
     from litgpt.model import GPT
@@ -186,6 +200,7 @@ LIBS: dict[str, Callable[[], Built]] = {
     "x-unet": x_unet,
     "vit-pytorch-vit": vit_pytorch_vit,
     "x-transformers-gpt": x_transformers_gpt,
+    "x-transformers-masked": x_transformers_masked,
     "litgpt-gpt": litgpt_gpt,
     "peft-lora-llama": peft_lora_llama,
     "performer-lm": performer_lm,

@@ -19,6 +19,7 @@ import contextlib
 import functools
 import itertools
 import logging
+import traceback
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
@@ -249,7 +250,12 @@ class _Staged:
 # residuals) hides it, and the backward fails: the same block runs with torch's checkpoint only
 # with ``early_stop=False``. A recompute re-raises torch's error wherever it finds it in the chain,
 # and a segment's replay its own (``Done``, NOTE [ A segment is one recompute frame over several
-# calls ] in remat.manual.segments).
+# calls ] in remat.manual.segments). The wrapper's frame holds the stop it caught, and the stop's
+# traceback holds that frame: a cycle through every frame the recompute ran, with the tensors they
+# made, that only the garbage collector frees. So the frames of the chain are cleared as the stop
+# passes: x-transformers' masked attention in a segment left 1.78 MB per segment live to the end of
+# the step, and a floor plan of 11 segments measured 4.9 MB over its prediction
+# (tests/test_segments.py).
 
 
 @contextlib.contextmanager
@@ -259,12 +265,29 @@ def stop_passes_through(stop: type[BaseException] = _StopRecomputation) -> Itera
     try:
         yield
     except Exception as e:
-        cause: BaseException | None = e
-        while cause is not None and not isinstance(cause, stop):
-            cause = cause.__cause__ or cause.__context__
-        if cause is None or cause is e:
+        found = _wrapped_stop(e, stop)
+        if found is None:
             raise
-        raise cause from None
+        e.__cause__ = e.__context__ = e.__traceback__ = None  # no cycle through the raise below
+        try:
+            raise found from None
+        finally:
+            found = e = None
+
+
+def _wrapped_stop(e: BaseException, stop: type[BaseException]) -> BaseException | None:
+    """The stop in ``e``'s chain, when ``e`` wraps one, with the frames along the chain cleared
+    (NOTE [ A recompute stopped early ]: they hold the recompute's tensors); else None."""
+    cause: BaseException | None = e
+    while cause is not None and not isinstance(cause, stop):
+        cause = cause.__cause__ or cause.__context__
+    if cause is None or cause is e:
+        return None
+    link: BaseException | None = e
+    while link is not None:
+        traceback.clear_frames(link.__traceback__)
+        link = None if link is cause else link.__cause__ or link.__context__
+    return cause
 
 
 # NOTE [ Recompute with offloaded inputs ]
