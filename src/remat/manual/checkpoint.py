@@ -272,7 +272,7 @@ def stop_passes_through(stop: type[BaseException] = _StopRecomputation) -> Itera
         try:
             raise found from None
         finally:
-            found = e = None
+            del found, e  # nor through this frame, which the raise adds to the traceback
 
 
 def _wrapped_stop(e: BaseException, stop: type[BaseException]) -> BaseException | None:
