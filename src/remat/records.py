@@ -24,8 +24,9 @@ it (``dies_after``). Two shapes, one record:
    remat.measure.sides). Its consumers hold it: a checkpointed one (``recompute``,
    ``selective``) holds its inputs until its backward, a kept one when its forward saves it. The
    numbers are those of the plain step, where it dies at the end of the forward (or in
-   ``dies_after``'s forward), or at the backward of the first kept block that saves it. Under a plan it lives until the backward of the first block (in forward order) that holds
-   it; the cost model adds the difference (``remat.plan.sides``, NOTE [ A side input's extra life ]).
+   ``dies_after``'s forward), or at the backward of the first kept block that saves it. Under a
+   plan it lives until the backward of the first block (in forward order) that holds it; the cost
+   model adds the difference (``remat.plan.sides``, NOTE [ A side input's extra life ]).
 2. **One that enters none** (``made_by``, no ``consumers``): a block returns it besides its hidden
    output (BLOOM's layers return their attention probabilities) and the model's code holds it until
    a later block returns (``outputs = block(...)``) or the head runs. Its maker holds it: under an
