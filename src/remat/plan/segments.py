@@ -20,7 +20,11 @@ code holds past the block (a handover: not stashed, NOTE [ Handovers in a segmen
   the segment's own input; each replayed call holds one more RNG state while it runs (the replay
   forks the RNG); the last block stops at its last saved tensor (at Fs_e: the rest would only
   make its output), and an inner segment that ends the segment is not run at all (the replay
-  stops once its input is kept);
+  stops once its input is kept); where the code after the first block frees more than its
+  checkpoint stashes (Kr_s < in_s: diffusers' UNet3D lets its temporal transformer's residual go
+  after that transformer's last block), the segment's kept Kr_s has that free and the replayed
+  Kk_s has it again, so the backward adds it back once (the replay of that block is then counted
+  that much high, on the safe side; a one-block segment measured 27,712 B over before);
 - when the replay ends the frame lets go of what it held: the RNG states of its own calls (an
   inner segment's stay with the inner frame until its own replay ends) and the side inputs its
   calls received, which stay live only where something else holds them (a block before the
@@ -133,6 +137,7 @@ class SegmentModel:
         self.ms = [c.extra_ms for c in r]
         self.tr = [round(c.extra_ms * _TICKS_PER_MS) for c in r]
         self.rng = [max(0, kr - i) for kr, i in zip(self.kr, self.inp)]
+        self.freed_after = [max(0, i - kr) for kr, i in zip(self.kr, self.inp)]  # see ``outer``
         self._rng_sum = [0, *itertools.accumulate(self.rng)]
         # The RNG state alone: the least any checkpoint stashes; what a block's checkpoint keeps
         # beyond it is the code after the block's (a stack's last norm), whose backward comes first.
@@ -204,6 +209,14 @@ class SegmentModel:
         """Bytes the segment keeps from its forward until its first block's backward ends."""
         return self.kr[s] + self._rng_sum[e + 1] - self._rng_sum[s + 1]
 
+    def outer(self, s: int, e: int) -> int:
+        """The level a top-level segment's backward starts from, above the parameters and what
+        the blocks before it keep: what it kept, less what the model's code let go since, plus
+        what the code after its first block freed where that exceeds the block's stash
+        (``freed_after``): the replay's keep numbers of that block carry that free a second time
+        (NOTE [ A segment's costs from per-block numbers ])."""
+        return self.kept(s, e) - self.gone(s, e) + self.freed_after[s]
+
     def gone(self, s: int, e: int) -> int:
         """What ``kept`` counts that the model's code lets go after the segment's forward and
         before its backward: what its blocks made and a later block's forward drops (NOTE
@@ -230,7 +243,7 @@ class SegmentModel:
         s, e = tree.span
         fwd, at = self.forward_need(s, e, before)
         peak, ticks, where = self.replay(tree, before)
-        bwd = self.lead + self.kept(s, e) - self.gone(s, e) + peak
+        bwd = self.lead + self.outer(s, e) + peak
         if fwd >= bwd:
             return fwd, ticks, f"forward of {self.profile.blocks[at].name}"
         return bwd, ticks, where
