@@ -188,7 +188,7 @@ class _Arrays:
         self.inp, self.kk, self.fk, self.bk, self.fs = arr(m.inp), arr(m.kk), arr(m.fk), arr(m.bk), arr(m.fs)
         self.kr, self.fr, self.tr, self.rng, self.fork = arr(m.kr), arr(m.fr), arr(m.tr), arr(m.rng), arr(m.fork)
         self.extra, self.reach, self.grads_at = arr(m.extra), arr(m.reach), arr(m.grads_at)
-        self.uses, self.saves, self.freed_after = arr(m.uses), arr(m.saves), arr(m.freed_after)
+        self.uses, self.saves = arr(m.uses), arr(m.saves)
         self.rng_sum = np.concatenate([[0], np.cumsum(self.rng)]).astype(np.int64)
         self.stashed = self.fork + self.extra  # what a call stashes: ``SegmentModel.stash``
         self.stash_sum = np.concatenate([[0], np.cumsum(self.stashed)]).astype(np.int64)
@@ -237,7 +237,7 @@ class _Grid:
         fwd_level = before_each(np.where(d[None, :] == 0, a.kr[s], col(a.rng)), 0, np.add)
         fwd_held = before_each(uses, 0, np.bitwise_or) | before
         self.fwd = np.maximum.accumulate(m.lead + fwd_level + fr + m.gather + a.fwd_delta[e, fwd_held], axis=1)
-        self.base = m.lead + a.kr[s] + a.rng_sum[e + 1] - a.rng_sum[s + 1] + a.freed_after[s]  # lead + outer(s, e)
+        self.base = m.lead + a.inp[s] + a.rng_sum[e + 1] - a.rng_sum[s]  # lead + outer(s, e)
         for h in m.handed:
             if h.dies is not None:
                 self.base -= h.size * ((s <= h.maker) & (h.maker <= e) & (e < h.dies))

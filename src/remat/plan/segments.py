@@ -137,7 +137,6 @@ class SegmentModel:
         self.ms = [c.extra_ms for c in r]
         self.tr = [round(c.extra_ms * _TICKS_PER_MS) for c in r]
         self.rng = [max(0, kr - i) for kr, i in zip(self.kr, self.inp)]
-        self.freed_after = [max(0, i - kr) for kr, i in zip(self.kr, self.inp)]  # see ``outer``
         self._rng_sum = [0, *itertools.accumulate(self.rng)]
         # The RNG state alone: the least any checkpoint stashes; what a block's checkpoint keeps
         # beyond it is the code after the block's (a stack's last norm), whose backward comes first.
@@ -211,11 +210,11 @@ class SegmentModel:
 
     def outer(self, s: int, e: int) -> int:
         """The level a top-level segment's backward starts from, above the parameters and what
-        the blocks before it keep: what it kept, less what the model's code let go since, plus
-        what the code after its first block freed where that exceeds the block's stash
-        (``freed_after``): the replay's keep numbers of that block carry that free a second time
-        (NOTE [ A segment's costs from per-block numbers ])."""
-        return self.kept(s, e) - self.gone(s, e) + self.freed_after[s]
+        the blocks before it keep: its input and every call's stash, less what the model's code
+        let go since. Unlike ``kept``, no free by the code after its first block (Kr_s < in_s):
+        the replay's keep numbers of that block carry it (NOTE [ A segment's costs from per-block
+        numbers ])."""
+        return self.inp[s] + self._rng_sum[e + 1] - self._rng_sum[s] - self.gone(s, e)
 
     def gone(self, s: int, e: int) -> int:
         """What ``kept`` counts that the model's code lets go after the segment's forward and
