@@ -6,7 +6,8 @@ configs so that a CPU step takes milliseconds; ``batch`` is what ``model(*batch)
 with ``--no-deps`` beside the pinned torch (``make install``); a model whose library does not
 import is skipped by the tests, with the reason.
 
-The shapes they bring: diffusers' UNets keep their down path as a list of different classes and
+The shapes they bring: diffusers' UNets keep their down path as a list of different classes (or,
+where a stage class repeats, a stack of stages that keep their layers in lists of their own) and
 their middle block as a lone attribute; its Flux transformer's single blocks return (context,
 hidden), and the last one's context is dropped (its first output gets no gradient); vit-pytorch and x-transformers keep each layer as a
 ``ModuleList`` of ``ModuleList``s iterated by their own loop (``for attn, ff in self.layers``);
@@ -65,6 +66,21 @@ def diffusers_cond_unet() -> Built:
                                  attention_head_dim=8,
                                  down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
                                  up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"))
+    x = torch.randn(BATCH, 4, 16, 16, generator=_gen())
+    text = torch.randn(BATCH, 8, 32, generator=_gen())
+    return model.train(), (x, torch.tensor([10] * BATCH), text), _sample_loss
+
+
+def diffusers_cond_unet_stages() -> Built:
+    """Stages of two layers each, where a stage class repeats (NOTE [ Blocks by what runs ], rule 7)."""
+    from diffusers import UNet2DConditionModel
+
+    torch.manual_seed(0)
+    model = UNet2DConditionModel(sample_size=16, in_channels=4, out_channels=4, layers_per_block=2,
+                                 block_out_channels=(32, 64, 64), norm_num_groups=8, cross_attention_dim=32,
+                                 attention_head_dim=8,
+                                 down_block_types=("CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "DownBlock2D"),
+                                 up_block_types=("UpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D"))
     x = torch.randn(BATCH, 4, 16, 16, generator=_gen())
     text = torch.randn(BATCH, 8, 32, generator=_gen())
     return model.train(), (x, torch.tensor([10] * BATCH), text), _sample_loss
@@ -196,6 +212,7 @@ def perceiver_tied() -> Built:
 LIBS: dict[str, Callable[[], Built]] = {
     "diffusers-unet": diffusers_unet,
     "diffusers-cond-unet": diffusers_cond_unet,
+    "diffusers-cond-unet-stages": diffusers_cond_unet_stages,
     "diffusers-flux": diffusers_flux,
     "x-unet": x_unet,
     "vit-pytorch-vit": vit_pytorch_vit,

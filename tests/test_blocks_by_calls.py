@@ -88,12 +88,43 @@ class Stages(nn.Module):
         return self.head(x)
 
 
+class DeepStage(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([Mlp(d), Mlp(d)])
+        self.out = Attn(d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return self.out(x)
+
+
+class RepeatedStages(nn.Module):
+    """A stage list where a stage class repeats, each stage keeping its layers in a list of its own
+    (a diffusers UNet of several CrossAttnDownBlock2D): the stages are stages, not layers."""
+
+    def __init__(self, d: int = 32) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(64, d)
+        self.stages = nn.ModuleList([DeepStage(d), DeepStage(d), Mlp(d)])
+        self.head = nn.Linear(d, 64)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        for stage in self.stages:
+            x = stage(x)
+        return self.head(x)
+
+
 def _loss(out: torch.Tensor, batch: tuple[torch.Tensor]) -> torch.Tensor:
     return torch.nn.functional.cross_entropy(out.flatten(0, 1), batch[0].flatten())
 
 
 CASES = {
     "lists-of-lists": (ListsOfLists, [f"layers.{i}.{j}" for i in range(6) for j in range(2)]),
+    "repeated-stages": (RepeatedStages, [f"stages.{i}.{p}" for i in range(2) for p in ("layers.0", "layers.1", "out")]
+                        + ["stages.2"]),
     "stages": (Stages, ["down.0.a", "down.0.b", "down.1", "down.2", "middle.a", "middle.b", "up.0", "up.1", "up.2"]),
 }
 
