@@ -18,7 +18,7 @@ features in a branch it detaches, and counts its calls in a buffer; perceiver-py
 than once per step); x-unet's UNet keeps each down stage's output in a list for the up path, and
 that output is the first input of the stage's downsampler too, which saves nothing of it;
 x-transformers' attention with a mask calls einx, which wraps every error in its own (a recompute's
-early stop too).
+early stop too); transformers' DETR caches its position embedding from one step to the next.
 """
 
 from __future__ import annotations
@@ -209,6 +209,21 @@ def perceiver_tied() -> Built:
     return model.train(), (torch.randn(BATCH, 16, 16, 3, generator=_gen()),), _class_loss
 
 
+def transformers_detr() -> Built:
+    """DETR without timm: a ResNet backbone, and a position embedding transformers caches across
+    steps (``lru_cache``; NOTE [ A side input the model keeps past the step ] in remat.measure.sides)."""
+    import transformers
+
+    torch.manual_seed(0)
+    backbone = transformers.ResNetConfig(num_channels=3, embedding_size=16, hidden_sizes=[16, 32], depths=[1, 1],
+                                         out_features=["stage2"])
+    cfg = transformers.DetrConfig(use_timm_backbone=False, backbone_config=backbone, use_pretrained_backbone=False,
+                                  d_model=32, encoder_layers=4, decoder_layers=4, encoder_attention_heads=4,
+                                  decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, num_queries=16)
+    batch = {"pixel_values": torch.randn(BATCH, 3, 64, 64, generator=_gen())}
+    return transformers.DetrModel(cfg).train(), batch, lambda out, b: out.last_hidden_state.square().mean()
+
+
 LIBS: dict[str, Callable[[], Built]] = {
     "diffusers-unet": diffusers_unet,
     "diffusers-cond-unet": diffusers_cond_unet,
@@ -222,6 +237,7 @@ LIBS: dict[str, Callable[[], Built]] = {
     "peft-lora-llama": peft_lora_llama,
     "performer-lm": performer_lm,
     "perceiver-tied": perceiver_tied,
+    "transformers-detr": transformers_detr,
 }
 
 # What profiling a model warns of (a match for pytest.warns): the tests expect it.

@@ -136,6 +136,7 @@ def marked_step(
     try:
         with noting_saved(hooks, saved, mark if saves else None), noting_deaths(hooks, model):
             _step.train_step(model, batch, loss_fn, optimizer, mark=mark)
+        hooks.kept_past_step = set(hooks.live_numbers.values())
     finally:
         hooks.remove()
     if missing := [named[i][0] for i in range(len(named)) if i not in hooks.order]:

@@ -59,6 +59,9 @@ class StepNotes:
     """How many storages have been numbered so far."""
     deaths: dict[int, DeathPoint] = field(default_factory=dict)
     """Storage number -> where it died, when before the model's forward returned."""
+    kept_past_step: set[int] = field(default_factory=set)
+    """The numbers of the noted storages still alive when the step ended: the model's own state
+    holds them (NOTE [ A side input the model keeps past the step ] in ``remat.measure.sides``)."""
     # --- side inputs (shape 1 of NOTE [ Tensors that cross a block boundary ] in remat.records) ---
     sides: dict[int, list[Side]] = field(default_factory=dict)
     """[block]: each storage entering it besides its first input."""

@@ -40,7 +40,7 @@ from remat.measure.preserve import preserved
 from remat.measure.runner import StepRunner, every_block
 from remat.measure.sides import with_skips
 from remat.measure.tiles import add_tiles, measure_tiles
-from remat.measure.tracer import MemoryTracer, base_bytes, host_link_bytes_per_s
+from remat.measure.tracer import MemoryTracer, base_bytes, host_link_bytes_per_s, sized
 from remat.models.hf import every_layer, without_cache
 from remat.plan.sharding import per_rank_profile
 from remat.records import Profile
@@ -155,7 +155,8 @@ def _measured(
     cuda = device.type == "cuda"
     with preserved(model, optimizer):
         # warm-up: lazy state, allocator, and which blocks run
-        named = running(model, named, blocks is not None, lambda: _step.train_step(model, batch, loss_fn, optimizer))
+        with sized(device):  # NOTE [ A free the CPU trace cannot size ] in remat.measure.tracer
+            named = running(model, named, blocks is not None, lambda: _step.train_step(model, batch, loss_fn, optimizer))
         model.zero_grad(set_to_none=True)
         base = base_bytes(model, optimizer, batch, device)
         opt_bytes = _step.optimizer_bytes(optimizer)
