@@ -88,10 +88,19 @@ class Stages(nn.Module):
         return self.head(x)
 
 
+class Layer(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.attn, self.mlp = Attn(d), Mlp(d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mlp(self.attn(x))
+
+
 class DeepStage(nn.Module):
     def __init__(self, d: int) -> None:
         super().__init__()
-        self.layers = nn.ModuleList([Mlp(d), Mlp(d)])
+        self.layers = nn.ModuleList([Layer(d), Layer(d)])
         self.out = Attn(d)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -100,14 +109,30 @@ class DeepStage(nn.Module):
         return self.out(x)
 
 
+class BareDownStage(nn.Module):
+    """ConvNeXt's stage: its downsampler bare layers in a list it iterates itself (the stage stays
+    whole)."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.down = nn.ModuleList([nn.LayerNorm(d), nn.Linear(d, d)])
+        self.layers = nn.ModuleList([Mlp(d), Mlp(d)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in [*self.down, *self.layers]:
+            x = layer(x)
+        return x
+
+
 class RepeatedStages(nn.Module):
     """A stage list where a stage class repeats, each stage keeping its layers in a list of its own
-    (a diffusers UNet of several CrossAttnDownBlock2D): the stages are stages, not layers."""
+    (a diffusers UNet of several CrossAttnDownBlock2D): the stages give way to their layers, each
+    whole, where those hold all the stage's parameters (rule 7)."""
 
     def __init__(self, d: int = 32) -> None:
         super().__init__()
         self.embed = nn.Embedding(64, d)
-        self.stages = nn.ModuleList([DeepStage(d), DeepStage(d), Mlp(d)])
+        self.stages = nn.ModuleList([DeepStage(d), DeepStage(d), BareDownStage(d)])
         self.head = nn.Linear(d, 64)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:

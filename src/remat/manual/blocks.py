@@ -168,11 +168,18 @@ def no_blocks(model: nn.Module) -> BlockError:
 #    remat's cost model replays each block once. Its calls are the model's code between blocks, and
 #    the profiler says so (``repeated``).
 # 7. A found block that keeps layers of its own in a stack (a UNet stage of several resnets and
-#    attentions, a Swin stage of several layers) is a stage, not a layer: it gives way to its parts
-#    by rules 3 and 4, whether or not its stage list happened to repeat a class. A transformer layer
-#    holds its attention and MLP as attributes, and stays whole. Measured: a diffusers
-#    UNet2DCondition of three stages of two layers had its floor at torch's every-block peak, 2.3
-#    MiB above diffusers' own checkpointing (``test_libs_zoo``'s ``diffusers-cond-unet-stages``).
+#    attentions, a Swin stage of several layers) is a stage, not a layer: it gives way to its
+#    outermost modules that run once, hold parameters and take and return what requires grad
+#    (rule 3), each whole (a layer's attention and MLP stay together: split, the code between
+#    them is kept at every budget), where they hold all the stage's parameters. A stage with bare
+#    layers of its own stays whole: ConvNeXt's downsampler is a norm and a conv in a list the
+#    stage iterates, which split off are kept at every budget (the floor rose 0.8%, above torch's
+#    checkpoint on whole stages); as blocks of their own, a segment over the stage's parts was
+#    28 KiB above the stage checkpointed as one block, predicted and measured.
+#    Measured: a diffusers UNet2DCondition of three stages of two layers had its floor at torch's
+#    every-block peak, 2.3 MiB above diffusers' own checkpointing (``test_libs_zoo``'s
+#    ``diffusers-cond-unet-stages``); Swin, Hiera and FocalNet stages split down to attention and
+#    MLP had floors above their whole layers', and plans over their prediction.
 # So every block remat chooses has run once in that forward: a block that does not run is never the
 # user's error. One that runs with gradients only after the forward (in the model's own backward: a
 # reversible network) has nothing to checkpoint, and is refused with that reason.
@@ -256,17 +263,18 @@ def _running_within(name: str, module: nn.Module, calls: Calls, canonical: dict[
 
 
 def _uncovered(model: nn.Module, prefix: str, taken: set[str], above: set[str], calls: Calls,
-               last_end: int | None) -> list[tuple[str, nn.Module]]:
-    """The modules of the trunk that no block covers (rule 3)."""
+               last_end: int | None, stage: bool = False) -> list[tuple[str, nn.Module]]:
+    """The modules of the trunk that no block covers (rule 3), each split into its own such
+    modules where it has two or more (rule 4); with ``stage``, a stage's parts, whole (rule 7)."""
     found: list[tuple[str, nn.Module]] = []
     for child_name, child in model.named_children():
         full = f"{prefix}.{child_name}" if prefix else child_name
         if full in taken:
             continue
         if full in above or (full not in calls.count and isinstance(child, _CONTAINERS)):
-            found += _uncovered(child, full, taken, above, calls, last_end)
+            found += _uncovered(child, full, taken, above, calls, last_end, stage)
         elif _in_trunk(full, child, calls, last_end):
-            parts = _uncovered(child, full, taken, above, calls, last_end)
+            parts = [] if stage else _uncovered(child, full, taken, above, calls, last_end)
             found += parts if len(parts) >= 2 else [(full, child)]  # rule 4
     return found
 
@@ -275,7 +283,8 @@ def _stage_parts(name: str, module: nn.Module, calls: Calls) -> list[tuple[str, 
     """The parts of a found block that keeps a stack of layers of its own (rule 7), or none."""
     if not any(n and _is_block_stack(c) for n, c, _ in _candidates(module)):
         return []
-    return _uncovered(module, name, set(), set(), calls, None)
+    parts = _uncovered(module, name, set(), set(), calls, None, stage=True)
+    return parts if sum(_param_count(m) for _, m in parts) == _param_count(module) else []
 
 
 def _in_trunk(name: str, module: nn.Module, calls: Calls, last_end: int | None) -> bool:
