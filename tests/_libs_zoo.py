@@ -224,6 +224,20 @@ def transformers_detr() -> Built:
     return transformers.DetrModel(cfg).train(), batch, lambda out, b: out.last_hidden_state.square().mean()
 
 
+def transformers_pvt() -> Built:
+    """PVT: stages as lists of layers beside a list of patch embeddings, the first fed the pixels,
+    and no checkpointing of transformers' own."""
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.PvtConfig(image_size=32, num_encoder_blocks=2, depths=[2, 2], sequence_reduction_ratios=[2, 1],
+                                 hidden_sizes=[16, 32], patch_sizes=[4, 2], strides=[4, 2], num_attention_heads=[1, 2],
+                                 mlp_ratios=[2, 2], num_labels=10)
+    batch = {"pixel_values": torch.randn(BATCH, 3, 32, 32, generator=_gen()),
+             "labels": torch.randint(0, 10, (BATCH,), generator=_gen())}
+    return transformers.PvtForImageClassification(cfg).train(), batch, lambda out, b: out.loss
+
+
 LIBS: dict[str, Callable[[], Built]] = {
     "diffusers-unet": diffusers_unet,
     "diffusers-cond-unet": diffusers_cond_unet,
@@ -238,6 +252,7 @@ LIBS: dict[str, Callable[[], Built]] = {
     "performer-lm": performer_lm,
     "perceiver-tied": perceiver_tied,
     "transformers-detr": transformers_detr,
+    "transformers-pvt": transformers_pvt,
 }
 
 # What profiling a model warns of (a match for pytest.warns): the tests expect it.
