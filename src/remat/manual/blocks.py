@@ -138,24 +138,29 @@ def no_blocks(model: nn.Module) -> BlockError:
 # NOTE [ Blocks by what runs ]
 # Containers say what repeats; only a forward says what runs. ``by_calls`` takes the module calls of
 # one forward with gradients (``Calls``) and settles the blocks:
-# 1. A found block that ran, holds parameters and returned what requires grad is a block; one whose
-#    output needs no gradient (DETR's frozen backbone, T2T-ViT's unfolding of the image) has no
+# 1. A found block that ran, holds parameters and returned what a gradient reaches in the backward
+#    is a block; one whose output no gradient reaches (DETR's frozen backbone, T2T-ViT's unfolding
+#    of the image, encodec's encoder where the model quantizes its output to integer codes) has no
 #    backward to replay in, and one without parameters (T2T-ViT's reshapes and ``Identity``, in a
 #    ``Sequential`` where they repeat) is the model's code. One that never runs but whose modules
 #    do (a ``ModuleList`` of ``ModuleList``s that the model iterates in its own loop, ``for attn,
 #    ff in self.layers``) gives way to its outermost modules that run, hold parameters and return
-#    what requires grad; those without parameters (a residual wrapper) are the model's code
+#    what a gradient reaches; those without parameters (a residual wrapper) are the model's code
 #    between blocks.
 # 2. A found stack of which nothing runs is left out (a T5's decoder in an encoder-only step); one
 #    of which some blocks run and others do not skips layers at random, and is refused.
-# 3. What no block covers and runs before the last block ends is the trunk's too: from the root,
-#    through the blocks' ancestors and containers that are never called, every module that runs
-#    once, holds parameters, has modules of its own, and takes and returns what requires grad is a
-#    block (a UNet's down path of different classes, its lone middle block). A bare layer (an
-#    embedding, a norm) holds little; what runs after the last block is the head's (its own
-#    options); a frozen embedding has no backward to replay in; a stem fed the batch is left to the
-#    part before the blocks (a first block whose input needs no gradient is mispredicted by a
-#    hidden state: issue 28's LoRA case).
+# 3. What no block covers is the trunk's too: from the root, through the blocks' ancestors and
+#    containers that are never called, every module that runs once, holds parameters, has modules
+#    of its own, and takes what requires grad and returns what a gradient reaches is a block (a
+#    UNet's down path of different classes, its lone middle block). What runs after the last block
+#    the stacks and the rules before gave is the head's (its own options), unless it holds as many
+#    parameters as the smallest of those blocks: a UNet's up path after a down path that stacks
+#    gave (MONAI's), a codec's decoder after its encoder; left to the head, MONAI's UNet floored at
+#    2.564 MiB where torch's checkpoint on its units and up modules reaches 2.052, encodec's at
+#    6.017 for 4.104. A classifier, a pooler, a final norm hold fewer. A bare layer (an embedding, a
+#    norm) holds little; a frozen embedding has no backward to replay in; a stem fed the batch is
+#    left to the part before the blocks (a first block whose input needs no gradient is
+#    mispredicted by a hidden state: issue 28's LoRA case).
 # 4. Such a module with two or more such modules inside gives way to them (a UNet stage's resnets,
 #    attentions and downsampler, the granularity diffusers' own checkpointing takes): a block's
 #    backward holds its whole forward again, so the floor falls with the largest block.
@@ -196,7 +201,8 @@ class Calls:
     end: dict[str, int]
     """The position where that first call ended."""
     grads: set[str]
-    """The modules whose first call returned a tensor that requires grad (a backward runs)."""
+    """The modules whose first call returned a tensor that a gradient reached in the step's
+    backward (a backward runs through it)."""
     grad_inputs: set[str]
     """The modules whose first call's hidden input (first floating-point tensor) requires grad."""
 
@@ -230,10 +236,11 @@ def by_calls(model: nn.Module, found: list[tuple[str, nn.Module]], calls: Calls
         raise ProfileError(f"blocks {missing} did not run in the training step while others of their stack did; "
                            "remat plans blocks that run in every step (turn off layerdrop or other random layer "
                            "skips, or name the blocks with blocks=)")
-    last_end = max((calls.end[n] for n, _ in blocks), default=None)
+    trunk = _Trunk(calls, last_end=max((calls.end[n] for n, _ in blocks), default=None),
+                   least=min((_param_count(m) for _, m in blocks), default=0))
     taken = {n for n, _ in blocks}
     above = {".".join(n.split(".")[:k]) for n in taken for k in range(n.count(".") + 1)}  # with the root, ""
-    blocks += _uncovered(model, "", taken, above, calls, last_end)
+    blocks += _uncovered(model, "", taken, above, trunk)
     order = {n: i for i, (n, _) in enumerate(model.named_modules())}
     return sorted(_outermost(blocks), key=lambda b: order[b[0]]), list(dict.fromkeys(repeated))
 
@@ -262,8 +269,27 @@ def _running_within(name: str, module: nn.Module, calls: Calls, canonical: dict[
     return found
 
 
-def _uncovered(model: nn.Module, prefix: str, taken: set[str], above: set[str], calls: Calls,
-               last_end: int | None, stage: bool = False) -> list[tuple[str, nn.Module]]:
+@dataclass(frozen=True)
+class _Trunk:
+    """What rule 3 judges a module of the trunk by: the module calls, and how the blocks found so
+    far end the trunk (``last_end``: what runs after them is the head's unless it holds ``least``
+    parameters, as many as the smallest of them)."""
+
+    calls: Calls
+    last_end: int | None = None
+    least: int = 0
+
+    def holds(self, name: str, module: nn.Module) -> bool:
+        """Whether ``module``, which no block covers, is a block of the trunk (rule 3)."""
+        calls, params = self.calls, _param_count(module)
+        if calls.count.get(name) != 1 or name not in calls.grads or name not in calls.grad_inputs:
+            return False
+        before_last = self.last_end is None or calls.start[name] < self.last_end
+        return params > 0 and (before_last or params >= self.least) and any(True for _ in module.children())
+
+
+def _uncovered(model: nn.Module, prefix: str, taken: set[str], above: set[str], trunk: _Trunk,
+               stage: bool = False) -> list[tuple[str, nn.Module]]:
     """The modules of the trunk that no block covers (rule 3), each split into its own such
     modules where it has two or more (rule 4); with ``stage``, a stage's parts, whole (rule 7)."""
     found: list[tuple[str, nn.Module]] = []
@@ -271,10 +297,10 @@ def _uncovered(model: nn.Module, prefix: str, taken: set[str], above: set[str], 
         full = f"{prefix}.{child_name}" if prefix else child_name
         if full in taken:
             continue
-        if full in above or (full not in calls.count and isinstance(child, _CONTAINERS)):
-            found += _uncovered(child, full, taken, above, calls, last_end, stage)
-        elif _in_trunk(full, child, calls, last_end):
-            parts = [] if stage else _uncovered(child, full, taken, above, calls, last_end)
+        if full in above or (full not in trunk.calls.count and isinstance(child, _CONTAINERS)):
+            found += _uncovered(child, full, taken, above, trunk, stage)
+        elif trunk.holds(full, child):
+            parts = [] if stage else _uncovered(child, full, taken, above, trunk)
             found += parts if len(parts) >= 2 else [(full, child)]  # rule 4
     return found
 
@@ -283,15 +309,8 @@ def _stage_parts(name: str, module: nn.Module, calls: Calls) -> list[tuple[str, 
     """The parts of a found block that keeps a stack of layers of its own (rule 7), or none."""
     if not any(n and _is_block_stack(c) for n, c, _ in _candidates(module)):
         return []
-    parts = _uncovered(module, name, set(), set(), calls, None, stage=True)
+    parts = _uncovered(module, name, set(), set(), _Trunk(calls), stage=True)
     return parts if sum(_param_count(m) for _, m in parts) == _param_count(module) else []
-
-
-def _in_trunk(name: str, module: nn.Module, calls: Calls, last_end: int | None) -> bool:
-    """Whether ``module``, which no block covers, is a block of the trunk (rule 3)."""
-    ran_once = calls.count.get(name) == 1 and (last_end is None or calls.start[name] < last_end)
-    with_grads = name in calls.grads and name in calls.grad_inputs
-    return ran_once and with_grads and _param_count(module) > 0 and any(True for _ in module.children())
 
 
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)

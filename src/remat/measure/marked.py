@@ -231,8 +231,9 @@ def running(model: nn.Module, named: list[tuple[str, nn.Module]], explicit: bool
         nonlocal done
         if torch.is_grad_enabled() and not done and (name := names[id(module)]) not in calls.end:
             calls.end[name] = next(ticks)
-            if any(t.requires_grad for t in _step.tensors_in(output)):
-                calls.grads.add(name)
+            for t in _step.tensors_in(output):
+                if t.requires_grad:  # a backward runs through it only where a gradient reaches it
+                    t.register_hook(lambda _, name=name: calls.grads.add(name))
         done = done or module is model
 
     handles = [h for m in model.modules() for h in (m.register_forward_pre_hook(pre, with_kwargs=True), m.register_forward_hook(post))]
@@ -247,6 +248,10 @@ def running(model: nn.Module, named: list[tuple[str, nn.Module]], explicit: bool
                 raise _in_backward(sorted(set(missing) & late))
             raise ProfileError(f"blocks {missing} did not run in the training step; remat plans blocks that run "
                                "once per step with gradients (check blocks=, and that the model trains)")
+        if cut := [n for n, _ in named if n not in calls.grads]:
+            raise ProfileError(f"no gradient reached the outputs of blocks {cut} in the training step (the model "
+                               "detaches or quantizes what they return, or the loss does not use it), so they have "
+                               "no backward to recompute in; name blocks whose outputs the loss depends on in blocks=")
         return named
     kept, repeated = by_calls(model, named, calls)
     if repeated:
@@ -268,6 +273,12 @@ def running(model: nn.Module, named: list[tuple[str, nn.Module]], explicit: bool
                 "per step: plan the shared module on one call's batch (remat.auto(encoder, one_batch, "
                 "budget) with the budget split between its calls; the plan then holds for every call), or "
                 "wrap each call in your code with remat.checkpoint")
+        if cut := [n for n, m in named if n in calls.count and n not in calls.grads and any(True for _ in m.parameters())]:
+            raise ProfileError(
+                f"no gradient reached the outputs of the blocks remat found ({cut[:4]}{' ...' if len(cut) > 4 else ''}) "
+                "in the training step: the model detaches or quantizes what they return, or the loss does not use "
+                "it, so they have no backward to recompute in. Name the blocks whose outputs the loss depends on "
+                "with blocks=")
         raise no_blocks(model)
     if left := sorted({n for n, _ in named} - {n for n, _ in kept}):
         log.info("blocks found by the model's containers that do not run as blocks in a training step: %s", left)
