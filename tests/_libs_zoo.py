@@ -18,7 +18,8 @@ features in a branch it detaches, and counts its calls in a buffer; perceiver-py
 than once per step); x-unet's UNet keeps each down stage's output in a list for the up path, and
 that output is the first input of the stage's downsampler too, which saves nothing of it;
 x-transformers' attention with a mask calls einx, which wraps every error in its own (a recompute's
-early stop too); transformers' DETR caches its position embedding from one step to the next.
+early stop too); transformers' DETR caches its position embedding from one step to the next;
+MONAI's UNet nests its up path in skip connections, all of it after the down path's last block.
 """
 
 from __future__ import annotations
@@ -238,6 +239,17 @@ def transformers_pvt() -> Built:
     return transformers.PvtForImageClassification(cfg).train(), batch, lambda out, b: out.loss
 
 
+def monai_unet() -> Built:
+    """MONAI's UNet: a down path of residual units that stacks give, and an up path nested in skip
+    connections that runs after the last of them (NOTE [ Blocks by what runs ], rule 3)."""
+    from monai.networks.nets import UNet
+
+    torch.manual_seed(0)
+    model = UNet(spatial_dims=2, in_channels=1, out_channels=2, channels=(8, 16, 32, 64), strides=(2, 2, 2),
+                 num_res_units=2)
+    return model.train(), (torch.randn(BATCH, 1, 64, 64, generator=_gen()),), lambda out, b: out.square().mean()
+
+
 LIBS: dict[str, Callable[[], Built]] = {
     "diffusers-unet": diffusers_unet,
     "diffusers-cond-unet": diffusers_cond_unet,
@@ -253,6 +265,15 @@ LIBS: dict[str, Callable[[], Built]] = {
     "perceiver-tied": perceiver_tied,
     "transformers-detr": transformers_detr,
     "transformers-pvt": transformers_pvt,
+    "monai-unet": monai_unet,
+}
+
+# Modules a user might checkpoint by hand (torch's checkpoint on each): remat's floor is at or below
+# their peak too. MONAI's UNet: the down path's units and the up modules after it.
+_MONAI_DOWN = ["model.0", "model.1.submodule.0", "model.1.submodule.1.submodule.0", "model.1.submodule.1.submodule.1.submodule"]
+SENSIBLE: dict[str, list[str]] = {
+    "monai-unet": [f"{d}.conv.unit{i}" for d in _MONAI_DOWN for i in range(2)]
+    + ["model.1.submodule.1.submodule.2", "model.1.submodule.2", "model.2"],
 }
 
 # What profiling a model warns of (a match for pytest.warns): the tests expect it.

@@ -2,10 +2,11 @@
 every plan it makes with ``verify=False`` fits.
 
 Per model: the blocks cover the step (remat's smallest feasible peak is at or below torch's
-checkpoint on every one of them, and below the library's own gradient checkpointing where it has
-one); plans at 60%, 40% and the smallest feasible budget, applied without verifying, measure at or
-below their prediction, with the plain step's gradients; ``remove`` gives the
-model back as it was (but for what the model's own step changes: performer's call counter).
+checkpoint on every one of them, below the library's own gradient checkpointing where it has one,
+and below torch's checkpoint on the modules a user would name, ``SENSIBLE``); plans at 60%, 40%
+and the smallest feasible budget, applied without verifying, measure at or below their
+prediction, with the plain step's gradients; ``remove`` gives the model back as it was (but for
+what the model's own step changes: performer's call counter).
 """
 
 from __future__ import annotations
@@ -99,6 +100,7 @@ def case(request: pytest.FixtureRequest) -> dict[str, Any]:
     return {"name": name, "model": model, "batch": batch, "loss_fn": loss_fn, "grads": plain_grads, "moving": moving,
             "plain": plain, "profile": prof, "smallest": refused.value.smallest_bytes,
             "torch": _torch_every_block(model, names, batch, loss_fn),
+            "sensible": _torch_every_block(model, _libs_zoo.SENSIBLE[name], batch, loss_fn) if name in _libs_zoo.SENSIBLE else None,
             "library": _library_checkpointing(model, batch, loss_fn)}
 
 
@@ -108,6 +110,8 @@ def test_blocks_cover_the_step(case: dict[str, Any]) -> None:
     assert case["smallest"] is not None and case["smallest"] <= case["torch"] < case["plain"], case
     if case["library"] is not None:
         assert case["smallest"] <= case["library"], case
+    if case["sensible"] is not None:  # torch's checkpoint on modules a user would name
+        assert case["smallest"] <= case["sensible"], case
 
 
 @pytest.mark.parametrize("budget", ["60%", "40%", "smallest"])
