@@ -205,6 +205,14 @@ def _warn_no_selective(error: RuntimeError) -> None:
     )
 
 
+def _cut_off(names: list[str]) -> ProfileError:
+    """The refusal for blocks no gradient reaches (rule 1 of NOTE [ Blocks by what runs ])."""
+    shown = f"{names[:4]}{' ...' if len(names) > 4 else ''}"
+    return ProfileError(f"no gradient reached the outputs of blocks {shown} in the training step: the model detaches "
+                        "or quantizes what they return, or the loss does not use it, so they have no backward to "
+                        "recompute in. Name the blocks whose outputs the loss depends on with blocks=")
+
+
 def running(model: nn.Module, named: list[tuple[str, nn.Module]], explicit: bool,
             run: Callable[[], Any]) -> list[tuple[str, nn.Module]]:
     """The blocks, settled by what runs in ``run()``, a warm-up step: named ones must run; found
@@ -249,9 +257,7 @@ def running(model: nn.Module, named: list[tuple[str, nn.Module]], explicit: bool
             raise ProfileError(f"blocks {missing} did not run in the training step; remat plans blocks that run "
                                "once per step with gradients (check blocks=, and that the model trains)")
         if cut := [n for n, _ in named if n not in calls.grads]:
-            raise ProfileError(f"no gradient reached the outputs of blocks {cut} in the training step (the model "
-                               "detaches or quantizes what they return, or the loss does not use it), so they have "
-                               "no backward to recompute in; name blocks whose outputs the loss depends on in blocks=")
+            raise _cut_off(cut)
         return named
     kept, repeated = by_calls(model, named, calls)
     if repeated:
@@ -274,11 +280,7 @@ def running(model: nn.Module, named: list[tuple[str, nn.Module]], explicit: bool
                 "budget) with the budget split between its calls; the plan then holds for every call), or "
                 "wrap each call in your code with remat.checkpoint")
         if cut := [n for n, m in named if n in calls.count and n not in calls.grads and any(True for _ in m.parameters())]:
-            raise ProfileError(
-                f"no gradient reached the outputs of the blocks remat found ({cut[:4]}{' ...' if len(cut) > 4 else ''}) "
-                "in the training step: the model detaches or quantizes what they return, or the loss does not use "
-                "it, so they have no backward to recompute in. Name the blocks whose outputs the loss depends on "
-                "with blocks=")
+            raise _cut_off(cut)
         raise no_blocks(model)
     if left := sorted({n for n, _ in named} - {n for n, _ in kept}):
         log.info("blocks found by the model's containers that do not run as blocks in a training step: %s", left)

@@ -267,7 +267,7 @@ def read_side_inputs(
 # lengthens its life, and every run measures it held; read as a crossing the plain step frees in
 # the head, the rule added its bytes to every checkpointed plan's backward a second time, and
 # the profile took them off the runs' peaks: every plan with a checkpoint measured 16,512 B over
-# its prediction (tests/test_crossings.py). So it is no crossing.
+# its prediction (tests/test_profiler.py). So it is no crossing.
 
 
 def _dies_after(hooks: StepNotes, number: int, names: list[str]) -> str | None:
