@@ -174,8 +174,7 @@ def no_blocks(model: nn.Module) -> BlockError:
 #    the profiler says so (``repeated``).
 # 7. A found block that keeps layers of its own in a stack (a UNet stage of several resnets and
 #    attentions, a Swin stage of several layers) is a stage, not a layer: it gives way to its
-#    outermost modules that run once, hold parameters and take and return what requires grad
-#    (rule 3), each whole (a layer's attention and MLP stay together: split, the code between
+#    outermost modules that pass rule 3's test, each whole (a layer's attention and MLP stay together: split, the code between
 #    them is kept at every budget), where they hold all the stage's parameters. A stage with bare
 #    layers of its own stays whole: ConvNeXt's downsampler is a norm and a conv in a list the
 #    stage iterates, which split off are kept at every budget (the floor rose 0.8%, above torch's

@@ -32,7 +32,6 @@ from remat.measure.marked import (
     dtype_name,
     marked_step,
     option_runs,
-    running,
     sides_of,
 )
 from remat.measure.notes import StepNotes
@@ -40,6 +39,7 @@ from remat.measure.runner import StepRunner
 from remat.measure.sides import with_skips
 from remat.measure.tiles import add_tiles, measure_tiles
 from remat.measure.tracer import Trace
+from remat.measure.warmup import running
 from remat.models.hf import cache_off, layerdrop_off
 from remat.records import Crossing, OptionCost, Profile
 

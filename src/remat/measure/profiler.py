@@ -35,12 +35,13 @@ from remat.measure.compiled import add_options, check_budgets, measure_compiled,
 from remat.measure.estimated import check_factory, fake_run
 from remat.measure.heads import add_heads, measure_heads
 from remat.measure.lean import lean_profile, resolve_budget
-from remat.measure.marked import base_keys, dtype_name, marked_step, option_runs, running, sides_of
+from remat.measure.marked import base_keys, dtype_name, marked_step, option_runs, sides_of
 from remat.measure.preserve import preserved
 from remat.measure.runner import StepRunner, every_block
 from remat.measure.sides import with_skips
 from remat.measure.tiles import add_tiles, measure_tiles
 from remat.measure.tracer import MemoryTracer, base_bytes, host_link_bytes_per_s, sized
+from remat.measure.warmup import running
 from remat.models.hf import every_layer, without_cache
 from remat.plan.sharding import per_rank_profile
 from remat.records import Profile

@@ -102,8 +102,13 @@ def sized(device: torch.device | str) -> Iterator[None]:
     if torch.device(device).type != "cpu":
         yield
         return
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True):
+    with _memory_profiler():
         yield
+
+
+def _memory_profiler() -> Any:
+    """torch's profiler recording the CPU allocator's events (NOTE [ How bytes are measured ])."""
+    return torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True)
 
 
 class MemoryTracer:
@@ -136,9 +141,7 @@ class MemoryTracer:
             self._t0 = torch.cuda.Event(enable_timing=True)
             self._t0.record()
         else:
-            self._prof = torch.profiler.profile(
-                activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True
-            )
+            self._prof = _memory_profiler()
             self._prof.__enter__()
             self.mark("__start__")
         return self

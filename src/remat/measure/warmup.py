@@ -1,0 +1,115 @@
+"""The warm-up step that settles the blocks: the module calls of one training step, which modules
+run once, and which a gradient reaches (NOTE [ Blocks by what runs ] in ``remat.manual.blocks``),
+and the refusals where nothing can be planned. The measured and the estimated profile both start
+here."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from remat.errors import ProfileError
+from remat.manual.blocks import Calls, by_calls, no_blocks
+from remat.measure import step as _step
+from remat.measure.marked import outside_remat
+from remat.measure.sides import first_tensor as _first_tensor
+
+__all__ = ["running"]
+
+log = logging.getLogger(__name__)
+
+
+def _cut_off(names: list[str]) -> ProfileError:
+    """The refusal for blocks no gradient reaches (rule 1 of NOTE [ Blocks by what runs ])."""
+    shown = f"{names[:4]}{' ...' if len(names) > 4 else ''}"
+    return ProfileError(f"no gradient reached the outputs of blocks {shown} in the training step: the model detaches "
+                        "or quantizes what they return, or the loss does not use it, so they have no backward to "
+                        "recompute in. Name the blocks whose outputs the loss depends on with blocks=")
+
+
+def running(model: nn.Module, named: list[tuple[str, nn.Module]], explicit: bool,
+            run: Callable[[], Any]) -> list[tuple[str, nn.Module]]:
+    """The blocks, settled by what runs in ``run()``, a warm-up step: named ones must run; found
+    ones are settled by the module calls (NOTE [ Blocks by what runs ] in remat.manual.blocks)."""
+    calls = Calls(count={}, start={}, end={}, grads=set(), grad_inputs=set())
+    names = {id(m): n for n, m in model.named_modules()}
+    ticks = itertools.count()
+    late: set[str] = set()  # called with gradients only after the model's forward returned
+    done = False
+
+    def pre(module: nn.Module, args: Any, kwargs: Any) -> None:
+        if torch.is_grad_enabled():
+            name = names[id(module)]
+            if done:
+                late.add(name)
+                return
+            calls.count[name] = calls.count.get(name, 0) + 1
+            if name not in calls.start:
+                calls.start[name] = next(ticks)
+                if (x := _first_tensor((args, kwargs))) is not None and x.requires_grad:
+                    calls.grad_inputs.add(name)
+
+    def post(module: nn.Module, args: Any, output: Any) -> None:
+        nonlocal done
+        if torch.is_grad_enabled() and not done and (name := names[id(module)]) not in calls.end:
+            calls.end[name] = next(ticks)
+            for t in _step.tensors_in(output):
+                if t.requires_grad:  # a backward runs through it only where a gradient reaches it
+                    t.register_hook(lambda _, name=name: calls.grads.add(name))
+        done = done or module is model
+
+    handles = [h for m in model.modules() for h in (m.register_forward_pre_hook(pre, with_kwargs=True), m.register_forward_hook(post))]
+    try:
+        run()
+    finally:
+        for h in handles:
+            h.remove()
+    if explicit:
+        if missing := [n for n, _ in named if n not in calls.count]:
+            if set(missing) & late:
+                raise _in_backward(sorted(set(missing) & late))
+            raise ProfileError(f"blocks {missing} did not run in the training step; remat plans blocks that run "
+                               "once per step with gradients (check blocks=, and that the model trains)")
+        if cut := [n for n, _ in named if n not in calls.grads]:
+            raise _cut_off(cut)
+        return named
+    kept, repeated = by_calls(model, named, calls)
+    if repeated:
+        warnings.warn(
+            f"{repeated[:4]}{' ...' if len(repeated) > 4 else ''} ran more than once in one training step "
+            "(weight-tied layers); remat plans modules that run once per step, so these keep their "
+            "activations as in the plain step. To checkpoint them, wrap each call in the model's code with "
+            "remat.checkpoint (NOTE [ Blocks by what runs ] in remat.manual.blocks, rule 6)",
+            stacklevel=outside_remat())
+    if not kept:
+        if inside := [b for b, _ in named if b in late] or sorted(
+                n for n in late if any(n.startswith(b + ".") for b, _ in named)):
+            raise _in_backward(inside)
+        if repeated:
+            raise ProfileError(
+                f"every block remat found ran more than once in one training step ({repeated[:4]}"
+                f"{' ...' if len(repeated) > 4 else ''}): a model called twice per step (a twin encoder of "
+                "a contrastive pair) or one layer run for every depth. remat plans modules that run once "
+                "per step: plan the shared module on one call's batch (remat.auto(encoder, one_batch, "
+                "budget) with the budget split between its calls; the plan then holds for every call), or "
+                "wrap each call in your code with remat.checkpoint")
+        if cut := [n for n, m in named if n in calls.count and n not in calls.grads and any(True for _ in m.parameters())]:
+            raise _cut_off(cut)
+        raise no_blocks(model)
+    if left := sorted({n for n, _ in named} - {n for n, _ in kept}):
+        log.info("blocks found by the model's containers that do not run as blocks in a training step: %s", left)
+    return kept
+
+
+def _in_backward(names: list[str]) -> ProfileError:
+    return ProfileError(
+        f"{names[:4]}{' ...' if len(names) > 4 else ''} run with gradients only after the model's forward "
+        "returned: the model runs them without gradients and again in its own backward (a reversible "
+        "network), so they keep no activations for checkpointing to drop and remat has nothing to plan "
+        "there. Name blocks that run with gradients in the forward with blocks=, or train without remat")
