@@ -239,6 +239,21 @@ def transformers_pvt() -> Built:
     return transformers.PvtForImageClassification(cfg).train(), batch, lambda out, b: out.loss
 
 
+def transformers_segformer() -> Built:
+    """SegFormer: stages of a patch embedding (the first fed the pixels), a list of layers and a
+    bare closing norm; transformers checkpoints the layers alone (NOTE [ Blocks by what runs ],
+    rule 7)."""
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.SegformerConfig(num_encoder_blocks=2, depths=[2, 2], sr_ratios=[2, 1], hidden_sizes=[16, 32],
+                                       num_attention_heads=[1, 2], patch_sizes=[7, 3], strides=[4, 2],
+                                       decoder_hidden_size=32, num_labels=4)
+    batch = {"pixel_values": torch.randn(BATCH, 3, 32, 32, generator=_gen()),
+             "labels": torch.randint(0, 4, (BATCH, 32, 32), generator=_gen())}
+    return transformers.SegformerForSemanticSegmentation(cfg).train(), batch, lambda out, b: out.loss
+
+
 def monai_unet() -> Built:
     """MONAI's UNet: a down path of residual units that stacks give, and an up path nested in skip
     connections that runs after the last of them (NOTE [ Blocks by what runs ], rule 3)."""
@@ -265,6 +280,7 @@ LIBS: dict[str, Callable[[], Built]] = {
     "perceiver-tied": perceiver_tied,
     "transformers-detr": transformers_detr,
     "transformers-pvt": transformers_pvt,
+    "transformers-segformer": transformers_segformer,
     "monai-unet": monai_unet,
 }
 

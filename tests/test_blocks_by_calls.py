@@ -110,8 +110,8 @@ class DeepStage(nn.Module):
 
 
 class BareDownStage(nn.Module):
-    """ConvNeXt's stage: its downsampler bare layers in a list it iterates itself (the stage stays
-    whole)."""
+    """ConvNeXt's stage: its downsampler bare layers in a list it iterates itself (parts too: left
+    to the model's code, they would be kept at every budget)."""
 
     def __init__(self, d: int) -> None:
         super().__init__()
@@ -127,7 +127,7 @@ class BareDownStage(nn.Module):
 class RepeatedStages(nn.Module):
     """A stage list where a stage class repeats, each stage keeping its layers in a list of its own
     (a diffusers UNet of several CrossAttnDownBlock2D): the stages give way to their layers, each
-    whole, where those hold all the stage's parameters (rule 7)."""
+    whole, bare layers too, where those hold all the stage's parameters (rule 7)."""
 
     def __init__(self, d: int = 32) -> None:
         super().__init__()
@@ -139,6 +139,74 @@ class RepeatedStages(nn.Module):
         x = self.embed(ids)
         for stage in self.stages:
             x = stage(x)
+        return self.head(x)
+
+
+class NormedStage(nn.Module):
+    """SegFormer's stage: a patch embedding, its layers, and a bare closing norm."""
+
+    def __init__(self, d_in: int, d: int) -> None:
+        super().__init__()
+        self.patch = nn.Sequential(nn.Linear(d_in, d), nn.LayerNorm(d))
+        self.layers = nn.ModuleList([Mlp(d), Mlp(d)])
+        self.norm = nn.LayerNorm(d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.patch(x)
+        for layer in self.layers:
+            x = layer(x)
+        return self.norm(x)
+
+
+class NormedStages(nn.Module):
+    """Stages that end in a bare norm, the first fed the batch (SegFormer): its patch embedding
+    is the code before the blocks, its layers and norm are parts, as are the later stages' patch
+    embeddings (rule 7). Left whole, the floor sat above torch's checkpoint on the layers alone,
+    transformers' own checkpointing (``test_libs_zoo``'s ``transformers-segformer``)."""
+
+    def __init__(self, d: int = 32) -> None:
+        super().__init__()
+        self.stages = nn.ModuleList([NormedStage(64, d), NormedStage(d, d)])
+        self.head = nn.Linear(d, 64)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = nn.functional.one_hot(ids, 64).float()
+        for stage in self.stages:
+            x = stage(x)
+        return self.head(x)
+
+
+class MoE(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.gate, self.experts = nn.Linear(d, 2), nn.ModuleList([Mlp(d), Mlp(d)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.gate(x).softmax(-1)
+        return sum(w[..., i : i + 1] * e(x) for i, e in enumerate(self.experts))
+
+
+class MoELayer(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.prenorm, self.moe, self.ff = nn.LayerNorm(d), MoE(d), Mlp(d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.ff(x + self.moe(self.prenorm(x)))
+
+
+class MoELayers(nn.Module):
+    """Layers whose MoE keeps its experts in a stack (st-moe): the stack is the MoE's, not the
+    layer's, so each layer stays whole (rule 7)."""
+
+    def __init__(self, d: int = 32) -> None:
+        super().__init__()
+        self.embed, self.layers, self.head = nn.Embedding(64, d), nn.ModuleList([MoELayer(d) for _ in range(3)]), nn.Linear(d, 64)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        for layer in self.layers:
+            x = layer(x)
         return self.head(x)
 
 
@@ -200,7 +268,10 @@ def _loss(out: torch.Tensor, batch: tuple[torch.Tensor]) -> torch.Tensor:
 CASES = {
     "lists-of-lists": (ListsOfLists, [f"layers.{i}.{j}" for i in range(6) for j in range(2)]),
     "repeated-stages": (RepeatedStages, [f"stages.{i}.{p}" for i in range(2) for p in ("layers.0", "layers.1", "out")]
-                        + ["stages.2"]),
+                        + [f"stages.2.{p}" for p in ("down.0", "down.1", "layers.0", "layers.1")]),
+    "normed-stages": (NormedStages, ["stages.0.layers.0", "stages.0.layers.1", "stages.0.norm", "stages.1.patch",
+                                     "stages.1.layers.0", "stages.1.layers.1", "stages.1.norm"]),
+    "moe-layers": (MoELayers, ["layers.0", "layers.1", "layers.2"]),
     "stacked-down-path": (StackedDownPath, ["down.0", "down.1", "down.2", "up1", "up2"]),
     "quantized": (Quantized, [f"decoder.{i}" for i in range(6)]),
     "stages": (Stages, ["down.0.a", "down.0.b", "down.1", "down.2", "middle.a", "middle.b", "up.0", "up.1", "up.2"]),

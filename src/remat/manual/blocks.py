@@ -173,17 +173,20 @@ def no_blocks(model: nn.Module) -> BlockError:
 #    remat's cost model replays each block once. Its calls are the model's code between blocks, and
 #    the profiler says so (``repeated``).
 # 7. A found block that keeps layers of its own in a stack (a UNet stage of several resnets and
-#    attentions, a Swin stage of several layers) is a stage, not a layer: it gives way to its
-#    outermost modules that pass rule 3's test, each whole (a layer's attention and MLP stay together: split, the code between
-#    them is kept at every budget), where they hold all the stage's parameters. A stage with bare
-#    layers of its own stays whole: ConvNeXt's downsampler is a norm and a conv in a list the
-#    stage iterates, which split off are kept at every budget (the floor rose 0.8%, above torch's
-#    checkpoint on whole stages); as blocks of their own, a segment over the stage's parts was
-#    28 KiB above the stage checkpointed as one block, predicted and measured.
-#    Measured: a diffusers UNet2DCondition of three stages of two layers had its floor at torch's
-#    every-block peak, 2.3 MiB above diffusers' own checkpointing (``test_libs_zoo``'s
-#    ``diffusers-cond-unet-stages``); Swin, Hiera and FocalNet stages split down to attention and
-#    MLP had floors above their whole layers', and plans over their prediction.
+#    attentions, a Swin stage of several layers; not a stack inside one of its modules, an MoE's
+#    experts) is a stage, not a layer: it gives way to its outermost modules that pass rule 3's
+#    test, each whole (a layer's attention and MLP stay together: split, the code between them is
+#    kept at every budget), bare layers included (SegFormer's closing norm, ConvNeXt's downsampler,
+#    which left to the model's code are kept at every budget), where those and the stage's stem fed
+#    the batch (the first stage's patch embedding: the code before the blocks) hold all its
+#    parameters. Measured: a diffusers UNet2DCondition of three stages of two layers had its floor
+#    at torch's every-block peak, 2.3 MiB above diffusers' own checkpointing
+#    (``test_libs_zoo``'s ``diffusers-cond-unet-stages``); Swin, Hiera and FocalNet stages split
+#    down to attention and MLP had floors above their whole layers', and plans over their
+#    prediction; SegFormer's stages whole floored at 0.732 MiB, above transformers' own
+#    checkpointing (0.594), and at 0.593 split (``transformers-segformer``). On the CPU a segment
+#    holds an RNG state per call (5,056 B; on a GPU that state is in host memory), so a segment
+#    over a stage's parts costs more than the stage as one checkpoint: ConvNeXt's floor rose 0.6%.
 # So every block remat chooses has run once in that forward: a block that does not run is never the
 # user's error. One that runs with gradients only after the forward (in the model's own backward: a
 # reversible network) has nothing to checkpoint, and is refused with that reason.
@@ -278,13 +281,14 @@ class _Trunk:
     last_end: int | None = None
     least: int = 0
 
-    def holds(self, name: str, module: nn.Module) -> bool:
-        """Whether ``module``, which no block covers, is a block of the trunk (rule 3)."""
+    def holds(self, name: str, module: nn.Module, bare: bool = False) -> bool:
+        """Whether ``module``, which no block covers, is a block of the trunk (rule 3); with
+        ``bare``, a layer without modules of its own may be one (a stage's part, rule 7)."""
         calls, params = self.calls, _param_count(module)
         if calls.count.get(name) != 1 or name not in calls.grads or name not in calls.grad_inputs:
             return False
         before_last = self.last_end is None or calls.start[name] < self.last_end
-        return params > 0 and (before_last or params >= self.least) and any(True for _ in module.children())
+        return params > 0 and (before_last or params >= self.least) and (bare or any(True for _ in module.children()))
 
 
 def _uncovered(model: nn.Module, prefix: str, taken: set[str], above: set[str], trunk: _Trunk,
@@ -298,7 +302,7 @@ def _uncovered(model: nn.Module, prefix: str, taken: set[str], above: set[str], 
             continue
         if full in above or (full not in trunk.calls.count and isinstance(child, _CONTAINERS)):
             found += _uncovered(child, full, taken, above, trunk, stage)
-        elif trunk.holds(full, child):
+        elif trunk.holds(full, child, bare=stage):
             parts = [] if stage else _uncovered(child, full, taken, above, trunk)
             found += parts if len(parts) >= 2 else [(full, child)]  # rule 4
     return found
@@ -306,10 +310,25 @@ def _uncovered(model: nn.Module, prefix: str, taken: set[str], above: set[str], 
 
 def _stage_parts(name: str, module: nn.Module, calls: Calls) -> list[tuple[str, nn.Module]]:
     """The parts of a found block that keeps a stack of layers of its own (rule 7), or none."""
-    if not any(n and _is_block_stack(c) for n, c, _ in _candidates(module)):
+    if not _keeps_a_stack(module):
         return []
     parts = _uncovered(module, name, set(), set(), _Trunk(calls), stage=True)
-    return parts if sum(_param_count(m) for _, m in parts) == _param_count(module) else []
+    stems = [m for n, m in module.named_children()  # fed the batch: the code before the blocks
+             if calls.count.get(f"{name}.{n}") == 1 and f"{name}.{n}" not in calls.grad_inputs]
+    covered = sum(_param_count(m) for _, m in parts) + sum(_param_count(m) for m in stems)
+    return parts if covered == _param_count(module) else []
+
+
+def _keeps_a_stack(stage: nn.Module) -> bool:
+    """Whether ``stage`` keeps a stack of layers of its own: held in containers only, not inside
+    one of its modules (an MoE's experts are its MoE's; rule 7)."""
+    modules = dict(stage.named_modules())
+
+    def own(name: str) -> bool:
+        path = name.split(".")
+        return all(isinstance(modules[".".join(path[:k])], _CONTAINERS) for k in range(1, len(path)))
+
+    return any(n and own(n) and _is_block_stack(c) for n, c, _ in _candidates(stage))
 
 
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
