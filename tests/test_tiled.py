@@ -107,6 +107,18 @@ def test_profile_measures_tiled_and_kept_bytes_drop() -> None:
     assert all(option_of(m) == "keep" for m in model.layers)
 
 
+def test_a_block_without_an_mlp_does_not_take_tiled_from_the_others() -> None:
+    # STANDS_IN in remat.vocabulary: a patch embedding (no MLP) among layers that offer tiled
+    # runs kept where a plan chooses tiled; before, tiled was left out for every block, and
+    # a CLIP's floor rose 0.9% when its vision embeddings became a block
+    layers = [block(f"b{i}", keep=cost(100), tiled=cost(60, ms=1.0), recompute=cost(10, ms=5.0)) for i in range(3)]
+    prof = profile([block("embed", keep=cost(20), recompute=cost(5, ms=1.0)), *layers])
+    plan = solve(prof, 240)
+    assert plan.choices["embed"] == "keep" and sorted(plan.choices.values()) == ["keep", "keep", "tiled", "tiled"]
+    assert plan.estimate == remat.estimate(prof, plan.choices)
+    assert not plan.notes
+
+
 def test_the_solver_takes_tiled_where_it_is_the_cheapest_fit() -> None:
     blocks = [block(f"b{i}", keep=cost(100), tiled=cost(60, ms=1.0), recompute=cost(10, ms=5.0)) for i in range(3)]
     prof = profile(blocks)

@@ -15,7 +15,7 @@ from remat.errors import InvalidValue, did_you_mean
 from remat.plan.crossings import Crossings
 from remat.plan.schedule import phase_bytes, step_phases
 from remat.records import OptionCost, Profile
-from remat.vocabulary import OPTIONS
+from remat.vocabulary import OPTIONS, STANDS_IN, in_option_order
 
 __all__ = ["ChainConstraints", "chain_constraints"]
 
@@ -73,6 +73,14 @@ class ChainConstraints:
     (NOTE [ What crosses a block boundary, as state ] in ``remat.plan.crossings``); else empty."""
     clears: tuple[int, ...] = ()
     """With handovers that set bits: [block] the bits dropped after it; else empty (none)."""
+    runs: tuple[tuple[str, ...], ...] = ()
+    """[block][option]: what the block runs for the column, its own option or the one that stands
+    in for it (``STANDS_IN`` in remat.vocabulary: ``tiled`` on a block without an MLP is kept);
+    empty where every block offers every column's option."""
+
+    def chosen(self, picks: Sequence[int]) -> list[str]:
+        """The option each block runs under ``picks``, one column per block."""
+        return [self.runs[i][o] if self.runs else self.options[o] for i, o in enumerate(picks)]
 
     def need_at(self, i: int, o: int, held: int) -> int:
         """Block i's candidate with option o, minus the prefix, in state ``held`` (which includes
@@ -139,8 +147,9 @@ class ChainConstraints:
 
 
 def chain_constraints(profile: Profile, options: Sequence[str] | None = None) -> ChainConstraints:
-    """``profile`` as prefix-sum constraints over ``options`` (default: those every block offers)."""
-    offered = profile.options
+    """``profile`` as prefix-sum constraints over ``options`` (default: those every block offers,
+    itself or by a stand-in, ``STANDS_IN``)."""
+    offered = plannable(profile)
     if options is None:
         options = offered
     not_offered = [o for o in options if o not in offered]
@@ -163,14 +172,16 @@ def chain_constraints(profile: Profile, options: Sequence[str] | None = None) ->
     options = tuple(o for o in OPTIONS if o in options) + tuple(
         o for o in options if o not in OPTIONS
     )
-    for block in profile.blocks:
-        for o in options:
+    runs = tuple(tuple(o if o in b.options else STANDS_IN[o] for o in options) for b in profile.blocks)
+    for block, row in zip(profile.blocks, runs):
+        for o in row:
             if not math.isfinite(block.options[o].extra_ms):
                 raise InvalidValue(
                     f"block {block.name!r} option {o!r} has extra_ms={block.options[o].extra_ms}; "
                     "expected a finite number of milliseconds (re-profile the model)"
                 )
-    columns = [[b.options[o] for b in profile.blocks] for o in options]
+    columns = [[b.options[row[c]] for b, row in zip(profile.blocks, runs)] for c in range(len(options))]
+    runs = runs if any(r != options for r in runs) else ()
     crossings = Crossings(profile, options) if profile.crossings else None
     if crossings is not None:  # NOTE [ What crosses a block boundary, as state ]
         columns = crossings.static(columns)
@@ -182,21 +193,30 @@ def chain_constraints(profile: Profile, options: Sequence[str] | None = None) ->
         needs = tuple(tuple(max(f, b) for f, b in zip(fr, br)) for fr, br in zip(fwds, bwds))
         return ChainConstraints(
             options=options, kept_bytes=kept, need_bytes=needs, extra_ms=extra_ms,
-            tail_bytes=max(tail_fwd, tail_bwd), fixed_bytes=fixed,
+            tail_bytes=max(tail_fwd, tail_bwd), fixed_bytes=fixed, runs=runs,
         )  # fmt: skip
     t = crossings.tables(fwds, bwds, tail_fwd, tail_bwd)
     if crossings.states == 1:  # no bit: the constants folded in
         kept = tuple(tuple(k + t.kept_delta[i][0] for k in row) for i, row in enumerate(kept))
         return ChainConstraints(options=options, kept_bytes=kept, need_bytes=t.low, extra_ms=extra_ms,
-                                tail_bytes=t.tails[0], fixed_bytes=fixed)
+                                tail_bytes=t.tails[0], fixed_bytes=fixed, runs=runs)
     moves = any(any(row) for row in t.kept_delta)  # only handovers move kept bytes and clear bits
     return ChainConstraints(
         options=options, kept_bytes=kept, need_bytes=t.low, extra_ms=extra_ms, tail_bytes=t.tails[0],
         fixed_bytes=fixed, holds=t.holds, fwd_need_bytes=tuple(tuple(r) for r in fwds),
         bwd_need_bytes=tuple(tuple(r) for r in bwds), delta_bytes=t.delta, tail_held_bytes=t.tails,
         fwd_delta_bytes=t.fwd_delta, kept_delta_bytes=t.kept_delta if moves else (),
-        clears=t.clears if any(t.clears) else (),
+        clears=t.clears if any(t.clears) else (), runs=runs,
     )  # fmt: skip
+
+
+def plannable(profile: Profile) -> tuple[str, ...]:
+    """The options a plan may choose for every block of ``profile``: those every block offers, and
+    those some block offers that the others run by a stand-in (``STANDS_IN``)."""
+    blocks = profile.blocks
+    some = {o for b in blocks for o in b.options}
+    return in_option_order({o for o in some if all(o in b.options or STANDS_IN.get(o) in b.options for b in blocks)}
+                           if blocks else set(OPTIONS))
 
 
 def _prefix_terms(

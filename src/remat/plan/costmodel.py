@@ -170,7 +170,7 @@ def smallest_feasible(profile: Profile) -> tuple[int, str]:
         o = min(fits, key=lambda o: (ms[o], o))
         picks.append(o)
         prefix, held = prefix + chain.kept_at(i, o, now[o]), chain.leaving(i, now[o])
-    names = [chain.options[o] for o in picks]
+    names = chain.chosen(picks)
     handed = handed_over(profile, names)  # NOTE [ Tensors that cross a block boundary ] in remat.records
     costs = [b.options[name] for b, name in zip(handed.blocks, names)]
     top = max(_phases(handed, costs, names), key=lambda p: p.peak_bytes)

@@ -110,7 +110,7 @@ def _searched(profile: Profile, chain: ChainConstraints, budget_bytes: int, meth
         picks, spans = _optimal(profile, chain, budget_bytes, segments)
     else:
         picks = _greedy_picks(profile, chain, budget_bytes)
-    return _plan(profile, [chain.options[o] for o in picks], budget_bytes, method, notes, spans)
+    return _plan(profile, chain.chosen(picks), budget_bytes, method, notes, spans)
 
 
 def check_method(method: str) -> None:
@@ -264,7 +264,7 @@ def _lowest_with_segments(model: SegmentModel) -> Found | None:
 
 def _estimated(profile: Profile, chain: ChainConstraints, found: Found) -> Estimate:
     """``found``'s estimate, with segments and handovers counted."""
-    choices = {b.name: chain.options[o] for b, o in zip(profile.blocks, found.picks)}
+    choices = dict(zip((b.name for b in profile.blocks), chain.chosen(found.picks)))
     return estimate_segments(profile, choices, _segment_names(profile, found.trees))
 
 
