@@ -265,6 +265,18 @@ def monai_unet() -> Built:
     return model.train(), (torch.randn(BATCH, 1, 64, 64, generator=_gen()),), lambda out, b: out.square().mean()
 
 
+def monai_dynunet() -> Built:
+    """MONAI's DynUNet: a stem fed the image (``input_block``), residual units of single convolutions
+    with norms between, and every module held again under a recursive ``skip_layers`` that the
+    forward runs (NOTE [ Blocks by what runs ], rules 3-5)."""
+    from monai.networks.nets import DynUNet
+
+    torch.manual_seed(0)
+    model = DynUNet(spatial_dims=2, in_channels=1, out_channels=2, kernel_size=[3, 3, 3, 3], strides=[1, 2, 2, 2],
+                    upsample_kernel_size=[2, 2, 2], filters=[8, 16, 32, 64], res_block=True)
+    return model.train(), (torch.randn(BATCH, 1, 64, 64, generator=_gen()),), lambda out, b: out.square().mean()
+
+
 LIBS: dict[str, Callable[[], Built]] = {
     "diffusers-unet": diffusers_unet,
     "diffusers-cond-unet": diffusers_cond_unet,
@@ -282,14 +294,18 @@ LIBS: dict[str, Callable[[], Built]] = {
     "transformers-pvt": transformers_pvt,
     "transformers-segformer": transformers_segformer,
     "monai-unet": monai_unet,
+    "monai-dynunet": monai_dynunet,
 }
 
 # Modules a user might checkpoint by hand (torch's checkpoint on each): remat's floor is at or below
-# their peak too. MONAI's UNet: the down path's units and the up modules after it.
+# their peak too. MONAI's UNet: the down path's units and the up modules after it; DynUNet: its
+# stem, units and up modules.
 _MONAI_DOWN = ["model.0", "model.1.submodule.0", "model.1.submodule.1.submodule.0", "model.1.submodule.1.submodule.1.submodule"]
 SENSIBLE: dict[str, list[str]] = {
     "monai-unet": [f"{d}.conv.unit{i}" for d in _MONAI_DOWN for i in range(2)]
     + ["model.1.submodule.1.submodule.2", "model.1.submodule.2", "model.2"],
+    "monai-dynunet": ["input_block", "downsamples.0", "downsamples.1", "bottleneck", "upsamples.0", "upsamples.1",
+                      "upsamples.2"],
 }
 
 # What profiling a model warns of (a match for pytest.warns): the tests expect it.

@@ -151,23 +151,29 @@ def no_blocks(model: nn.Module) -> BlockError:
 #    of which some blocks run and others do not skips layers at random, and is refused.
 # 3. What no block covers is the trunk's too: from the root, through the blocks' ancestors and
 #    containers that are never called, every module that runs once, holds parameters, has modules
-#    of its own, and takes what requires grad and returns what a gradient reaches is a block (a
-#    UNet's down path of different classes, its lone middle block). What runs after the last block
-#    the stacks and the rules before gave is the head's (its own options), unless it holds as many
-#    parameters as the smallest of those blocks: a UNet's up path after a down path that stacks
-#    gave (MONAI's), a codec's decoder after its encoder; left to the head, MONAI's UNet floored at
-#    2.564 MiB where torch's checkpoint on its units and up modules reaches 2.052, encodec's at
-#    6.017 for 4.104. A classifier, a pooler, a final norm hold fewer. A bare layer (an embedding, a
-#    norm) holds little; a frozen embedding has no backward to replay in; a stem fed the batch is
-#    left to the part before the blocks (a first block whose input needs no gradient is
-#    mispredicted by a hidden state: issue 28's LoRA case).
+#    of its own, and takes what requires grad, or a tensor of the batch (a stem: UNETR's
+#    ``encoder1``, DynUNet's ``input_block``, a ViT's patch embedding), and returns what a gradient
+#    reaches is a block (a UNet's down path of different classes, its lone middle block). Left to
+#    the code before the blocks, a stem was kept at every budget: UNETR floored at 24.16 MiB where
+#    torch's checkpoint on its stem, encoders and decoders reaches 16.96 (16.32 now), DynUNet at
+#    4.81 for 3.70 (3.69). What runs after the last block the stacks and the rules before gave is
+#    the head's (its own options), unless it holds as many parameters as the smallest of those
+#    blocks: a UNet's up path after a down path that stacks gave (MONAI's), a codec's decoder
+#    after its encoder; left to the head, MONAI's UNet floored at 2.564 MiB where torch's
+#    checkpoint on its units and up modules reaches 2.052, encodec's at 6.017 for 4.104. A
+#    classifier, a pooler, a final norm hold fewer. A bare layer (an embedding, a norm) holds
+#    little; a frozen embedding has no backward to replay in; an embedding of token ids takes no
+#    floating-point tensor.
 # 4. Such a module with two or more such modules inside gives way to them (a UNet stage's resnets,
 #    attentions and downsampler, the granularity diffusers' own checkpointing takes): a block's
-#    backward holds its whole forward again, so the floor falls with the largest block.
+#    backward holds its whole forward again, so the floor falls with the largest block. Not where
+#    each of them is one layer, bare or wrapped (MONAI's residual units: single convolutions with
+#    norms and activations between, which split off would be kept at every budget).
 # 5. A block inside another by object is left to it: a module held under two names (reformer's
 #    reversible and plain paths share their layers) is counted under its first name only, which
 #    may be in a path that never runs as a whole (a shared layer's name under the reversible
-#    blocks, while the plain blocks that hold it run).
+#    blocks, while the plain blocks that hold it run). A module that holds blocks under other
+#    names (DynUNet's recursive ``skip_layers``, fed the batch) is no block itself.
 # 6. A module that runs more than once (a weight-tied layer the model calls in every iteration of its
 #    loop: perceiver-pytorch's ``weight_tie_layers``, ALBERT) is no block, nor is anything in it:
 #    remat's cost model replays each block once. Its calls are the model's code between blocks, and
@@ -207,6 +213,8 @@ class Calls:
     backward (a backward runs through it)."""
     grad_inputs: set[str]
     """The modules whose first call's hidden input (first floating-point tensor) requires grad."""
+    fed: set[str]
+    """The modules whose first call's hidden input is a tensor of the batch (a stem, rule 3)."""
 
 
 def by_calls(model: nn.Module, found: list[tuple[str, nn.Module]], calls: Calls
@@ -239,7 +247,8 @@ def by_calls(model: nn.Module, found: list[tuple[str, nn.Module]], calls: Calls
                            "remat plans blocks that run in every step (turn off layerdrop or other random layer "
                            "skips, or name the blocks with blocks=)")
     trunk = _Trunk(calls, last_end=max((calls.end[n] for n, _ in blocks), default=None),
-                   least=min((_param_count(m) for _, m in blocks), default=0))
+                   least=min((_param_count(m) for _, m in blocks), default=0),
+                   blocks=frozenset(id(m) for _, b in blocks for m in b.modules()))
     taken = {n for n, _ in blocks}
     above = {".".join(n.split(".")[:k]) for n in taken for k in range(n.count(".") + 1)}  # with the root, ""
     blocks += _uncovered(model, "", taken, above, trunk)
@@ -271,6 +280,12 @@ def _running_within(name: str, module: nn.Module, calls: Calls, canonical: dict[
     return found
 
 
+def _bare_layer(module: nn.Module) -> bool:
+    """Whether ``module`` is one layer, bare or wrapped: at most one of its modules holds
+    parameters of its own (an ``nn.Conv2d``, a ``Sequential`` around one; rule 4)."""
+    return sum(1 for m in module.modules() if any(True for _ in m.parameters(recurse=False))) <= 1
+
+
 @dataclass(frozen=True)
 class _Trunk:
     """What rule 3 judges a module of the trunk by: the module calls, and how the blocks found so
@@ -280,15 +295,20 @@ class _Trunk:
     calls: Calls
     last_end: int | None = None
     least: int = 0
+    blocks: frozenset[int] = frozenset()
+    """The modules of the blocks found so far, by object: a module that holds one under another
+    name (DynUNet's recursive ``skip_layers``, fed the batch) is no block (rule 5)."""
 
     def holds(self, name: str, module: nn.Module, bare: bool = False) -> bool:
         """Whether ``module``, which no block covers, is a block of the trunk (rule 3); with
         ``bare``, a layer without modules of its own may be one (a stage's part, rule 7)."""
         calls, params = self.calls, _param_count(module)
-        if calls.count.get(name) != 1 or name not in calls.grads or name not in calls.grad_inputs:
+        if calls.count.get(name) != 1 or name not in calls.grads or not (name in calls.grad_inputs or name in calls.fed):
             return False
         before_last = self.last_end is None or calls.start[name] < self.last_end
-        return params > 0 and (before_last or params >= self.least) and (bare or any(True for _ in module.children()))
+        if params == 0 or not (before_last or params >= self.least) or any(id(m) in self.blocks for m in module.modules()):
+            return False
+        return bare or any(True for _ in module.children())
 
 
 def _uncovered(model: nn.Module, prefix: str, taken: set[str], above: set[str], trunk: _Trunk,
@@ -304,7 +324,8 @@ def _uncovered(model: nn.Module, prefix: str, taken: set[str], above: set[str], 
             found += _uncovered(child, full, taken, above, trunk, stage)
         elif trunk.holds(full, child, bare=stage):
             parts = [] if stage else _uncovered(child, full, taken, above, trunk)
-            found += parts if len(parts) >= 2 else [(full, child)]  # rule 4
+            split = len(parts) >= 2 and not all(_bare_layer(m) for _, m in parts)  # rule 4
+            found += parts if split else [(full, child)]
     return found
 
 
@@ -313,10 +334,7 @@ def _stage_parts(name: str, module: nn.Module, calls: Calls) -> list[tuple[str, 
     if not _keeps_a_stack(module):
         return []
     parts = _uncovered(module, name, set(), set(), _Trunk(calls), stage=True)
-    stems = [m for n, m in module.named_children()  # fed the batch: the code before the blocks
-             if calls.count.get(f"{name}.{n}") == 1 and f"{name}.{n}" not in calls.grad_inputs]
-    covered = sum(_param_count(m) for _, m in parts) + sum(_param_count(m) for m in stems)
-    return parts if covered == _param_count(module) else []
+    return parts if sum(_param_count(m) for _, m in parts) == _param_count(module) else []
 
 
 def _keeps_a_stack(stage: nn.Module) -> bool:

@@ -118,7 +118,8 @@ def fake_run(make_model: Callable[[Any], nn.Module], batch: Any, loss_fn: Any,
         layerdrop_off(model)  # a fake model, thrown away after: nothing to put back
         cache_off(model)  # on a fake model, thrown away after: nothing to remove
         _create_state(model, opt)
-        named = running(model, named, blocks is not None, lambda: _step.train_step(model, fake_batch, loss_fn, opt))
+        named = running(model, named, blocks is not None, lambda: _step.train_step(model, fake_batch, loss_fn, opt),
+                        fake_batch)
         keys = base_keys(model, opt, fake_batch)
         runs = option_runs(model, named, fake_batch, loss_fn, opt, keys, lambda: FakeMeter(spec))
         traces = {option: (meter.trace, hooks) for option, (meter, hooks) in runs.items()}

@@ -34,10 +34,12 @@ def _cut_off(names: list[str]) -> ProfileError:
 
 
 def running(model: nn.Module, named: list[tuple[str, nn.Module]], explicit: bool,
-            run: Callable[[], Any]) -> list[tuple[str, nn.Module]]:
-    """The blocks, settled by what runs in ``run()``, a warm-up step: named ones must run; found
-    ones are settled by the module calls (NOTE [ Blocks by what runs ] in remat.manual.blocks)."""
-    calls = Calls(count={}, start={}, end={}, grads=set(), grad_inputs=set())
+            run: Callable[[], Any], batch: Any) -> list[tuple[str, nn.Module]]:
+    """The blocks, settled by what runs in ``run()``, a warm-up step on ``batch``: named ones must
+    run; found ones are settled by the module calls (NOTE [ Blocks by what runs ] in
+    remat.manual.blocks)."""
+    calls = Calls(count={}, start={}, end={}, grads=set(), grad_inputs=set(), fed=set())
+    batch_ids = {id(t) for t in _step.tensors_in(batch)}
     names = {id(m): n for n, m in model.named_modules()}
     ticks = itertools.count()
     late: set[str] = set()  # called with gradients only after the model's forward returned
@@ -54,6 +56,8 @@ def running(model: nn.Module, named: list[tuple[str, nn.Module]], explicit: bool
                 calls.start[name] = next(ticks)
                 if (x := _first_tensor((args, kwargs))) is not None and x.requires_grad:
                     calls.grad_inputs.add(name)
+                elif x is not None and id(x) in batch_ids:
+                    calls.fed.add(name)
 
     def post(module: nn.Module, args: Any, output: Any) -> None:
         nonlocal done
