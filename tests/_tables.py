@@ -221,6 +221,9 @@ def chains(
             handed.append(Crossing(size_bytes=nbytes(), made_by=blocks[maker].name,
                                    dies_after=blocks[dies].name if dies < n else None,
                                    saved_by={blocks[maker].name: saved_by} if saved_by else {}))
+    # what a kept backward holds when it first reads a saved tensor (BlockProfile.unpack_bytes),
+    # drawn last so that the numbers above stay those of the seed
+    blocks = [dataclasses.replace(b, unpack_bytes=nbytes() if rng.random() < 0.5 else 0) for b in blocks]
     p = profile(
         blocks, base=base, pre=pre, post=post, optimizer_peak=optimizer_peak, gather=gather,
         crossings=[*side_inputs, *handed], post_fwd_held=held if side_inputs else post.fwd_peak_bytes,

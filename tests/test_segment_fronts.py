@@ -56,6 +56,23 @@ def test_every_start_at_once_is_the_cost_model_one_by_one(p: Profile, max_len: i
             assert found == want
 
 
+@settings(max_examples=40, deadline=None)
+@given(chains(max_blocks=5, max_blocks_3=6, sides=True) | chains(max_blocks=5, max_blocks_3=6, handovers=True))
+def test_every_replay_of_the_exact_search_is_the_cost_model_one(p: Profile) -> None:
+    """The exact search's partial replays (``Fronts.replays``, every tree of a span) against
+    ``SegmentModel.replay`` of the same tree: the same peak and ticks."""
+    if not p.blocks or not {"keep", "recompute"} <= set(p.blocks[0].options):
+        return
+    m = SegmentModel(p)
+    fronts = Fronts(m, exact=True, max_len=m.n)
+    states = range(m.sides.masks) if m.sides is not None else [0]
+    for h in states:
+        for s in range(m.n):
+            for e in range(s, m.reach[s] + 1):
+                for peak, ticks, tree in fronts.replays(s, e, h):
+                    assert (peak, ticks) == m.replay(tree, h)[:2], tree
+
+
 def _sort_and_scan(k: np.ndarray, rank: np.ndarray) -> list[int]:
     order = np.lexsort((rank, k))
     r = rank[order]

@@ -70,9 +70,9 @@ __all__ = [
     "load_record",
 ]
 
-PROFILE_SCHEMA = 6  # 2: side inputs; 3: head options (NOTE [ The head's options ]); 4: where a replay
+PROFILE_SCHEMA = 7  # 2: side inputs; 3: head options (NOTE [ The head's options ]); 4: where a replay
 # stops (BlockProfile.stop_peak_bytes); 5: handovers; 6: both as crossings (NOTE [ Tensors that cross a
-# block boundary ])
+# block boundary ]); 7: where a replay starts (BlockProfile.unpack_bytes)
 PLAN_SCHEMA = 2  # 2: the head's option, segments (NOTE [ A segment is one recompute frame over several calls ])
 
 # NOTE [ The head's options ]
@@ -126,6 +126,10 @@ class BlockProfile:
     up to the moment it saves its last tensor for the backward: how high a replay that stops there
     goes (a segment's replay stops inside its last block: NOTE [ A segment's costs from per-block
     numbers ] in ``remat.plan.segments``). None when not measured: the kept forward's peak then."""
+    unpack_bytes: int = 0
+    """Bytes above the live level at the start of the block's backward, with the block kept, when
+    that backward first reads a tensor the block saved: a replay it sets off runs on top of them
+    (a gradient its reshape copies before the first saved input is read)."""
 
 
 @dataclass(frozen=True, kw_only=True)

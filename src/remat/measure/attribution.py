@@ -130,6 +130,8 @@ def attribute(
         else:
             numbers.bwd_peak = peak - level
             numbers.bwd_level = level
+            if (read := first.get(f"un{key}")) is not None:  # BlockProfile.unpack_bytes
+                numbers.unpack = trace.marks[read].live_bytes - live[start]
             numbers.grad = live[end] - live[start] + numbers.kept
             level += numbers.grad - numbers.kept
     pre, post = (
@@ -266,6 +268,7 @@ def assemble(
             bwd_ms=bwd[i],
             options=_options(i, per_option, fwd[i], sel_extra[i], host_link_bytes_per_s),
             stop_peak_bytes=keep_blocks[i].stop_peak,
+            unpack_bytes=keep_blocks[i].unpack,
         )
         for i, (name, module) in enumerate(named)
     ]

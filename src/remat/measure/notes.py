@@ -123,6 +123,9 @@ class PartNumbers:
     stop_peak: int | None = None
     """Peak of its kept forward up to its last save (``BlockProfile.stop_peak_bytes``); None when
     it saved nothing."""
+    unpack: int = 0
+    """Bytes its kept backward holds above its start when it first reads a saved tensor
+    (``BlockProfile.unpack_bytes``)."""
 
     def cost(self, extra_ms: float) -> OptionCost:
         """These numbers as an option's cost, with its extra time."""
@@ -134,4 +137,4 @@ class PartNumbers:
         stop = None if self.stop_peak is None or other.stop_peak is None else self.stop_peak - other.stop_peak
         return PartNumbers(kept=self.kept - other.kept, fwd_peak=self.fwd_peak - other.fwd_peak,
                            bwd_peak=self.bwd_peak - other.bwd_peak, bwd_level=self.bwd_level - other.bwd_level,
-                           grad=self.grad - other.grad, stop_peak=stop)
+                           grad=self.grad - other.grad, stop_peak=stop, unpack=self.unpack - other.unpack)

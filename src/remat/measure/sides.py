@@ -193,23 +193,32 @@ def noting_saved(
 ) -> Iterator[None]:
     """With ``saved``, note there the storages each part (block index, "pre", "post") saves for
     the backward while the step runs; with ``mark``, mark ``sv{i}`` each time block i saves one
-    (the last such mark is where a replay of the block stops: ``BlockProfile.stop_peak_bytes``);
-    nothing without either. The tensors are saved as they are, so the step's memory is unchanged
-    (NOTE [ What the saving hook holds ]); ``hold=False``: nothing is saved (a forward with no
-    backward after it)."""
+    (the last such mark is where a replay of the block stops: ``BlockProfile.stop_peak_bytes``)
+    and ``un{i}`` each time the backward reads one (the first is where a replay of the block
+    starts: ``BlockProfile.unpack_bytes``); nothing without either. The tensors are saved as they
+    are, so the step's memory is unchanged (NOTE [ What the saving hook holds ]); ``hold=False``:
+    nothing is saved (a forward with no backward after it)."""
     if saved is None and mark is None and hold:
         yield
         return
 
-    def pack(t: torch.Tensor) -> torch.Tensor | None:
+    def pack(t: torch.Tensor) -> Any:
         who = hooks.running[-1] if hooks.running else ("post" if hooks.order else "pre")
         if saved is not None:
             saved.setdefault(who, set()).add(storage_key(t))
         if mark is not None and hooks.running:
             mark(f"sv{who}")
+            return who, t.detach()  # whose it is, for the mark when it is read
         return t.detach() if hold else None
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    def unpack(packed: Any) -> Any:
+        if isinstance(packed, tuple):
+            assert mark is not None
+            mark(f"un{packed[0]}")
+            return packed[1]
+        return packed
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
         yield
 
 

@@ -110,7 +110,7 @@ class Fronts:
         if key in self._replays:
             return self._replays[key]
         m = self.m
-        ge = self._g(before | m.holds(s, e))[e]
+        ge = self._g(before | m.holds(s, e))[e] + m.unpack[e]  # the replay starts at e's first read
         states: dict[int, list[_State]] = {s: [_State(-m.inp[s], 0, _NONE, _NONE, 0, 0, before, ())]}
         for p in range(s, e + 1):
             for st in _front_states(states.pop(p, [])):
@@ -188,6 +188,7 @@ class _Arrays:
         self.inp, self.kk, self.fk, self.bk, self.fs = arr(m.inp), arr(m.kk), arr(m.fk), arr(m.bk), arr(m.fs)
         self.kr, self.fr, self.tr, self.rng, self.fork = arr(m.kr), arr(m.fr), arr(m.tr), arr(m.rng), arr(m.fork)
         self.extra, self.reach, self.grads_at = arr(m.extra), arr(m.reach), arr(m.grads_at)
+        self.unpack = arr(m.unpack)
         self.uses, self.saves = arr(m.uses), arr(m.saves)
         self.rng_sum = np.concatenate([[0], np.cumsum(self.rng)]).astype(np.int64)
         self.stashed = self.fork + self.extra  # what a call stashes: ``SegmentModel.stash``
@@ -241,7 +242,8 @@ class _Grid:
         for h in m.handed:
             if h.dies is not None:
                 self.base -= h.size * ((s <= h.maker) & (h.maker <= e) & (e < h.dies))
-        ge = g(np.bitwise_or.accumulate(uses, axis=1) | before)
+        unpack = col(a.unpack)  # a replay starts at its last block's first read
+        ge = g(np.bitwise_or.accumulate(uses, axis=1) | before) + unpack
         # the flat segment: every block kept in the replay
         level = before_each(kk, 0, np.add) - a.inp[s]
         flat_g = g(before_each(saves, 0, np.bitwise_or) | before | saves)
@@ -255,7 +257,7 @@ class _Grid:
         level = before_each(inp, 0, np.add) - a.inp[s]
         temp = before_each(fork, 0, np.add)
         held = before_each(uses, 0, np.bitwise_or) | before
-        alone = np.maximum(g(held | uses) - inp + fork + fs, g(held | saves) - inp + kk + bk + extra - col(a.stashed))
+        alone = np.maximum(g(held | uses) + unpack - inp + fork + fs, g(held | saves) - inp + kk + bk + extra - col(a.stashed))
         two_b = before_each(level + inp + alone + stash, _NONE, np.maximum)
         two_f = before_each(level + temp + fr + fork, _NONE, np.maximum)
         self.two = np.maximum(ge + np.maximum(two_f, level + temp + fork + fs),

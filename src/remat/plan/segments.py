@@ -13,10 +13,13 @@ code holds past the block (a handover: not stashed, NOTE [ Handovers in a segmen
 (``remat.manual.segments`` is the mechanism, and this is what its frames do):
 - the forward of a segment [s..e] is that of recomputed blocks whose inputs, but the first, are
   not kept: block s keeps Kr_s, each later block rng_j, and each runs at its Fr_j;
-- its backward starts with the replay: the items of the segment in order, each either a block
-  kept during the replay (it keeps Kk_j, runs at Fk_j) or an inner segment, which keeps only its
-  input in_a and runs its blocks without keeping anything (an F_0 pass, at most Fr over them; the
-  inner frames it makes hold an RNG state per call until the replay ends); the first item shares
+- its backward starts with the replay, set off where the last block's backward first reads a
+  tensor it saved, on top of what that backward made before (Ue, ``BlockProfile.unpack_bytes``:
+  PVT's layer copies the transposed gradient that comes in; 8,192 B over before): the items of
+  the segment in order, each either a block kept during the replay (it keeps Kk_j, runs at Fk_j)
+  or an inner segment, which keeps only its input in_a and runs its blocks without keeping
+  anything (an F_0 pass, at most Fr over them; the inner frames it makes hold an RNG state per
+  call until the replay ends); the first item shares
   the segment's own input; each replayed call holds one more RNG state while it runs (the replay
   forks the RNG); the last block stops at its last saved tensor (at Fs_e: the rest would only
   make its output), and an inner segment that ends the segment is not run at all (the replay
@@ -133,6 +136,7 @@ class SegmentModel:
         self.inp = [b.input_bytes for b in blocks]
         self.kk, self.fk, self.bk = [c.kept_bytes for c in k], [c.fwd_peak_bytes for c in k], [c.bwd_peak_bytes for c in k]
         self.fs = [c.fwd_peak_bytes if b.stop_peak_bytes is None else b.stop_peak_bytes for b, c in zip(blocks, k)]
+        self.unpack = [b.unpack_bytes for b in blocks]
         self.kr, self.fr, self.br = [c.kept_bytes for c in r], [c.fwd_peak_bytes for c in r], [c.bwd_peak_bytes for c in r]
         self.ms = [c.extra_ms for c in r]
         self.tr = [round(c.extra_ms * _TICKS_PER_MS) for c in r]
@@ -274,7 +278,7 @@ def _replay(m: SegmentModel, tree: Tree, before: int) -> tuple[int, int, str]:
         else:
             items.append(j)
             j += 1
-    ge = m.grads_at[e] + m.delta(before | m.holds(s, e), e) + m.gather
+    ge = m.grads_at[e] + m.delta(before | m.holds(s, e), e) + m.gather + m.unpack[e]
     best, where, ticks = _NONE, "", 0
     level = -m.inp[s]  # what the items before keep; the segment's input is in the outer level
     temp = 0  # the RNG states of the inner frames an F_0 pass makes, gone when the replay ends
