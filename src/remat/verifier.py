@@ -69,10 +69,11 @@ class Report:
     """Median plain step time, milliseconds."""
     step_ms: float
     """Median step time with the plan, milliseconds."""
-    grads_equal: bool
+    grads_equal: bool | None
     """Every gradient (and the loss) equal to the plain model's, bit for bit (to round-off for a plan
     with a chunked head, a tiled MLP or compiled blocks, whose sums run in another order; compiled
-    blocks with active dropout draw other random numbers, and do not compare)."""
+    blocks with active dropout draw other random numbers, and do not compare). None where they were
+    not compared: no step to compare with fits the budget (``reference``)."""
     max_grad_diff: float
     """The largest absolute difference between a gradient and the plain model's."""
     repeats: int
@@ -111,8 +112,8 @@ class Report:
 
     @property
     def passed(self) -> bool:
-        """Fits its budget and gives the plain model's gradients."""
-        return self.fits and self.grads_equal
+        """Fits its budget and gives the plain model's gradients, where they could be compared."""
+        return self.fits and self.grads_equal is not False
 
     def to_json(self) -> str:
         data = {k: v for k, v in asdict(self).items() if k not in ("plain", "planned")}
@@ -251,10 +252,12 @@ def verify_many(
 # predicts. The report says which (``plain_ran``, ``reference``).
 
 
-def _compared(ref_grads: list[torch.Tensor], grads: list[torch.Tensor], plan: Plan, lean: _Lean) -> tuple[float, bool]:
-    """(largest difference, equal) of a plan's gradients and the reference's, where there is one."""
+def _compared(ref_grads: list[torch.Tensor], grads: list[torch.Tensor], plan: Plan,
+              lean: _Lean) -> tuple[float, bool | None]:
+    """(largest difference, equal) of a plan's gradients and the reference's; (nan, None) where
+    there is none."""
     if not ref_grads:
-        return float("nan"), False
+        return float("nan"), None
     exact = plan.head == "keep" and lean.reference is not None and lean.reference.head == "keep" and not any(
         o == "tiled" or o.startswith("compiled:") for o in plan.choices.values())
     return compare(ref_grads, grads, exact=exact)
@@ -304,7 +307,7 @@ def _verify_lean(model: nn.Module, batch: Any, plans: Sequence[Plan], loss_fn: A
             "above the budget. Verify a plan solved for the budget (remat.solve), or raise the budget"
         )
     previous = applied_plan(model)
-    measured: dict[tuple[tuple[str, str], ...], tuple[StepMemory, tuple[float, bool], int | None]] = {}
+    measured: dict[tuple[tuple[str, str], ...], tuple[StepMemory, tuple[float, bool | None], int | None]] = {}
     with without_cache(model), every_layer(model):  # NOTE [ layerdrop ] in remat.models.hf
         try:
             ref_grads: list[torch.Tensor] = []

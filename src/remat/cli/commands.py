@@ -363,13 +363,14 @@ def verify_cmd(
         )  # fmt: skip
     if report.passed:
         verdict = "passed: " + ("measured peak within the budget" if plan.budget_bytes else
-                                "no budget to fit") + ", gradients equal to plain"
+                                "no budget to fit") + (", gradients equal to plain" if report.grads_equal else
+                                                       f", gradients not compared ({report.reference})")
     else:
         why = []
         if not report.fits:
             why.append(f"measured peak {format_bytes(report.measured_peak_bytes)} > budget "
                        f"{format_bytes(report.budget_bytes or 0)}")  # fmt: skip
-        if not report.grads_equal:
+        if report.grads_equal is False:
             why.append(f"gradients differ from plain (largest difference {report.max_grad_diff:.3g})")
         verdict = "failed: " + "; ".join(why)
     if as_json:

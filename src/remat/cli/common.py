@@ -361,7 +361,8 @@ def print_demo(result: DemoResult, out: Path) -> None:
         f"plan.json: {chosen.label}, budget {format_bytes(chosen.plan.budget_bytes or 0)}: "
         f"measured peak {format_bytes(report.measured_peak_bytes)} "
         f"({report.measured_peak_bytes / report.plain_peak_bytes:.0%} of plain), {step}"
-        f"gradients {'equal to' if report.grads_equal else 'DIFFERENT from'} plain"
+        + {True: "gradients equal to plain", False: "gradients DIFFERENT from plain",
+           None: f"gradients not compared ({report.reference})"}[report.grads_equal]
     )
     names = ", ".join(p.name for p in result.files.values())
     click.echo(f"wrote {names} to {out} in {result.seconds:.0f} s")

@@ -82,7 +82,9 @@ class FakeRun:
     """``assemble``'s fields from the step's setup (device, mode, dtype, base bytes, ...)."""
     host_link_bytes_per_s: float | None
     fake_mode: Any
-    """The fake mode the model lives in: enter it to run more steps of it."""
+    """The fake mode the model lives in: run more steps of it in ``caches.steps(fake_mode)``."""
+    caches: Any
+    """The caches the model's code reaches (a ``FakeCaches``: NOTE [ A cache the fake steps fill ])."""
     runner: StepRunner
     """Traced steps of the fake model (``runner.traced()``, inside ``fake_mode``)."""
 
@@ -107,11 +109,12 @@ def fake_run(make_model: Callable[[Any], nn.Module], batch: Any, loss_fn: Any,
     factory called inside the mode."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from remat.measure.fake import FakeMeter, to_fake
+    from remat.measure.fake import FakeCaches, FakeMeter, to_fake
 
-    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
-    with fake_mode:
+    fake_mode, caches = FakeTensorMode(allow_non_fake_inputs=True), FakeCaches()
+    with caches.steps(fake_mode):
         model = make_model(fake_mode)
+        caches.watch(model)
         fake_batch = batch() if callable(batch) else to_fake(fake_mode, batch)
         opt = make_optimizer(model) if make_optimizer is not None else None
         named = find_blocks(model, blocks, required=False)
@@ -135,7 +138,7 @@ def fake_run(make_model: Callable[[Any], nn.Module], batch: Any, loss_fn: Any,
         heads, tiles = measure_heads(model, named, runner), measure_tiles(named, runner, times["keep"])
     return FakeRun(
         model=model, named=named, traces=traces, times=times, sides=sides, unsaved=unsaved, heads=heads, tiles=tiles,
-        fake_mode=fake_mode, runner=runner,
+        fake_mode=fake_mode, caches=caches, runner=runner,
         host_link_bytes_per_s=spec.host_link_bytes_per_s * ROOFLINE_EFFICIENCY["host_link"]
         if spec.name != "cpu" else None,
         fixed=dict(
@@ -153,10 +156,11 @@ def plain_peak(model: nn.Module, batch: Any, loss_fn: Any, optimizer: torch.opti
     called on the copy first (to apply a plan to it), for that step's peak instead."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from remat.measure.fake import FakeMeter, to_fake
+    from remat.measure.fake import FakeCaches, FakeMeter, to_fake
 
-    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
-    with fake_mode:
+    fake_mode, caches = FakeTensorMode(allow_non_fake_inputs=True), FakeCaches()
+    caches.watch(model)
+    with caches.steps(fake_mode):
         fake = fake_copy(model, fake_mode)
         fake_batch = to_fake(fake_mode, batch)
         opt = fake_optimizer(optimizer, model)(fake) if optimizer is not None else None

@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import sys
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -38,7 +39,7 @@ from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sd
 from remat.devices import ROOFLINE_EFFICIENCY, DeviceSpec
 from remat.measure.tracer import Mark, Trace
 
-__all__ = ["FakeMeter", "convertible_parameters", "storage_key", "to_fake"]
+__all__ = ["FakeCaches", "FakeMeter", "convertible_parameters", "storage_key", "to_fake"]
 
 aten = torch.ops.aten
 
@@ -241,3 +242,62 @@ def to_fake(mode: Any, batch: Any) -> Any:
     if isinstance(batch, (tuple, list)):
         return type(batch)(to_fake(mode, v) for v in batch)
     return batch
+
+
+# NOTE [ A cache the fake steps fill ]
+# Model code may keep what it builds in a process-wide cache (``functools.lru_cache``: transformers'
+# BEiT relative position index, DETR's position embedding). A fake step fills it with fake tensors,
+# and the next real step reads one back: after ``remat.auto`` on a fresh BEiT the user's own step
+# failed (``DataDependentOutputException``), and so did remat's verify. Fake steps run in
+# ``FakeCaches.steps``, which afterwards empties every LRU cache the model's code reaches (its
+# classes' methods and modules, one closure deep: transformers' ``compile_compatible_method_lru_cache``)
+# that they added to; a cache holds nothing its function cannot make again.
+
+
+class FakeCaches:
+    """The LRU caches a model's code reaches, and how many entries each had made before fake steps."""
+
+    def __init__(self) -> None:
+        self.misses: dict[int, tuple[Any, int]] = {}
+
+    def watch(self, model: torch.nn.Module) -> None:
+        """Note the caches ``model``'s code reaches, as they are now."""
+        for cache in _lru_caches(model):
+            self.misses.setdefault(id(cache), (cache, cache.cache_info().misses))
+
+    @contextlib.contextmanager
+    def steps(self, fake_mode: Any) -> Iterator[None]:
+        """Inside ``fake_mode``; after, the caches the steps added to are emptied."""
+        try:
+            with fake_mode:
+                yield
+        finally:
+            for cache, misses in self.misses.values():
+                if cache.cache_info().misses != misses:
+                    cache.cache_clear()
+                    self.misses[id(cache)] = (cache, 0)
+
+
+def _lru_caches(model: torch.nn.Module) -> list[Any]:
+    found: dict[int, Any] = {}
+
+    def add(obj: Any, depth: int = 0) -> None:
+        obj = getattr(obj, "__func__", obj)  # a staticmethod's or classmethod's function
+        if hasattr(obj, "cache_info") and hasattr(obj, "cache_clear"):
+            found[id(obj)] = obj
+        elif depth < 2 and callable(obj):
+            for cell in getattr(obj, "__closure__", None) or ():
+                with contextlib.suppress(ValueError):  # an empty cell
+                    add(cell.cell_contents, depth + 1)
+
+    modules = set()
+    for cls in {c for m in model.modules() for c in type(m).__mro__}:
+        if cls.__module__.split(".")[0] in ("torch", "builtins"):
+            continue
+        for value in vars(cls).values():
+            add(value)
+        modules.add(cls.__module__)
+    for name in modules:
+        for value in vars(sys.modules[name]).values() if name in sys.modules else ():
+            add(value)
+    return list(found.values())
