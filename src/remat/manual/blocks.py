@@ -183,16 +183,15 @@ def no_blocks(model: nn.Module) -> BlockError:
 #    experts) is a stage, not a layer: it gives way to its outermost modules that pass rule 3's
 #    test, each whole (a layer's attention and MLP stay together: split, the code between them is
 #    kept at every budget), bare layers included (SegFormer's closing norm, ConvNeXt's downsampler,
-#    which left to the model's code are kept at every budget), where those and the stage's stem fed
-#    the batch (the first stage's patch embedding: the code before the blocks) hold all its
-#    parameters. Measured: a diffusers UNet2DCondition of three stages of two layers had its floor
+#    which left to the model's code are kept at every budget) and a stem fed the batch (the first
+#    stage's patch embedding, rule 3), where those hold all its parameters. Measured: a diffusers UNet2DCondition of three stages of two layers had its floor
 #    at torch's every-block peak, 2.3 MiB above diffusers' own checkpointing
 #    (``test_libs_zoo``'s ``diffusers-cond-unet-stages``); Swin, Hiera and FocalNet stages split
 #    down to attention and MLP had floors above their whole layers', and plans over their
 #    prediction; SegFormer's stages whole floored at 0.732 MiB, above transformers' own
-#    checkpointing (0.594), and at 0.593 split (``transformers-segformer``). On the CPU a segment
+#    checkpointing (0.594), and at 0.588 split (``transformers-segformer``). On the CPU a segment
 #    holds an RNG state per call (5,056 B; on a GPU that state is in host memory), so a segment
-#    over a stage's parts costs more than the stage as one checkpoint: ConvNeXt's floor rose 0.6%.
+#    over a stage's parts costs more than the stage as one checkpoint: ConvNeXt's floor rose 0.5%.
 # So every block remat chooses has run once in that forward: a block that does not run is never the
 # user's error. One that runs with gradients only after the forward (in the model's own backward: a
 # reversible network) has nothing to checkpoint, and is refused with that reason.

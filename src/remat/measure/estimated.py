@@ -81,12 +81,11 @@ class FakeRun:
     fixed: dict[str, Any]
     """``assemble``'s fields from the step's setup (device, mode, dtype, base bytes, ...)."""
     host_link_bytes_per_s: float | None
-    fake_mode: Any
-    """The fake mode the model lives in: run more steps of it in ``caches.steps(fake_mode)``."""
-    caches: Any
-    """The caches the model's code reaches (a ``FakeCaches``: NOTE [ A cache the fake steps fill ])."""
+    steps: Any
+    """The fake mode the model lives in (a ``FakeSteps``: NOTE [ A cache the fake steps fill ]):
+    enter it to run more steps of it."""
     runner: StepRunner
-    """Traced steps of the fake model (``runner.traced()``, inside ``fake_mode``)."""
+    """Traced steps of the fake model (``runner.traced()``, inside ``steps``)."""
 
     def profile(self, times: dict[str, dict[str, float]] | None = None, *, smooth: bool = False,
                 heads: HeadMeasures | None = None, tiles: dict[str, OptionCost] | None = None,
@@ -109,20 +108,20 @@ def fake_run(make_model: Callable[[Any], nn.Module], batch: Any, loss_fn: Any,
     factory called inside the mode."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from remat.measure.fake import FakeCaches, FakeMeter, to_fake
+    from remat.measure.fake import FakeMeter, FakeSteps, to_fake
 
-    fake_mode, caches = FakeTensorMode(allow_non_fake_inputs=True), FakeCaches()
-    with caches.steps(fake_mode):
+    steps = FakeSteps(FakeTensorMode(allow_non_fake_inputs=True))
+    fake_mode = steps.mode
+    with steps:
         model = make_model(fake_mode)
-        caches.watch(model)
+        steps.watch(model)
         fake_batch = batch() if callable(batch) else to_fake(fake_mode, batch)
         opt = make_optimizer(model) if make_optimizer is not None else None
         named = find_blocks(model, blocks, required=False)
         layerdrop_off(model)  # a fake model, thrown away after: nothing to put back
         cache_off(model)  # on a fake model, thrown away after: nothing to remove
         _create_state(model, opt)
-        named = running(model, named, blocks is not None, lambda: _step.train_step(model, fake_batch, loss_fn, opt),
-                        fake_batch)
+        named = running(model, named, blocks is not None, fake_batch, loss_fn, opt)
         keys = base_keys(model, opt, fake_batch)
         runs = option_runs(model, named, fake_batch, loss_fn, opt, keys, lambda: FakeMeter(spec))
         traces = {option: (meter.trace, hooks) for option, (meter, hooks) in runs.items()}
@@ -138,7 +137,7 @@ def fake_run(make_model: Callable[[Any], nn.Module], batch: Any, loss_fn: Any,
         heads, tiles = measure_heads(model, named, runner), measure_tiles(named, runner, times["keep"])
     return FakeRun(
         model=model, named=named, traces=traces, times=times, sides=sides, unsaved=unsaved, heads=heads, tiles=tiles,
-        fake_mode=fake_mode, caches=caches, runner=runner,
+        steps=steps, runner=runner,
         host_link_bytes_per_s=spec.host_link_bytes_per_s * ROOFLINE_EFFICIENCY["host_link"]
         if spec.name != "cpu" else None,
         fixed=dict(
@@ -156,11 +155,12 @@ def plain_peak(model: nn.Module, batch: Any, loss_fn: Any, optimizer: torch.opti
     called on the copy first (to apply a plan to it), for that step's peak instead."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from remat.measure.fake import FakeCaches, FakeMeter, to_fake
+    from remat.measure.fake import FakeMeter, FakeSteps, to_fake
 
-    fake_mode, caches = FakeTensorMode(allow_non_fake_inputs=True), FakeCaches()
-    caches.watch(model)
-    with caches.steps(fake_mode):
+    steps = FakeSteps(FakeTensorMode(allow_non_fake_inputs=True))
+    fake_mode = steps.mode
+    steps.watch(model)
+    with steps:
         fake = fake_copy(model, fake_mode)
         fake_batch = to_fake(fake_mode, batch)
         opt = fake_optimizer(optimizer, model)(fake) if optimizer is not None else None

@@ -39,7 +39,7 @@ from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sd
 from remat.devices import ROOFLINE_EFFICIENCY, DeviceSpec
 from remat.measure.tracer import Mark, Trace
 
-__all__ = ["FakeCaches", "FakeMeter", "convertible_parameters", "storage_key", "to_fake"]
+__all__ = ["FakeMeter", "FakeSteps", "convertible_parameters", "storage_key", "to_fake"]
 
 aten = torch.ops.aten
 
@@ -249,15 +249,17 @@ def to_fake(mode: Any, batch: Any) -> Any:
 # BEiT relative position index, DETR's position embedding). A fake step fills it with fake tensors,
 # and the next real step reads one back: after ``remat.auto`` on a fresh BEiT the user's own step
 # failed (``DataDependentOutputException``), and so did remat's verify. Fake steps run in
-# ``FakeCaches.steps``, which afterwards empties every LRU cache the model's code reaches (its
+# ``FakeSteps``, which afterwards empties every LRU cache the model's code reaches (its
 # classes' methods and modules, one closure deep: transformers' ``compile_compatible_method_lru_cache``)
 # that they added to; a cache holds nothing its function cannot make again.
 
 
-class FakeCaches:
-    """The LRU caches a model's code reaches, and how many entries each had made before fake steps."""
+class FakeSteps:
+    """A fake mode to run steps in: entered, the mode is on; left, the LRU caches the model's code
+    reaches that the steps added to are emptied (``watch`` notes them first)."""
 
-    def __init__(self) -> None:
+    def __init__(self, mode: Any) -> None:
+        self.mode = mode
         self.misses: dict[int, tuple[Any, int]] = {}
 
     def watch(self, model: torch.nn.Module) -> None:
@@ -265,17 +267,18 @@ class FakeCaches:
         for cache in _lru_caches(model):
             self.misses.setdefault(id(cache), (cache, cache.cache_info().misses))
 
-    @contextlib.contextmanager
-    def steps(self, fake_mode: Any) -> Iterator[None]:
-        """Inside ``fake_mode``; after, the caches the steps added to are emptied."""
+    def __enter__(self) -> FakeSteps:
+        self.mode.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
         try:
-            with fake_mode:
-                yield
+            self.mode.__exit__(*exc)
         finally:
             for cache, misses in self.misses.values():
                 if cache.cache_info().misses != misses:
                     cache.cache_clear()
-                    self.misses[id(cache)] = (cache, 0)
+                    self.misses[id(cache)] = (cache, cache.cache_info().misses)
 
 
 def _lru_caches(model: torch.nn.Module) -> list[Any]:

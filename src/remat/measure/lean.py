@@ -247,8 +247,7 @@ class _Timing:
         with self._config(runner.model, self.named, options, head, segments):
             real = attribute(*StepRunner(functools.partial(runner.marked, saves=True), runner.model,
                                          device=runner.device).traced()[:2], n)
-        with self.run.caches.steps(self.run.fake_mode), self._config(self.run.model, self.run.named, options, head,
-                                                                    segments):
+        with self.run.steps, self._config(self.run.model, self.run.named, options, head, segments):
             fake = attribute(*StepRunner(functools.partial(twin.marked, saves=True), twin.model,
                                          spec=twin.spec).traced()[:2], n)
         blocks = [r.minus(f) for r, f in zip(real[2], fake[2])]

@@ -157,8 +157,7 @@ def _measured(
     with preserved(model, optimizer):
         # warm-up: lazy state, allocator, and which blocks run
         with sized(device):  # NOTE [ A free the CPU trace cannot size ] in remat.measure.tracer
-            named = running(model, named, blocks is not None, lambda: _step.train_step(model, batch, loss_fn, optimizer),
-                            batch)
+            named = running(model, named, blocks is not None, batch, loss_fn, optimizer)
         model.zero_grad(set_to_none=True)
         base = base_bytes(model, optimizer, batch, device)
         opt_bytes = _step.optimizer_bytes(optimizer)

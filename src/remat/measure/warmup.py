@@ -8,7 +8,6 @@ from __future__ import annotations
 import itertools
 import logging
 import warnings
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -33,11 +32,10 @@ def _cut_off(names: list[str]) -> ProfileError:
                         "recompute in. Name the blocks whose outputs the loss depends on with blocks=")
 
 
-def running(model: nn.Module, named: list[tuple[str, nn.Module]], explicit: bool,
-            run: Callable[[], Any], batch: Any) -> list[tuple[str, nn.Module]]:
-    """The blocks, settled by what runs in ``run()``, a warm-up step on ``batch``: named ones must
-    run; found ones are settled by the module calls (NOTE [ Blocks by what runs ] in
-    remat.manual.blocks)."""
+def running(model: nn.Module, named: list[tuple[str, nn.Module]], explicit: bool, batch: Any, loss_fn: Any,
+            optimizer: Any) -> list[tuple[str, nn.Module]]:
+    """The blocks, settled by what runs in a warm-up step on ``batch``: named ones must run; found
+    ones are settled by the module calls (NOTE [ Blocks by what runs ] in remat.manual.blocks)."""
     calls = Calls(count={}, start={}, end={}, grads=set(), grad_inputs=set(), fed=set())
     batch_ids = {id(t) for t in _step.tensors_in(batch)}
     names = {id(m): n for n, m in model.named_modules()}
@@ -70,7 +68,7 @@ def running(model: nn.Module, named: list[tuple[str, nn.Module]], explicit: bool
 
     handles = [h for m in model.modules() for h in (m.register_forward_pre_hook(pre, with_kwargs=True), m.register_forward_hook(post))]
     try:
-        run()
+        _step.train_step(model, batch, loss_fn, optimizer)
     finally:
         for h in handles:
             h.remove()
