@@ -1,4 +1,4 @@
-"""Blocks by what runs (NOTE [ Blocks by what runs ] in ``remat.manual.blocks``), on pure-torch
+"""Blocks by what runs (NOTE [ Blocks by what runs ] in ``remat.manual.settle``), on pure-torch
 models in the shapes that container rules miss: layers kept as lists of lists and iterated by the
 model's own loop, a stage list of different classes, a lone middle block, code between blocks.
 Each gives the blocks expected, and the plans at 60% and 40% of the plain peak and at the floor

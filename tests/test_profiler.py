@@ -254,7 +254,7 @@ def test_block_running_twice_is_refused() -> None:
 
     with pytest.raises(ProfileError, match="ran twice in one step"):
         profile(Twice(), torch.randn(2, 8), blocks=["layers.0", "layers.1"], repeats=1)
-    # NOTE [ Blocks by what runs ] in remat.manual.blocks, rule 6: remat's own choice is no error
+    # NOTE [ Blocks by what runs ] in remat.manual.settle, rule 6: remat's own choice is no error
     with pytest.warns(UserWarning, match=r"\['layers.0'\] ran more than once in one training step"):
         prof = profile(Twice(), torch.randn(2, 8), repeats=1)
     assert [b.name for b in prof.blocks] == ["layers.1"]

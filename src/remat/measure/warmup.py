@@ -1,5 +1,5 @@
 """The warm-up step that settles the blocks: the module calls of one training step, which modules
-run once, and which a gradient reaches (NOTE [ Blocks by what runs ] in ``remat.manual.blocks``),
+run once, and which a gradient reaches (NOTE [ Blocks by what runs ] in ``remat.manual.settle``),
 and the refusals where nothing can be planned. The measured and the estimated profile both start
 here."""
 
@@ -14,7 +14,8 @@ import torch
 from torch import nn
 
 from remat.errors import ProfileError
-from remat.manual.blocks import Calls, by_calls, no_blocks
+from remat.manual.blocks import no_blocks
+from remat.manual.settle import Calls, by_calls
 from remat.measure import step as _step
 from remat.measure.marked import outside_remat
 from remat.measure.sides import first_tensor as _first_tensor
@@ -35,7 +36,7 @@ def _cut_off(names: list[str]) -> ProfileError:
 def running(model: nn.Module, named: list[tuple[str, nn.Module]], explicit: bool, batch: Any, loss_fn: Any,
             optimizer: Any) -> list[tuple[str, nn.Module]]:
     """The blocks, settled by what runs in a warm-up step on ``batch``: named ones must run; found
-    ones are settled by the module calls (NOTE [ Blocks by what runs ] in remat.manual.blocks)."""
+    ones are settled by the module calls (NOTE [ Blocks by what runs ] in remat.manual.settle)."""
     calls = Calls(count={}, start={}, end={}, grads=set(), grad_inputs=set(), fed=set())
     batch_ids = {id(t) for t in _step.tensors_in(batch)}
     names = {id(m): n for n, m in model.named_modules()}
@@ -87,7 +88,7 @@ def running(model: nn.Module, named: list[tuple[str, nn.Module]], explicit: bool
             f"{repeated[:4]}{' ...' if len(repeated) > 4 else ''} ran more than once in one training step "
             "(weight-tied layers); remat plans modules that run once per step, so these keep their "
             "activations as in the plain step. To checkpoint them, wrap each call in the model's code with "
-            "remat.checkpoint (NOTE [ Blocks by what runs ] in remat.manual.blocks, rule 6)",
+            "remat.checkpoint (NOTE [ Blocks by what runs ] in remat.manual.settle, rule 6)",
             stacklevel=outside_remat())
     if not kept:
         if inside := [b for b, _ in named if b in late] or sorted(

@@ -1,0 +1,227 @@
+"""The blocks found by containers (``remat.manual.blocks``), settled by the module calls of one
+forward with gradients (NOTE [ Blocks by what runs ]): which run, once, with a backward, and
+what of the trunk no stack covers. ``remat.measure.warmup`` runs that forward."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+
+from remat.errors import ProfileError
+from remat.manual.blocks import CONTAINERS, is_block_stack, param_count, stack_candidates
+
+__all__ = ["Calls", "by_calls"]
+
+# NOTE [ Blocks by what runs ]
+# Containers say what repeats; only a forward says what runs. ``by_calls`` takes the module calls of
+# one forward with gradients (``Calls``) and settles the blocks:
+# 1. A found block that ran, holds parameters and returned what a gradient reaches in the backward
+#    is a block; one whose output no gradient reaches (DETR's frozen backbone, T2T-ViT's unfolding
+#    of the image, encodec's encoder where the model quantizes its output to integer codes) has no
+#    backward to replay in, and one without parameters (T2T-ViT's reshapes and ``Identity``, in a
+#    ``Sequential`` where they repeat) is the model's code. One that never runs but whose modules
+#    do (a ``ModuleList`` of ``ModuleList``s that the model iterates in its own loop, ``for attn,
+#    ff in self.layers``) gives way to its outermost modules that run, hold parameters and return
+#    what a gradient reaches; those without parameters (a residual wrapper) are the model's code
+#    between blocks.
+# 2. A found stack of which nothing runs is left out (a T5's decoder in an encoder-only step); one
+#    of which some blocks run and others do not skips layers at random, and is refused.
+# 3. What no block covers is the trunk's too: from the root, through the blocks' ancestors and
+#    containers that are never called, every module that runs once, holds parameters, has modules
+#    of its own, and takes what requires grad, or a tensor of the batch (a stem: UNETR's
+#    ``encoder1``, DynUNet's ``input_block``, a ViT's patch embedding), and returns what a gradient
+#    reaches is a block (a UNet's down path of different classes, its lone middle block). Left to
+#    the code before the blocks, a stem was kept at every budget: UNETR floored at 24.16 MiB where
+#    torch's checkpoint on its stem, encoders and decoders reaches 16.96 (16.32 now), DynUNet at
+#    4.81 for 3.70 (3.69). What runs after the last block the stacks and the rules before gave is
+#    the head's (its own options), unless it holds as many parameters as the smallest of those
+#    blocks: a UNet's up path after a down path that stacks gave (MONAI's), a codec's decoder
+#    after its encoder; left to the head, MONAI's UNet floored at 2.564 MiB where torch's
+#    checkpoint on its units and up modules reaches 2.052, encodec's at 6.017 for 4.104. A
+#    classifier, a pooler, a final norm hold fewer. A bare layer (an embedding, a norm) holds
+#    little; a frozen embedding has no backward to replay in; an embedding of token ids takes no
+#    floating-point tensor.
+# 4. Such a module with two or more such modules inside gives way to them (a UNet stage's resnets,
+#    attentions and downsampler, the granularity diffusers' own checkpointing takes): a block's
+#    backward holds its whole forward again, so the floor falls with the largest block. Not where
+#    each of them is one layer, bare or wrapped (MONAI's residual units: single convolutions with
+#    norms and activations between, which split off would be kept at every budget).
+# 5. A block inside another by object is left to it: a module held under two names (reformer's
+#    reversible and plain paths share their layers) is counted under its first name only, which
+#    may be in a path that never runs as a whole (a shared layer's name under the reversible
+#    blocks, while the plain blocks that hold it run). A module that holds blocks under other
+#    names (DynUNet's recursive ``skip_layers``, fed the batch) is no block itself.
+# 6. A module that runs more than once (a weight-tied layer the model calls in every iteration of its
+#    loop: perceiver-pytorch's ``weight_tie_layers``, ALBERT) is no block, nor is anything in it:
+#    remat's cost model replays each block once. Its calls are the model's code between blocks, and
+#    the profiler says so (``repeated``).
+# 7. A found block that keeps layers of its own in a stack (a UNet stage of several resnets and
+#    attentions, a Swin stage of several layers; not a stack inside one of its modules, an MoE's
+#    experts) is a stage, not a layer: it gives way to its outermost modules that pass rule 3's
+#    test, each whole (a layer's attention and MLP stay together: split, the code between them is
+#    kept at every budget), bare layers included (SegFormer's closing norm, ConvNeXt's downsampler,
+#    which left to the model's code are kept at every budget) and a stem fed the batch (the first
+#    stage's patch embedding, rule 3), where those hold all its parameters. Measured: a diffusers UNet2DCondition of three stages of two layers had its floor
+#    at torch's every-block peak, 2.3 MiB above diffusers' own checkpointing
+#    (``test_libs_zoo``'s ``diffusers-cond-unet-stages``); Swin, Hiera and FocalNet stages split
+#    down to attention and MLP had floors above their whole layers', and plans over their
+#    prediction; SegFormer's stages whole floored at 0.732 MiB, above transformers' own
+#    checkpointing (0.594), and at 0.588 split (``transformers-segformer``). On the CPU a segment
+#    holds an RNG state per call (5,056 B; on a GPU that state is in host memory), so a segment
+#    over a stage's parts costs more than the stage as one checkpoint: ConvNeXt's floor rose 0.5%.
+# So every block remat chooses has run once in that forward: a block that does not run is never the
+# user's error. One that runs with gradients only after the forward (in the model's own backward: a
+# reversible network) has nothing to checkpoint, and is refused with that reason.
+
+
+
+@dataclass(frozen=True)
+class Calls:
+    """The module calls of one forward with gradients, by qualified name."""
+
+    count: dict[str, int]
+    """How many times each module that ran was called."""
+    start: dict[str, int]
+    """The position of each module's first call among all calls' starts and ends."""
+    end: dict[str, int]
+    """The position where that first call ended."""
+    grads: set[str]
+    """The modules whose first call returned a tensor that a gradient reached in the step's
+    backward (a backward runs through it)."""
+    grad_inputs: set[str]
+    """The modules whose first call's hidden input (first floating-point tensor) requires grad."""
+    fed: set[str]
+    """The modules whose first call's hidden input is a tensor of the batch (a stem, rule 3)."""
+
+
+def by_calls(model: nn.Module, found: list[tuple[str, nn.Module]], calls: Calls
+             ) -> tuple[list[tuple[str, nn.Module]], list[str]]:
+    """The blocks found by containers, settled by what ran (NOTE [ Blocks by what runs ]), and the
+    modules left out because they ran more than once (rule 6)."""
+    blocks: list[tuple[str, nn.Module]] = []
+    stacks: dict[str, list[bool]] = {}
+    repeated: list[str] = []  # rule 6
+    canonical = {id(m): n for n, m in model.named_modules()}  # rule 5
+    for name, module in found:
+        if calls.count.get(name, 0) > 1:
+            repeated.append(name)
+            continue
+        if name in calls.count and (name not in calls.grads or param_count(module) == 0):
+            continue  # rule 1: no backward, or the model's code
+        tied = len(repeated)
+        if name not in calls.count:
+            within = _running_within(name, module, calls, canonical, repeated)
+        elif len(parts := _stage_parts(name, module, calls)) >= 2:
+            within = parts  # rule 7
+        else:
+            within = [(name, module)]
+        stacks.setdefault(name.rpartition(".")[0], []).append(bool(within) or len(repeated) > tied)
+        blocks += within
+    if skipped := [stack for stack, ran in stacks.items() if any(ran) and not all(ran)]:
+        missing = [n for n, _ in found if n.rpartition(".")[0] in skipped and not any(
+            b == n or b.startswith(n + ".") for b, _ in blocks)]
+        raise ProfileError(f"blocks {missing} did not run in the training step while others of their stack did; "
+                           "remat plans blocks that run in every step (turn off layerdrop or other random layer "
+                           "skips, or name the blocks with blocks=)")
+    trunk = _Trunk(calls, last_end=max((calls.end[n] for n, _ in blocks), default=None),
+                   least=min((param_count(m) for _, m in blocks), default=0),
+                   blocks=frozenset(id(m) for _, b in blocks for m in b.modules()))
+    taken = {n for n, _ in blocks}
+    above = {".".join(n.split(".")[:k]) for n in taken for k in range(n.count(".") + 1)}  # with the root, ""
+    blocks += _uncovered(model, "", taken, above, trunk)
+    order = {n: i for i, (n, _) in enumerate(model.named_modules())}
+    return sorted(_outermost(blocks), key=lambda b: order[b[0]]), list(dict.fromkeys(repeated))
+
+
+def _outermost(blocks: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
+    """The blocks inside no other, by object (rule 5): a module the model holds under two names
+    is one module, named once (``named_modules`` gives the first name)."""
+    inner = {id(m) for _, block in blocks for m in block.modules() if m is not block}
+    return list({id(b): (n, b) for n, b in blocks if id(b) not in inner}.values())
+
+
+def _running_within(name: str, module: nn.Module, calls: Calls, canonical: dict[int, str],
+                    repeated: list[str]) -> list[tuple[str, nn.Module]]:
+    """The outermost modules inside ``module`` that ran once and hold parameters (rule 1), each by
+    its first name (``canonical``); those that ran more than once are added to ``repeated`` (rule
+    6)."""
+    found: list[tuple[str, nn.Module]] = []
+    for child in module.children():
+        full = canonical[id(child)]
+        if full not in calls.count:
+            found += _running_within(full, child, calls, canonical, repeated)
+        elif calls.count[full] > 1:
+            repeated.append(full)
+        elif param_count(child) > 0 and full in calls.grads:
+            found.append((full, child))
+    return found
+
+
+def _bare_layer(module: nn.Module) -> bool:
+    """Whether ``module`` is one layer, bare or wrapped: at most one of its modules holds
+    parameters of its own (an ``nn.Conv2d``, a ``Sequential`` around one; rule 4)."""
+    return sum(1 for m in module.modules() if any(True for _ in m.parameters(recurse=False))) <= 1
+
+
+@dataclass(frozen=True)
+class _Trunk:
+    """What rule 3 judges a module of the trunk by: the module calls, and how the blocks found so
+    far end the trunk (``last_end``: what runs after them is the head's unless it holds ``least``
+    parameters, as many as the smallest of them)."""
+
+    calls: Calls
+    last_end: int | None = None
+    least: int = 0
+    blocks: frozenset[int] = frozenset()
+    """The modules of the blocks found so far, by object: a module that holds one under another
+    name (DynUNet's recursive ``skip_layers``, fed the batch) is no block (rule 5)."""
+
+    def holds(self, name: str, module: nn.Module, bare: bool = False) -> bool:
+        """Whether ``module``, which no block covers, is a block of the trunk (rule 3); with
+        ``bare``, a layer without modules of its own may be one (a stage's part, rule 7)."""
+        calls, params = self.calls, param_count(module)
+        if calls.count.get(name) != 1 or name not in calls.grads or not (name in calls.grad_inputs or name in calls.fed):
+            return False
+        before_last = self.last_end is None or calls.start[name] < self.last_end
+        if params == 0 or not (before_last or params >= self.least) or any(id(m) in self.blocks for m in module.modules()):
+            return False
+        return bare or any(True for _ in module.children())
+
+
+def _uncovered(model: nn.Module, prefix: str, taken: set[str], above: set[str], trunk: _Trunk,
+               stage: bool = False) -> list[tuple[str, nn.Module]]:
+    """The modules of the trunk that no block covers (rule 3), each split into its own such
+    modules where it has two or more (rule 4); with ``stage``, a stage's parts, whole (rule 7)."""
+    found: list[tuple[str, nn.Module]] = []
+    for child_name, child in model.named_children():
+        full = f"{prefix}.{child_name}" if prefix else child_name
+        if full in taken:
+            continue
+        if full in above or (full not in trunk.calls.count and isinstance(child, CONTAINERS)):
+            found += _uncovered(child, full, taken, above, trunk, stage)
+        elif trunk.holds(full, child, bare=stage):
+            parts = [] if stage else _uncovered(child, full, taken, above, trunk)
+            split = len(parts) >= 2 and not all(_bare_layer(m) for _, m in parts)  # rule 4
+            found += parts if split else [(full, child)]
+    return found
+
+
+def _stage_parts(name: str, module: nn.Module, calls: Calls) -> list[tuple[str, nn.Module]]:
+    """The parts of a found block that keeps a stack of layers of its own (rule 7), or none."""
+    if not _keeps_a_stack(module):
+        return []
+    parts = _uncovered(module, name, set(), set(), _Trunk(calls), stage=True)
+    return parts if sum(param_count(m) for _, m in parts) == param_count(module) else []
+
+
+def _keeps_a_stack(stage: nn.Module) -> bool:
+    """Whether ``stage`` keeps a stack of layers of its own: held in containers only, not inside
+    one of its modules (an MoE's experts are its MoE's; rule 7)."""
+    modules = dict(stage.named_modules())
+
+    def own(name: str) -> bool:
+        path = name.split(".")
+        return all(isinstance(modules[".".join(path[:k])], CONTAINERS) for k in range(1, len(path)))
+
+    return any(n and own(n) and is_block_stack(c) for n, c, _ in stack_candidates(stage))
