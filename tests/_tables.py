@@ -224,6 +224,10 @@ def chains(
     # what a kept backward holds when it first reads a saved tensor (BlockProfile.unpack_bytes),
     # drawn last so that the numbers above stay those of the seed
     blocks = [dataclasses.replace(b, unpack_bytes=nbytes() if rng.random() < 0.5 else 0) for b in blocks]
+    # what a replay snapshots (BlockProfile.stats_bytes), and blocks that save nothing, whose
+    # checkpoint holds no side input (BlockProfile.saves)
+    blocks = [dataclasses.replace(b, stats_bytes=nbytes() if rng.random() < 0.3 else 0, saves=rng.random() < 0.8)
+              for b in blocks]
     p = profile(
         blocks, base=base, pre=pre, post=post, optimizer_peak=optimizer_peak, gather=gather,
         crossings=[*side_inputs, *handed], post_fwd_held=held if side_inputs else post.fwd_peak_bytes,

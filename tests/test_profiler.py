@@ -180,10 +180,10 @@ def test_profile_json_round_trip_and_old_schema(tmp_path: object) -> None:
     data = json.loads(prof.to_json())
     # 1: before side inputs; 2: before head options; 3: before stop peaks; 4: before handovers;
     # 5: before both were crossings (NOTE [ Tensors that cross a block boundary ]); 6: before
-    # replay starts (BlockProfile.unpack_bytes)
-    for old in (0, 1, 2, 3, 4, 5, 6):
+    # replay starts (BlockProfile.unpack_bytes); 7: before BlockProfile.saves and stats_bytes
+    for old in (0, 1, 2, 3, 4, 5, 6, 7):
         data["schema_version"] = old
-        with pytest.raises(RecordError, match=f"schema version {old}, but this remat reads version 7"):
+        with pytest.raises(RecordError, match=f"schema version {old}, but this remat reads version 8"):
             Profile.from_json(json.dumps(data))
     with pytest.raises(RecordError, match="expected a remat profile record"):
         Profile.from_json(json.dumps({"kind": "plan"}))

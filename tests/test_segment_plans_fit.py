@@ -153,3 +153,33 @@ def test_a_replay_set_off_after_the_backward_made_a_gradient_is_predicted() -> N
     remat.remove(model)
     assert measured == predicted.peak_bytes and predicted.peak_phase.startswith("replay of pvt.encoder.block.0.0"), (
         measured, predicted)
+
+
+def test_a_block_that_saves_nothing_and_a_replay_of_batchnorms_are_predicted() -> None:
+    # transformers' PatchTST: its positional encoding (an add) saves nothing, so its checkpoint
+    # holds none of its inputs (BlockProfile.saves), though the encoder's code holds the one it
+    # takes to the end of the forward; read as held, the recompute run's backward peaks lost that
+    # input and a plan keeping the encoding measured 6,144 B over. Its layers' BatchNorms: a
+    # replay snapshots their running statistics (BlockProfile.stats_bytes), 528 B over before.
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.PatchTSTConfig(num_input_channels=3, context_length=64, patch_length=8, patch_stride=8,
+                                      prediction_length=16, d_model=32, num_attention_heads=2, num_hidden_layers=4,
+                                      ffn_dim=64, dropout=0.0, head_dropout=0.0)
+    model = transformers.PatchTSTForPrediction(cfg).train()
+    g = torch.Generator().manual_seed(1)
+    batch = {"past_values": torch.randn(2, 64, 3, generator=g), "future_values": torch.randn(2, 16, 3, generator=g)}
+    prof = profile(model, batch, repeats=1)
+    names = [b.name for b in prof.blocks]
+    assert names[0] == "model.encoder.positional_encoder" and not prof.blocks[0].saves
+    assert [b.stats_bytes for b in prof.blocks] == [0] + [2 * (32 + 32 + 2) * 4] * 4  # two norms of 32 features
+    kept_ends = {n: "keep" if n in (names[0], names[-1]) else "recompute" for n in names}
+    replayed = {n: "recompute" if n in names[2:4] else "keep" for n in names}  # the floor plan
+    for choices, segments in ((kept_ends, []), (replayed, [[names[1], names[1]]])):
+        predicted = estimate_segments(prof, choices, segments)
+        remat.apply(model, dataclasses.replace(solve(prof, method="none"), choices=choices, segments=segments,
+                                               estimate=predicted), strict=False)
+        measured = measure_step(model, batch, repeats=0).peak_bytes
+        remat.remove(model)
+        assert measured == predicted.peak_bytes, (choices, segments, measured, predicted)
+    assert predicted.peak_phase == f"replay of {names[1]}"

@@ -70,9 +70,9 @@ __all__ = [
     "load_record",
 ]
 
-PROFILE_SCHEMA = 7  # 2: side inputs; 3: head options (NOTE [ The head's options ]); 4: where a replay
+PROFILE_SCHEMA = 8  # 2: side inputs; 3: head options (NOTE [ The head's options ]); 4: where a replay
 # stops (BlockProfile.stop_peak_bytes); 5: handovers; 6: both as crossings (NOTE [ Tensors that cross a
-# block boundary ]); 7: where a replay starts (BlockProfile.unpack_bytes)
+# block boundary ]); 7: where a replay starts (BlockProfile.unpack_bytes); 8: BlockProfile.saves, stats_bytes
 PLAN_SCHEMA = 2  # 2: the head's option, segments (NOTE [ A segment is one recompute frame over several calls ])
 
 # NOTE [ The head's options ]
@@ -130,6 +130,14 @@ class BlockProfile:
     """Bytes above the live level at the start of the block's backward, with the block kept, when
     that backward first reads a tensor the block saved: a replay it sets off runs on top of them
     (a gradient its reshape copies before the first saved input is read)."""
+    stats_bytes: int = 0
+    """Bytes of the running statistics of its BatchNorms in training mode: a replay of the block
+    snapshots them until it ends (NOTE [ BatchNorm in recompute ] in ``remat.manual.batchnorm``)."""
+    saves: bool = True
+    """Whether the block's kept forward saves a tensor for the backward. A checkpoint holds the
+    block's inputs through what its forward saves (torch's recompute frame lives on the saved
+    tensors), so a checkpoint of a block that saves nothing (a positional encoding's add) holds
+    none of them: NOTE [ A side input's extra life ] in ``remat.plan.sides``."""
 
 
 @dataclass(frozen=True, kw_only=True)

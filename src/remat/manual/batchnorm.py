@@ -29,7 +29,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import _disable_current_modes
 
-__all__ = ["RestoreRunningStats", "module_roots"]
+__all__ = ["RestoreRunningStats", "module_roots", "running_stats"]
 
 _DEPTH = 4
 
@@ -77,6 +77,22 @@ def _filled(cell: Any) -> bool:
     return True
 
 
+def running_stats(roots: tuple[nn.Module, ...]) -> list[torch.Tensor]:
+    """The running statistics of the training BatchNorms under ``roots``, each once: what a
+    recompute of them snapshots until it ends (``BlockProfile.stats_bytes``)."""
+    seen: set[int] = set()
+    found = []
+    for root in roots:
+        for module in root.modules():
+            if id(module) in seen or not isinstance(module, nn.modules.batchnorm._NormBase):
+                continue
+            seen.add(id(module))
+            if module.training:
+                found += [b for n in ("running_mean", "running_var", "num_batches_tracked")
+                          if isinstance(b := getattr(module, n, None), torch.Tensor)]
+    return found
+
+
 class RestoreRunningStats:
     """Snapshot, on enter, the running statistics of the training BatchNorms under ``roots``;
     write them back on exit."""
@@ -86,21 +102,10 @@ class RestoreRunningStats:
         self._saved: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def __enter__(self) -> None:
-        seen: set[int] = set()
         # Outside any dispatch mode: selective checkpointing's recompute mode would take these
         # clones for ops of the block and refuse them.
         with _disable_current_modes():
-            for root in self._roots:
-                for module in root.modules():
-                    if id(module) in seen or not isinstance(module, nn.modules.batchnorm._NormBase):
-                        continue
-                    seen.add(id(module))
-                    if not module.training:
-                        continue
-                    for name in ("running_mean", "running_var", "num_batches_tracked"):
-                        buf = getattr(module, name, None)
-                        if isinstance(buf, torch.Tensor):
-                            self._saved.append((buf, buf.detach().clone()))
+            self._saved = [(buf, buf.detach().clone()) for buf in running_stats(self._roots)]
 
     def __exit__(self, *exc: Any) -> None:
         with torch.no_grad(), _disable_current_modes():

@@ -110,7 +110,7 @@ class Fronts:
         if key in self._replays:
             return self._replays[key]
         m = self.m
-        ge = self._g(before | m.holds(s, e))[e] + m.unpack[e]  # the replay starts at e's first read
+        ge = self._g(before | m.holds(s, e))[e] + m.unpack[e] + m.snapshot(s, e)  # from e's first read
         states: dict[int, list[_State]] = {s: [_State(-m.inp[s], 0, _NONE, _NONE, 0, 0, before, ())]}
         for p in range(s, e + 1):
             for st in _front_states(states.pop(p, [])):
@@ -189,6 +189,7 @@ class _Arrays:
         self.kr, self.fr, self.tr, self.rng, self.fork = arr(m.kr), arr(m.fr), arr(m.tr), arr(m.rng), arr(m.fork)
         self.extra, self.reach, self.grads_at = arr(m.extra), arr(m.reach), arr(m.grads_at)
         self.unpack = arr(m.unpack)
+        self.stats_sum = np.array(m.stats_sum, dtype=np.int64)
         self.uses, self.saves = arr(m.uses), arr(m.saves)
         self.rng_sum = np.concatenate([[0], np.cumsum(self.rng)]).astype(np.int64)
         self.stashed = self.fork + self.extra  # what a call stashes: ``SegmentModel.stash``
@@ -243,7 +244,7 @@ class _Grid:
             if h.dies is not None:
                 self.base -= h.size * ((s <= h.maker) & (h.maker <= e) & (e < h.dies))
         unpack = col(a.unpack)  # a replay starts at its last block's first read
-        ge = g(np.bitwise_or.accumulate(uses, axis=1) | before) + unpack
+        ge = g(np.bitwise_or.accumulate(uses, axis=1) | before) + unpack + a.stats_sum[e + 1] - a.stats_sum[s]
         # the flat segment: every block kept in the replay
         level = before_each(kk, 0, np.add) - a.inp[s]
         flat_g = g(before_each(saves, 0, np.bitwise_or) | before | saves)
@@ -257,7 +258,8 @@ class _Grid:
         level = before_each(inp, 0, np.add) - a.inp[s]
         temp = before_each(fork, 0, np.add)
         held = before_each(uses, 0, np.bitwise_or) | before
-        alone = np.maximum(g(held | uses) + unpack - inp + fork + fs, g(held | saves) - inp + kk + bk + extra - col(a.stashed))
+        stats = a.stats_sum[e + 1] - a.stats_sum[e]  # a segment of one snapshots its block's
+        alone = np.maximum(g(held | uses) + unpack + stats - inp + fork + fs, g(held | saves) - inp + kk + bk + extra - col(a.stashed))
         two_b = before_each(level + inp + alone + stash, _NONE, np.maximum)
         two_f = before_each(level + temp + fr + fork, _NONE, np.maximum)
         self.two = np.maximum(ge + np.maximum(two_f, level + temp + fork + fs),

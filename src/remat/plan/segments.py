@@ -15,7 +15,9 @@ code holds past the block (a handover: not stashed, NOTE [ Handovers in a segmen
   not kept: block s keeps Kr_s, each later block rng_j, and each runs at its Fr_j;
 - its backward starts with the replay, set off where the last block's backward first reads a
   tensor it saved, on top of what that backward made before (Ue, ``BlockProfile.unpack_bytes``:
-  PVT's layer copies the transposed gradient that comes in; 8,192 B over before): the items of
+  PVT's layer copies the transposed gradient that comes in; 8,192 B over before), and with the
+  running statistics of its blocks' BatchNorms, which the replay snapshots until it ends
+  (``BlockProfile.stats_bytes``; PatchTST's layers, 528 B over before): the items of
   the segment in order, each either a block kept during the replay (it keeps Kk_j, runs at Fk_j)
   or an inner segment, which keeps only its input in_a and runs its blocks without keeping
   anything (an F_0 pass, at most Fr over them; the inner frames it makes hold an RNG state per
@@ -137,6 +139,7 @@ class SegmentModel:
         self.kk, self.fk, self.bk = [c.kept_bytes for c in k], [c.fwd_peak_bytes for c in k], [c.bwd_peak_bytes for c in k]
         self.fs = [c.fwd_peak_bytes if b.stop_peak_bytes is None else b.stop_peak_bytes for b, c in zip(blocks, k)]
         self.unpack = [b.unpack_bytes for b in blocks]
+        self.stats_sum = [0, *itertools.accumulate(b.stats_bytes for b in blocks)]
         self.kr, self.fr, self.br = [c.kept_bytes for c in r], [c.fwd_peak_bytes for c in r], [c.bwd_peak_bytes for c in r]
         self.ms = [c.extra_ms for c in r]
         self.tr = [round(c.extra_ms * _TICKS_PER_MS) for c in r]
@@ -203,6 +206,10 @@ class SegmentModel:
         and what the code after each block keeps; not what the model's code holds (NOTE [ Handovers
         in a segment ] in remat.plan.segment_estimate), which ``kept`` counts."""
         return self._stash_sum[b + 1] - self._stash_sum[a]
+
+    def snapshot(self, a: int, b: int) -> int:
+        """What a replay of blocks a..b snapshots until it ends: their BatchNorms' running statistics."""
+        return self.stats_sum[b + 1] - self.stats_sum[a]
 
     def forks(self, a: int, b: int) -> int:
         """The RNG states alone of the calls of blocks a..b."""
@@ -278,7 +285,7 @@ def _replay(m: SegmentModel, tree: Tree, before: int) -> tuple[int, int, str]:
         else:
             items.append(j)
             j += 1
-    ge = m.grads_at[e] + m.delta(before | m.holds(s, e), e) + m.gather + m.unpack[e]
+    ge = m.grads_at[e] + m.delta(before | m.holds(s, e), e) + m.gather + m.unpack[e] + m.snapshot(s, e)
     best, where, ticks = _NONE, "", 0
     level = -m.inp[s]  # what the items before keep; the segment's input is in the outer level
     temp = 0  # the RNG states of the inner frames an F_0 pass makes, gone when the replay ends

@@ -4,8 +4,10 @@
 A side input is a crossing that enters blocks (shape 1 of NOTE [ Tensors that cross a block
 boundary ] in ``remat.records``). A profile's numbers are those of the plain step: a side input dies at the end of the forward (inside the head's forward), or, when a kept consumer saves
 it, at the backward of the first such block. Under a plan it dies at the backward of the first
-block, in forward order, that *holds* it: a ``recompute`` or ``selective`` consumer (a checkpoint
-holds its inputs until its backward), or a ``keep`` consumer that saves it. Offloaded blocks hold
+block, in forward order, that *holds* it: a ``recompute`` or ``selective`` consumer whose forward
+saves something (a checkpoint holds its inputs until its backward through what it saves:
+``BlockProfile.saves``), or a ``keep`` consumer that saves it. A segment holds the inputs of its
+blocks when any of them saves. Offloaded blocks hold
 only host copies. So a plan adds the side input's bytes to the live level of every backward phase
 of block j >= that first holder, and of the head's backward; it takes them away where the plain
 step held it and the plan does not (a saving block offloaded). In the head's forward, where the
@@ -61,6 +63,9 @@ class SideGroups:
     dies_after: tuple[int | None, ...] = ()
     """[group]: the block (forward position) in whose forward the plain step frees them, or None
     (NOTE [ Where a side input dies ]); empty: None for every group."""
+    unsaving: frozenset[int] = frozenset()
+    """The blocks (forward positions) whose forward saves nothing: a checkpoint of one holds
+    none of its inputs (``BlockProfile.saves``)."""
 
     def _dies(self, g: int) -> int | None:
         return self.dies_after[g] if self.dies_after else None
@@ -85,8 +90,9 @@ class SideGroups:
     def holds(self, block: int, option: str) -> int:
         """The groups ``option`` at ``block`` holds until the block's backward, as a mask."""
         mask = 0
+        checkpoint = option in HOLDING and block not in self.unsaving
         for g, (users, savers) in enumerate(zip(self.consumers, self.savers)):
-            if (option in HOLDING and block in users) or (block in savers and saves_as_kept(option)):
+            if (checkpoint and block in users) or (block in savers and saves_as_kept(option)):
                 mask |= 1 << g
         return mask
 
@@ -129,6 +135,7 @@ def side_groups(profile: Profile) -> SideGroups:
         consumers=tuple(frozenset(index[n] for n in users if n in index) for users, _, _ in groups),
         savers=tuple(frozenset(index[n] for n in savers if n in index) for _, savers, _ in groups),
         dies_after=tuple(index.get(d) if d is not None else None for _, _, d in groups),
+        unsaving=frozenset(i for i, b in enumerate(profile.blocks) if not b.saves),
         post_held_extra_bytes=max(0, profile.post_fwd_peak_held_bytes - profile.post.fwd_peak_bytes)
         if side_inputs(profile)
         else 0,
