@@ -183,3 +183,28 @@ def test_a_block_that_saves_nothing_and_a_replay_of_batchnorms_are_predicted() -
         remat.remove(model)
         assert measured == predicted.peak_bytes, (choices, segments, measured, predicted)
     assert predicted.peak_phase == f"replay of {names[1]}"
+
+
+def test_a_segment_whose_block_drops_more_than_it_stashes_lets_go_only_what_was_counted() -> None:
+    # transformers' Swin: a stage drops the handover of the stage before in its forward, more than
+    # its checkpoint stashes, so the segment's outer level counts none of its RNG state (rng_j is
+    # clamped at 0); the frame's letting that state go at the replay's end was subtracted anyway,
+    # and a one-block segment over the second stage among kept ones measured 5,056 B over.
+    _hf_zoo = pytest.importorskip("_hf_zoo")
+    pytest.importorskip("transformers")
+    model, batch, _ = _hf_zoo.ZOO["swin"]()
+    prof = profile(model, batch, repeats=1)
+    names = [b.name for b in prof.blocks]
+    off = []
+    for name in names[1:]:
+        for base in ("keep", "recompute"):
+            choices, segments = dict.fromkeys(names, base) | {name: "keep"}, [[name, name]]
+            predicted = estimate_segments(prof, choices, segments)
+            remat.apply(model, dataclasses.replace(solve(prof, method="none"), choices=choices, segments=segments,
+                                                   estimate=predicted), strict=False)
+            measured = measure_step(model, batch, repeats=0).peak_bytes
+            remat.remove(model)
+            exact = (name, base) == ("swin.encoder.layers.1", "keep")  # the plan that was over
+            if measured > predicted.peak_bytes or (exact and measured != predicted.peak_bytes):
+                off.append((name, base, measured - predicted.peak_bytes, predicted.peak_phase))
+    assert not off, off

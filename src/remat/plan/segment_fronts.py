@@ -192,7 +192,7 @@ class _Arrays:
         self.stats_sum = np.array(m.stats_sum, dtype=np.int64)
         self.uses, self.saves = arr(m.uses), arr(m.saves)
         self.rng_sum = np.concatenate([[0], np.cumsum(self.rng)]).astype(np.int64)
-        self.stashed = self.fork + self.extra  # what a call stashes: ``SegmentModel.stash``
+        self.stashed = arr(m.freed) + self.extra  # what a call stashes: ``SegmentModel.stash``
         self.stash_sum = np.concatenate([[0], np.cumsum(self.stashed)]).astype(np.int64)
         keep = m.chain.options.index("keep")
         ms = np.array([row[keep] for row in m.chain.extra_ms], dtype=np.float64).reshape(m.n)

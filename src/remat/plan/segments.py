@@ -31,7 +31,10 @@ code holds past the block (a handover: not stashed, NOTE [ Handovers in a segmen
   Kk_s has it again, so the backward adds it back once (the replay of that block is then counted
   that much high, on the safe side; a one-block segment measured 27,712 B over before);
 - when the replay ends the frame lets go of what it held: the RNG states of its own calls (an
-  inner segment's stay with the inner frame until its own replay ends) and the side inputs its
+  inner segment's stay with the inner frame until its own replay ends), as far as the outer
+  level counts them (not where the code after a block drops more than its checkpoint stashes,
+  rng_j = 0: Swin's stage drops the stage before's handover, and a one-block segment over it
+  measured 5,056 B over while the model let that state go), and the side inputs its
   calls received, which stay live only where something else holds them (a block before the
   segment, an inner segment not yet replayed, a kept block that saved them);
 - then the items' backwards in reverse, without those, and without what the items after them
@@ -155,9 +158,13 @@ class SegmentModel:
                 stash[h.dies] += h.size
         fork = min([r for r in stash if r > 0], default=0)
         self.fork = [min(fork, max(0, r)) for r in stash]
-        self.extra = [max(0, r - f) for r, f in zip(stash, self.fork)]
+        # What the outer level counts of a call's stash (rng_j: none where the code's frees outweigh
+        # it, as Swin's stage that drops the stage before's handover), which the frame lets go.
+        counted = [max(0, min(r, g)) for r, g in zip(stash, self.rng)]
+        self.freed = [min(f, c) for f, c in zip(self.fork, counted)]
+        self.extra = [c - f for c, f in zip(counted, self.freed)]
         self._fork_sum = [0, *itertools.accumulate(self.fork)]
-        self._stash_sum = [0, *itertools.accumulate(f + x for f, x in zip(self.fork, self.extra))]
+        self._stash_sum = [0, *itertools.accumulate(counted)]
         skip = [profile.skip_bytes.get(b.name, 0) for b in blocks]
         self.reach = [0] * n  # [s]: the last block a segment from s may end at (no skip inside)
         for s in range(n - 1, -1, -1):
@@ -311,7 +318,7 @@ def _replay(m: SegmentModel, tree: Tree, before: int) -> tuple[int, int, str]:
             best, where = value, f"replay of {names[item].name}"
         ticks += m.tr[item]
         level += m.kk[item]
-        own += m.fork[item]
+        own += m.freed[item]
         state |= m.saves[item]
     for item, (level, held) in zip(reversed(items), reversed(before_items)):  # the backward, in reverse
         if isinstance(item, Tree):
