@@ -302,8 +302,7 @@ LIBS: dict[str, Callable[[], Built]] = {
 # stem, units and up modules.
 _MONAI_DOWN = ["model.0", "model.1.submodule.0", "model.1.submodule.1.submodule.0", "model.1.submodule.1.submodule.1.submodule"]
 SENSIBLE: dict[str, list[str]] = {
-    "monai-unet": [f"{d}.conv.unit{i}" for d in _MONAI_DOWN for i in range(2)]
-    + ["model.1.submodule.1.submodule.2", "model.1.submodule.2", "model.2"],
+    "monai-unet": [*_MONAI_DOWN, "model.1.submodule.1.submodule.2", "model.1.submodule.2", "model.2"],  # whole units
     "monai-dynunet": ["input_block", "downsamples.0", "downsamples.1", "bottleneck", "upsamples.0", "upsamples.1",
                       "upsamples.2"],
 }

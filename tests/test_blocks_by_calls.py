@@ -306,6 +306,38 @@ class Stemmed(nn.Module):
     batch = NormedStages.batch
 
 
+class ChainUnit(nn.Module):
+    """MONAI's residual unit: a chain of single layers in a ``Sequential`` (each a linear map and
+    its PReLU, as MONAI's ``Convolution``), and a residual projection its own code adds."""
+
+    def __init__(self, d_in: int, d: int) -> None:
+        super().__init__()
+        self.chain = nn.Sequential(nn.Sequential(nn.Linear(d_in, 4 * d), nn.PReLU()),
+                                   nn.Sequential(nn.Linear(4 * d, d), nn.PReLU()))
+        self.residual = nn.Linear(d_in, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.chain(x) + self.residual(x)
+
+
+class ResidualUnits(nn.Module):
+    """Residual units that are no stack (MONAI's UNet nests them in skip connections): the chain
+    inside each is found as a stack of single layers, and gives way to its unit (rule 8)."""
+
+    def __init__(self, d: int = 32, units: int = 8) -> None:
+        super().__init__()
+        self.embed, self.head = nn.Embedding(64, d), nn.Linear(d, 64)
+        for i in range(units):
+            self.add_module(f"unit{i}", ChainUnit(d, d))
+        self.units = units
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        for i in range(self.units):
+            x = getattr(self, f"unit{i}")(x) * 0.5
+        return self.head(x)
+
+
 def _loss(out: torch.Tensor, batch: tuple[torch.Tensor]) -> torch.Tensor:
     return torch.nn.functional.cross_entropy(out.flatten(0, 1), batch[-1].flatten())
 
@@ -320,6 +352,7 @@ CASES = {
     "stacked-down-path": (StackedDownPath, ["down.0", "down.1", "down.2", "up1", "up2"]),
     "quantized": (Quantized, [f"decoder.{i}" for i in range(6)]),
     "stemmed": (Stemmed, ["stem", "layers.0", "layers.1", "layers.2"]),
+    "residual-units": (ResidualUnits, [f"unit{i}" for i in range(8)]),
     "stages": (Stages, ["down.0.a", "down.0.b", "down.1", "down.2", "middle.a", "middle.b", "up.0", "up.1", "up.2"]),
 }
 

@@ -70,6 +70,13 @@ __all__ = ["Calls", "by_calls"]
 #    checkpointing (0.594), and at 0.588 split (``transformers-segformer``). On the CPU a segment
 #    holds an RNG state per call (5,056 B; on a GPU that state is in host memory), so a segment
 #    over a stage's parts costs more than the stage as one checkpoint: ConvNeXt's floor rose 0.5%.
+# 8. A found stack of layers of one weight each in a module that holds parameters beside it and makes
+#    its output in its own code (``Calls.made``: MONAI's residual unit, two convolutions in a
+#    ``Sequential`` and a residual convolution it adds to them) is that unit's chain of layers, not
+#    a stack of blocks: the unit is the block where it passes rule 3's test, and rule 7 leaves it
+#    whole. Split, the residual path was the model's code between blocks, and segments cannot span
+#    it: MONAI's UNet floored at 3.84 MiB where torch's checkpoint on its whole units reaches 3.68
+#    (3.65 now; ``test_libs_zoo``'s ``monai-unet``).
 # So every block remat chooses has run once in that forward: a block that does not run is never the
 # user's error. One that runs with gradients only after the forward (in the model's own backward: a
 # reversible network) has nothing to checkpoint, and is refused with that reason.
@@ -93,6 +100,9 @@ class Calls:
     """The modules whose first call's hidden input (first floating-point tensor) requires grad."""
     fed: set[str]
     """The modules whose first call's hidden input is a tensor of the batch (a stem, rule 3)."""
+    made: set[str]
+    """The modules whose first call returned a tensor that none of their own modules returned: their
+    own code made it (a residual unit's sum, rule 8)."""
 
 
 def by_calls(model: nn.Module, found: list[tuple[str, nn.Module]], calls: Calls
@@ -103,7 +113,7 @@ def by_calls(model: nn.Module, found: list[tuple[str, nn.Module]], calls: Calls
     stacks: dict[str, list[bool]] = {}
     repeated: list[str] = []  # rule 6
     canonical = {id(m): n for n, m in model.named_modules()}  # rule 5
-    for name, module in found:
+    for name, module in _units(model, found, calls):
         if calls.count.get(name, 0) > 1:
             repeated.append(name)
             continue
@@ -162,6 +172,31 @@ def _bare_layer(module: nn.Module) -> bool:
     """Whether ``module`` is one layer, bare or wrapped: at most one of its modules holds
     parameters of its own (an ``nn.Conv2d``, a ``Sequential`` around one; rule 4)."""
     return sum(1 for m in module.modules() if any(True for _ in m.parameters(recurse=False))) <= 1
+
+
+def _one_weight(module: nn.Module) -> bool:
+    """Whether at most one of ``module``'s modules holds a weight (a parameter of two or more
+    dimensions; norms and activations hold vectors): a layer of a chain, as MONAI's ``Convolution``
+    with its PReLU (rule 8)."""
+    return sum(1 for m in module.modules() if any(p.dim() >= 2 for p in m.parameters(recurse=False))) <= 1
+
+
+def _units(model: nn.Module, found: list[tuple[str, nn.Module]], calls: Calls) -> list[tuple[str, nn.Module]]:
+    """``found`` with each stack of single layers in a residual unit given way to the unit (rule 8)."""
+    modules = dict(model.named_modules())
+    members: dict[str, list[str]] = {}
+    for name, _ in found:
+        members.setdefault(name.rpartition(".")[0], []).append(name)
+    unit_of: dict[str, str] = {}
+    for container, names in members.items():
+        unit = container
+        while unit and isinstance(modules[unit], CONTAINERS):
+            unit = unit.rpartition(".")[0]
+        if (unit and unit in calls.made and all(_one_weight(modules[n]) for n in names)
+                and param_count(modules[unit]) > sum(param_count(modules[n]) for n in names)
+                and _Trunk(calls).holds(unit, modules[unit])):
+            unit_of |= dict.fromkeys(names, unit)
+    return list({unit_of.get(n, n): (unit_of.get(n, n), modules[unit_of.get(n, n)]) for n, _ in found}.values())
 
 
 @dataclass(frozen=True)
@@ -224,4 +259,5 @@ def _keeps_a_stack(stage: nn.Module) -> bool:
         path = name.split(".")
         return all(isinstance(modules[".".join(path[:k])], CONTAINERS) for k in range(1, len(path)))
 
-    return any(n and own(n) and is_block_stack(c) for n, c, _ in stack_candidates(stage))
+    return any(n and own(n) and is_block_stack(c) and not all(_one_weight(m) for m in c.children())
+               for n, c, _ in stack_candidates(stage))

@@ -8,6 +8,7 @@ from __future__ import annotations
 import itertools
 import logging
 import warnings
+import weakref
 from typing import Any
 
 import torch
@@ -37,7 +38,8 @@ def running(model: nn.Module, named: list[tuple[str, nn.Module]], explicit: bool
             optimizer: Any) -> list[tuple[str, nn.Module]]:
     """The blocks, settled by what runs in a warm-up step on ``batch``: named ones must run; found
     ones are settled by the module calls (NOTE [ Blocks by what runs ] in remat.manual.settle)."""
-    calls = Calls(count={}, start={}, end={}, grads=set(), grad_inputs=set(), fed=set())
+    calls = Calls(count={}, start={}, end={}, grads=set(), grad_inputs=set(), fed=set(), made=set())
+    returned: dict[str, list[weakref.ref[torch.Tensor]]] = {}  # per module in its first call: its modules' outputs
     batch_ids = {id(t) for t in _step.tensors_in(batch)}
     names = {id(m): n for n, m in model.named_modules()}
     ticks = itertools.count()
@@ -62,6 +64,11 @@ def running(model: nn.Module, named: list[tuple[str, nn.Module]], explicit: bool
         nonlocal done
         if torch.is_grad_enabled() and not done and (name := names[id(module)]) not in calls.end:
             calls.end[name] = next(ticks)
+            y = _first_tensor(output)
+            if y is not None and not any(r() is y for r in returned.pop(name, [])):
+                calls.made.add(name)  # rule 8
+            if y is not None and (parent := name.rpartition(".")[0]) in calls.start and parent not in calls.end:
+                returned.setdefault(parent, []).append(weakref.ref(y))
             for t in _step.tensors_in(output):
                 if t.requires_grad:  # a backward runs through it only where a gradient reaches it
                     t.register_hook(lambda _, name=name: calls.grads.add(name))
