@@ -234,6 +234,31 @@ def test_layerdrop_is_planned_with_every_layer_running_and_left_on(caplog: pytes
     assert not runs.all_ran(since=before)
 
 
+def test_the_floor_solve_names_for_a_model_with_layerdrop_is_a_plan_apply_takes() -> None:
+    # Profile.layerdrop: the floor InfeasibleBudget named needed a segment over layers layerdrop
+    # may skip, which apply refuses (transformers' Autoformer and Informer, layerdrop 0.1 by default).
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.AutoformerConfig(prediction_length=16, context_length=32, input_size=1, lags_sequence=[1, 2, 3],
+                                        num_time_features=1, d_model=32, encoder_layers=2, decoder_layers=2,
+                                        encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=32,
+                                        decoder_ffn_dim=32)
+    torch.manual_seed(0)
+    model = transformers.AutoformerForPrediction(cfg).train()
+    g = torch.Generator().manual_seed(1)
+    batch = {"past_values": torch.randn(2, 35, generator=g), "past_time_features": torch.randn(2, 35, 1, generator=g),
+             "past_observed_mask": torch.ones(2, 35), "future_values": torch.randn(2, 16, generator=g),
+             "future_time_features": torch.randn(2, 16, 1, generator=g)}
+    prof = remat.profile(model, batch, repeats=1)
+    assert prof.layerdrop == [b.name for b in prof.blocks] and remat.Profile.from_json(prof.to_json()) == prof
+    with pytest.raises(remat.InfeasibleBudget) as refused:
+        remat.solve(prof, 1)
+    assert refused.value.smallest_bytes is not None
+    plan = remat.solve(prof, refused.value.smallest_bytes)
+    remat.apply(model, plan)
+    remat.remove(model)
+    assert not plan.segments
+
+
 def test_verify_runs_every_layer_of_a_model_with_layerdrop() -> None:
     model, batch, _ = _hf_zoo.wav2vec2(layerdrop=0.0)
     plan = remat.solve(remat.profile(model, batch, repeats=1), "80%")
@@ -272,14 +297,16 @@ def test_an_estimate_runs_every_layer_and_leaves_the_shared_config_alone() -> No
     cfg = model.config
     cfg.encoder_layerdrop, cfg.decoder_layerdrop = 0.3, 0.2
     estimate = remat.profile(lambda: transformers.BartForConditionalGeneration(cfg), batch, device="h100")
-    assert len(estimate.blocks) == 4
+    assert len(estimate.blocks) == 4 and estimate.layerdrop == [b.name for b in estimate.blocks]
     assert (cfg.encoder_layerdrop, cfg.decoder_layerdrop) == (0.3, 0.2)
 
 
 def test_auto_plans_a_model_with_layerdrop_without_segments() -> None:
     model, batch, _ = _hf_zoo.wav2vec2(layerdrop=0.5, layers=6)
     layers = ["wav2vec2.encoder.layers.*"]  # the layers alone: the feature extractor's blocks take 60% without segments
-    with_segments = remat.solve(remat.profile(model, batch, blocks=layers, repeats=1), "60%")
+    prof = remat.profile(model, batch, blocks=layers, repeats=1)
+    assert not remat.solve(prof, "60%").segments  # Profile.layerdrop
+    with_segments = remat.solve(dataclasses.replace(prof, layerdrop=[]), "60%")
     assert any(".encoder.layers." in a and a != b for a, b in with_segments.segments)  # what it avoids
     plan = remat.auto(model, batch, "60%", blocks=layers, repeats=1)
     assert not plan.segments and remat.applied_plan(model) == plan

@@ -192,8 +192,8 @@ def _check_layerdrop(model: nn.Module, plan: Plan) -> None:
             raise PlanMismatch(
                 f"the plan's segment {a}..{b} holds {layer}, a layer that layerdrop "
                 f"({skipped[layer]}) may skip in a training step, and a segment's blocks must all run. "
-                "Make the plan without segments (remat.solve(profile, budget, segments=False); "
-                "remat.auto does so for a model with layerdrop), or turn layerdrop off"
+                "Make the plan without segments (remat.solve on the model's profile does so: "
+                "Profile.layerdrop; or segments=False), or turn layerdrop off"
             )
 
 

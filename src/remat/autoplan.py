@@ -28,7 +28,6 @@ from remat.errors import InfeasibleBudget, InvalidValue
 from remat.measure.collector import collecting_once
 from remat.measure.profiler import profile
 from remat.measure.step import check_trainable, resolve_loss_fn
-from remat.models.hf import layerdrop_blocks
 from remat.plan.refusals import exact_bytes
 from remat.plan.solver import check_method, in_eval_mode, solve
 from remat.records import Plan, Profile
@@ -102,7 +101,7 @@ def auto(
     try:
         prof = profile(model, batch, loss_fn=loss_fn, optimizer=optimizer, blocks=blocks, repeats=repeats,
                        compile_budgets=compile_budgets, budget=budget)
-        plan = solve(prof, budget, method=method, segments=not layerdrop_blocks(model))  # NOTE [ layerdrop ]
+        plan = solve(prof, budget, method=method)
     except InfeasibleBudget as e:
         if model.training:
             raise
@@ -128,7 +127,7 @@ def _fitted(
     report = _verify(model, batch, plan, loss_fn=loss_fn, optimizer=optimizer, repeats=repeats)
     if budget is None:
         return plan, report
-    target, segments = budget, not layerdrop_blocks(model)  # NOTE [ layerdrop ] in remat.models.hf
+    target, segments = budget, True
     if not report.fits and plan.segments:
         segments = False
         # Per-block plans are predicted to the byte on every model tested; segment plans less so.

@@ -72,7 +72,7 @@ __all__ = [
 
 PROFILE_SCHEMA = 8  # 2: side inputs; 3: head options (NOTE [ The head's options ]); 4: where a replay
 # stops (BlockProfile.stop_peak_bytes); 5: handovers; 6: both as crossings (NOTE [ Tensors that cross a
-# block boundary ]); 7: where a replay starts (BlockProfile.unpack_bytes); 8: BlockProfile.saves, stats_bytes
+# block boundary ]); 7: where a replay starts (BlockProfile.unpack_bytes); 8: BlockProfile.saves, stats_bytes, Profile.layerdrop
 PLAN_SCHEMA = 2  # 2: the head's option, segments (NOTE [ A segment is one recompute frame over several calls ])
 
 # NOTE [ The head's options ]
@@ -212,6 +212,10 @@ class Profile:
     """Ranks the job runs on; with ``fsdp`` the parameter bytes here are per rank."""
     fsdp: bool = False
     """Whether parameters, gradients and optimizer state are sharded over ``world_size`` ranks."""
+    layerdrop: list[str] = field(default_factory=list)
+    """The blocks that layerdrop may skip in a training step (NOTE [ layerdrop ] in
+    ``remat.models.hf``): the profile's steps ran them all, and since a segment's blocks must all
+    run, its plans have no segments."""
     base_bytes: int
     """Bytes live when the step starts and through all of it: parameters, optimizer state, batch."""
     param_bytes: int

@@ -40,7 +40,7 @@ from remat.measure.sides import with_skips
 from remat.measure.tiles import add_tiles, measure_tiles
 from remat.measure.tracer import Trace
 from remat.measure.warmup import running
-from remat.models.hf import cache_off, layerdrop_off
+from remat.models.hf import cache_off, layerdrop_blocks, layerdrop_off
 from remat.records import Crossing, OptionCost, Profile
 
 __all__ = ["FAKE_LIMITS", "FakeRun", "fake_copy", "fake_optimizer", "fake_run", "plain_peak"]
@@ -118,6 +118,7 @@ def fake_run(make_model: Callable[[Any], nn.Module], batch: Any, loss_fn: Any,
         fake_batch = batch() if callable(batch) else to_fake(fake_mode, batch)
         opt = make_optimizer(model) if make_optimizer is not None else None
         named = find_blocks(model, blocks, required=False)
+        skipped = layerdrop_blocks(model)  # Profile.layerdrop
         layerdrop_off(model)  # a fake model, thrown away after: nothing to put back
         cache_off(model)  # on a fake model, thrown away after: nothing to remove
         _create_state(model, opt)
@@ -144,6 +145,7 @@ def fake_run(make_model: Callable[[Any], nn.Module], batch: Any, loss_fn: Any,
             device=spec.name, mode="estimated", dtype=dtype_name(model), batch_shape=_step.batch_shape(fake_batch),
             base_bytes=param_bytes + buffers + opt_bytes + data, param_bytes=param_bytes,
             optimizer_bytes=opt_bytes, batch_bytes=data, device_memory_bytes=spec.memory_bytes,
+            layerdrop=[n for n, _ in named if n in skipped],
         ),
     )  # fmt: skip
 

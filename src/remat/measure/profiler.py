@@ -17,6 +17,7 @@ profiled lean (NOTE [ Planning what does not fit ] in ``remat.measure.lean``).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 from collections.abc import Callable, Sequence
@@ -42,7 +43,7 @@ from remat.measure.sides import with_skips
 from remat.measure.tiles import add_tiles, measure_tiles
 from remat.measure.tracer import MemoryTracer, base_bytes, host_link_bytes_per_s, sized
 from remat.measure.warmup import running
-from remat.models.hf import every_layer, without_cache
+from remat.models.hf import every_layer, layerdrop_blocks, without_cache
 from remat.plan.sharding import per_rank_profile
 from remat.records import Profile
 
@@ -105,6 +106,7 @@ def profile(
                 "pass device='h100' (or another spec) to estimate from a factory"
             )
         _step.check_trainable(model, "remat.profile")
+        skipped = layerdrop_blocks(model)  # Profile.layerdrop
         # NOTE [ layerdrop ], NOTE [ No K/V cache in a planned training step ] in remat.models.hf
         with every_layer(model), without_cache(model):
             if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
@@ -129,6 +131,7 @@ def profile(
                         "besides what is already on it (lower the budget), or this is a bug in remat: please "
                         f"report it, with the model and this message ({type(e).__name__}: {str(e)[:300]})"
                     ) from e
+        result = dataclasses.replace(result, layerdrop=[b.name for b in result.blocks if b.name in skipped])
     else:
         if compiled:
             raise InvalidValue("compile_budgets needs a measured profile (a real model, device=None): "
@@ -137,6 +140,9 @@ def profile(
     if world_size != 1 or fsdp:
         result = per_rank_profile(result, world_size=world_size, fsdp=fsdp)
     return result
+
+
+
 
 
 # --- the two modes ------------------------------------------------------------------------------

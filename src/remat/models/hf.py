@@ -41,8 +41,9 @@ get a copy with layerdrop 0, and the user's object back after (``save_pretrained
 setting, and a config shared with another model is not touched). Training with the plan keeps
 layerdrop on, and per-block options need nothing more. A segment does: its blocks open and close
 one recompute frame and must all run (NOTE [ A segment is one recompute frame over several calls
-] in ``remat.manual.segments``), so ``remat.auto`` plans a model with layerdrop without segments,
-and ``remat.apply`` refuses a plan whose segment holds a layer layerdrop may skip
+] in ``remat.manual.segments``), so the profile names the layers layerdrop may skip
+(``Profile.layerdrop``; before, the floor ``InfeasibleBudget`` named for transformers' Autoformer
+needed a segment over them), its plans have no segments, and ``remat.apply`` refuses a plan whose segment holds a layer layerdrop may skip
 (``layerdrop_blocks``). What remat cannot turn off (layers skipped by other code) is refused by
 the profiler, which checks that every block ran in each step it measures.
 """

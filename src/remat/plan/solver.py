@@ -321,9 +321,10 @@ def _plan(
 
 
 def _segments_run(profile: Profile, chain: ChainConstraints) -> bool:
-    """Whether plans with segments can run for ``profile``: blocks that keep and recompute, and no
-    FSDP2 (``remat.distributed.apply_distributed`` refuses them there)."""
-    return {"keep", "recompute"} <= set(chain.options) and not profile.fsdp
+    """Whether plans with segments can run for ``profile``: blocks that keep and recompute, no
+    FSDP2 (``remat.distributed.apply_distributed`` refuses them there) and no layerdrop
+    (``Profile.layerdrop``: ``remat.apply`` refuses a segment over a layer it may skip)."""
+    return {"keep", "recompute"} <= set(chain.options) and not profile.fsdp and not profile.layerdrop
 
 
 def _infeasible(profile: Profile, budget_bytes: int, segments: bool = True) -> InfeasibleBudget:
