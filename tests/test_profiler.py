@@ -358,6 +358,17 @@ class _GridModel(nn.Module):
         return x
 
 
+class _Unimported:
+    """A module's placeholder for an optional import that raises on any use (MONAI's for
+    ``monai._C``): looking for the model's caches through this module's globals touches it."""
+
+    def __getattr__(self, name: str) -> object:
+        raise ImportError(f"optional dependency missing ({name})")
+
+
+_optional = _Unimported()
+
+
 def test_fake_steps_leave_no_fake_tensor_in_the_models_caches() -> None:
     # NOTE [ A cache the fake steps fill ] in remat.measure.fake: after remat.auto on a fresh BEiT,
     # the user's own step failed on the fake index the fake steps had cached
@@ -366,6 +377,16 @@ def test_fake_steps_leave_no_fake_tensor_in_the_models_caches() -> None:
     remat.auto(model, batch, "80%", loss_fn=lambda out, b: out.sum(), repeats=1)
     assert not isinstance(_grid(32), torch._subclasses.fake_tensor.FakeTensor)
     model(batch).sum().backward()  # the user's step
+
+
+
+def test_a_global_that_raises_on_access_leaves_the_plain_step_predicted() -> None:
+    # Before, the search for caches raised the placeholder's ImportError, the plain step was taken
+    # for one that runs no step on fake tensors, and remat ran it: out of memory under a cap
+    # (MONAI's 3-D UNet, its module holding the placeholder for monai._C).
+    assert _optional is not None
+    model, batch = _GridModel(), torch.randn(4, 256, 32)
+    assert not remat.profile(model, batch, loss_fn=lambda out, b: out.sum(), repeats=1, budget="80%").plain_ran
 
 
 @functools.lru_cache(maxsize=1)

@@ -285,8 +285,12 @@ def _lru_caches(model: torch.nn.Module) -> list[Any]:
     found: dict[int, Any] = {}
 
     def add(obj: Any, depth: int = 0) -> None:
-        obj = getattr(obj, "__func__", obj)  # a staticmethod's or classmethod's function
-        if hasattr(obj, "cache_info") and hasattr(obj, "cache_clear"):
+        try:  # a module's global may raise anything on access (MONAI's placeholder for an optional import)
+            obj = getattr(obj, "__func__", obj)  # a staticmethod's or classmethod's function
+            cache = hasattr(obj, "cache_info") and hasattr(obj, "cache_clear")
+        except Exception:
+            return
+        if cache:
             found[id(obj)] = obj
         elif depth < 2 and callable(obj):
             for cell in getattr(obj, "__closure__", None) or ():
