@@ -29,7 +29,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import _disable_current_modes
 
-__all__ = ["RestoreRunningStats", "module_roots", "running_stats"]
+__all__ = ["RestoreRunningStats", "module_roots", "running_stats", "snapshot_bytes"]
 
 _DEPTH = 4
 
@@ -91,6 +91,13 @@ def running_stats(roots: tuple[nn.Module, ...]) -> list[torch.Tensor]:
                 found += [b for n in ("running_mean", "running_var", "num_batches_tracked")
                           if isinstance(b := getattr(module, n, None), torch.Tensor)]
     return found
+
+
+def snapshot_bytes(roots: tuple[nn.Module, ...]) -> int:
+    """The bytes a recompute's snapshot of ``running_stats(roots)`` takes on their device (CUDA's
+    allocator rounds each copy to 512-byte blocks)."""
+    sizes = [(b.numel() * b.element_size(), b.is_cuda) for b in running_stats(roots)]
+    return sum(-(-n // 512) * 512 if cuda else n for n, cuda in sizes)
 
 
 class RestoreRunningStats:

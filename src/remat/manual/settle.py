@@ -171,14 +171,19 @@ def _running_within(name: str, module: nn.Module, calls: Calls, canonical: dict[
 def _bare_layer(module: nn.Module) -> bool:
     """Whether ``module`` is one layer, bare or wrapped: at most one of its modules holds
     parameters of its own (an ``nn.Conv2d``, a ``Sequential`` around one; rule 4)."""
-    return sum(1 for m in module.modules() if any(True for _ in m.parameters(recurse=False))) <= 1
+    return _holding(module, dims=1) <= 1
 
 
 def _one_weight(module: nn.Module) -> bool:
     """Whether at most one of ``module``'s modules holds a weight (a parameter of two or more
     dimensions; norms and activations hold vectors): a layer of a chain, as MONAI's ``Convolution``
     with its PReLU (rule 8)."""
-    return sum(1 for m in module.modules() if any(p.dim() >= 2 for p in m.parameters(recurse=False))) <= 1
+    return _holding(module, dims=2) <= 1
+
+
+def _holding(module: nn.Module, dims: int) -> int:
+    """How many of ``module``'s modules hold a parameter of their own of ``dims`` or more dimensions."""
+    return sum(1 for m in module.modules() if any(p.dim() >= dims for p in m.parameters(recurse=False)))
 
 
 def _units(model: nn.Module, found: list[tuple[str, nn.Module]], calls: Calls) -> list[tuple[str, nn.Module]]:

@@ -63,11 +63,10 @@ from collections import defaultdict
 from collections.abc import Mapping
 from typing import Any
 
-import torch
 from torch import nn
 
 from remat.errors import ProfileError
-from remat.manual.batchnorm import running_stats
+from remat.manual.batchnorm import snapshot_bytes
 from remat.manual.blocks import fingerprint
 from remat.measure import step as _step
 from remat.measure.handovers import read_handovers
@@ -271,8 +270,8 @@ def assemble(
             options=_options(i, per_option, fwd[i], sel_extra[i], host_link_bytes_per_s),
             stop_peak_bytes=keep_blocks[i].stop_peak,
             unpack_bytes=keep_blocks[i].unpack,
-            saves=keep_blocks[i].stop_peak is not None,  # the kept run marks every save
-            stats_bytes=sum(_allocated(b) for b in running_stats((module,))),
+            saves=keep_blocks[i].saves,
+            stats_bytes=snapshot_bytes((module,)),
         )
         for i, (name, module) in enumerate(named)
     ]
@@ -305,7 +304,7 @@ def _peaks_over_model_level(
         consumers=tuple(frozenset(names.index(n) for n in s.consumers) for s in sides),
         savers=tuple(frozenset(names.index(n) for n in s.savers) for s in sides),
         post_held_extra_bytes=0,
-        unsaving=frozenset(k for k, i in enumerate(order) if keep[i].stop_peak is None),
+        unsaving=frozenset(k for k, i in enumerate(order) if not keep[i].saves),
     )
     level = pre.kept_bytes + sum(numbers[i].kept for i in order) + post.grad_bytes
     held, so_far = [], 0  # the groups held at each block's backward, as the cost model replays
@@ -317,12 +316,6 @@ def _peaks_over_model_level(
         model = level + groups.delta_bytes(held[k], k)
         own.bwd_peak += own.bwd_level - model
         level += keep[order[k]].grad - own.kept
-
-
-def _allocated(t: torch.Tensor) -> int:
-    """The bytes a copy of ``t`` takes on its device (CUDA's allocator rounds to 512-byte blocks)."""
-    n = t.numel() * t.element_size()
-    return -(-n // 512) * 512 if t.is_cuda else n
 
 
 def _check_every_block_ran(named: list[tuple[str, nn.Module]], order: list[int]) -> None:

@@ -127,6 +127,11 @@ class PartNumbers:
     """Bytes its kept backward holds above its start when it first reads a saved tensor
     (``BlockProfile.unpack_bytes``)."""
 
+    @property
+    def saves(self) -> bool:
+        """Whether its forward saved a tensor (``BlockProfile.saves``; the kept run marks every save)."""
+        return self.stop_peak is not None
+
     def cost(self, extra_ms: float) -> OptionCost:
         """These numbers as an option's cost, with its extra time."""
         return OptionCost(kept_bytes=self.kept, fwd_peak_bytes=self.fwd_peak, bwd_peak_bytes=self.bwd_peak,
