@@ -10,8 +10,9 @@ from dataclasses import dataclass
 import numpy as np
 from hypothesis import strategies as st
 
+from remat.crossing import Crossing
 from remat.plan.chain import chain_constraints
-from remat.records import BlockProfile, Crossing, OptionCost, Profile, Segment
+from remat.records import BlockProfile, OptionCost, Profile, Segment
 from remat.vocabulary import OPTIONS
 
 
@@ -166,7 +167,7 @@ def chains(
     ``compiled``, every block also offers ``compiled:0.5`` and ``compiled:0.2``, whose extra
     times may be negative (compiled code can beat the eager block's). With ``handovers``, one to
     four handovers, each made by a random block and dying in a later block's forward or the head's,
-    saved by a random set of the runs (NOTE [ Tensors that cross a block boundary ] in remat.records)."""
+    saved by a random set of the runs (NOTE [ Tensors that cross a block boundary ] in remat.crossing)."""
     options = draw(st.sampled_from([("keep", "selective", "recompute"), OPTIONS]))
     if compiled:
         options = (*options, "compiled:0.5", "compiled:0.2")

@@ -115,8 +115,8 @@ def test_profile_checks_the_budgets_before_running() -> None:
 def test_handovers_leave_them_out_with_a_warning() -> None:
     import dataclasses
 
+    from remat.crossing import Crossing
     from remat.measure.compiled import without_compiled
-    from remat.records import Crossing
 
     p = _with_compiled(_tables_profile(), 0.5)
     assert without_compiled(p) is p  # nothing crosses the blocks: offered

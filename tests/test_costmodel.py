@@ -193,7 +193,7 @@ def test_smallest_feasible_with_crossings_is_the_brute_force_minimum(p: Profile)
 def test_side_input_held_by_a_checkpoint_lives_to_its_backward() -> None:
     # One side input of 100 bytes entering both blocks, saved by neither: kept blocks let it die
     # in the head's forward; a recomputed block holds it until its own backward.
-    from remat.records import Crossing
+    from remat.crossing import Crossing
 
     blocks = [block(f"b{i}", keep=cost(10, bwd=5), recompute=cost(1, bwd=20)) for i in range(2)]
     side = Crossing(size_bytes=100, consumers=["b0", "b1"])
@@ -225,7 +225,7 @@ def test_brute_force_uses_the_simulation_numbers() -> None:
 def test_a_side_input_that_dies_before_the_head_is_held_through_later_forwards() -> None:
     # NOTE [ Where a side input dies ]: made for b0 and freed in its forward phase by the plain
     # step; recomputed, b0 holds it, so b2's forward (the step's peak) runs with it live too.
-    from remat.records import Crossing
+    from remat.crossing import Crossing
 
     blocks = [
         block("b0", keep=cost(60), recompute=cost(1, ms=0.5)),

@@ -1,4 +1,4 @@
-"""Handovers (shape 2 of NOTE [ Tensors that cross a block boundary ] in remat.records): a tensor
+"""Handovers (shape 2 of NOTE [ Tensors that cross a block boundary ] in remat.crossing): a tensor
 a block returns besides its hidden output, held by the model's loop until the next block returns.
 Every plan, per block or with a segment, is predicted to the byte, ``solve``'s plans fit when
 applied and are as fast as the best per-block plan found by brute force, and the detection leaves

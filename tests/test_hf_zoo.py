@@ -5,7 +5,7 @@ for bit, and ``remove`` that gives back the model as it was.
 
 Predicted against measured peaks go into a table (``zoo_table.md`` in pytest's temporary
 directory, and printed with ``-s``). The side inputs every block receives (masks, rotary tables,
-position biases, an encoder's output) are in the cost model (NOTE [ Tensors that cross a block boundary ] in remat.records);
+position biases, an encoder's output) are in the cost model (NOTE [ Tensors that cross a block boundary ] in remat.crossing);
 ``auto(verify=True)`` re-solves when a plan measures over (NOTE [ A verified plan fits ]), and the
 table counts how often it had to.
 """

@@ -71,7 +71,7 @@ def test_a_relaxation_nothing_fits_rules_segments_out() -> None:
     # the handover's state (the segment search's) has no room at all; bounding it divided by zero.
     from _tables import block, cost, profile, segment
 
-    from remat.records import Crossing
+    from remat.crossing import Crossing
 
     blocks = [block("layers.0", grad=18, keep=cost(14, fwd=58, bwd=34, ms=9.0), recompute=cost(1, fwd=13, bwd=19, ms=10.0)),
               block("layers.1", grad=58, keep=cost(1, fwd=12, bwd=21, ms=9.25), recompute=cost(64, fwd=31, bwd=56, ms=7.0))]

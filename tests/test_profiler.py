@@ -180,10 +180,11 @@ def test_profile_json_round_trip_and_old_schema(tmp_path: object) -> None:
     data = json.loads(prof.to_json())
     # 1: before side inputs; 2: before head options; 3: before stop peaks; 4: before handovers;
     # 5: before both were crossings (NOTE [ Tensors that cross a block boundary ]); 6: before
-    # replay starts (BlockProfile.unpack_bytes); 7: before BlockProfile.saves and stats_bytes
-    for old in (0, 1, 2, 3, 4, 5, 6, 7):
+    # replay starts (BlockProfile.unpack_bytes); 7: before BlockProfile.saves and stats_bytes; 8:
+    # before a skip from a block's output was a side input
+    for old in (0, 1, 2, 3, 4, 5, 6, 7, 8):
         data["schema_version"] = old
-        with pytest.raises(RecordError, match=f"schema version {old}, but this remat reads version 8"):
+        with pytest.raises(RecordError, match=f"schema version {old}, but this remat reads version 9"):
             Profile.from_json(json.dumps(data))
     with pytest.raises(RecordError, match="expected a remat profile record"):
         Profile.from_json(json.dumps({"kind": "plan"}))
@@ -470,7 +471,7 @@ class _Stabilised(nn.Module):
 
 
 def test_a_branch_the_forward_detaches_is_freed_as_in_the_plain_step() -> None:
-    # NOTE [ What the saving hook holds ] in remat.measure.sides
+    # NOTE [ What the saving hook holds ] in remat.measure.saved
     torch.manual_seed(0)
     model, x = nn.Sequential(*[_Stabilised() for _ in range(4)]), torch.randn(4, 64, 32)
     loss_fn = lambda out, batch: out.square().mean()  # noqa: E731

@@ -478,7 +478,7 @@ def test_a_bad_field_in_a_profile_file_is_named(tmp_path: Path) -> None:
     ({"size_bytes": 8, "consumers": ["layers.1"], "saved_by": {"layers.0": ["keep"]}},
      r"is saved by \['layers.0'\], expected only by the blocks that hold it .\['layers.1'\]."),
     ({"size_bytes": 8}, "expected the blocks it enters .consumers. or the block that made it .made_by., got neither"),
-    ({"size_bytes": 8, "consumers": ["layers.1"], "made_by": "layers.0"}, "expected the blocks it enters or the block that made it, got both .'layers.0' made it."),
+    ({"size_bytes": 8, "consumers": ["layers.0"], "made_by": "layers.1"}, "is made by 'layers.1', which does not come before the first block it enters .'layers.0'."),
     ({"size_bytes": 8, "made_by": "layers.1", "dies_after": "layers.0"}, "dies in 'layers.0', which does not come after 'layers.1', its maker"),
 ])
 def test_a_crossing_out_of_place_in_a_profile_file_is_named(crossing: dict, problem: str) -> None:

@@ -482,8 +482,8 @@ def test_plans_with_segments_are_judged_with_the_handovers_counted(inputs: int, 
     # recompute save and selective does not (``inputs`` blocks' inputs of bytes each), some plans
     # it finds are over by ``estimate_segments``, and the per-block optimum or the lowest plan with
     # segments replaces them.
+    from remat.crossing import Crossing
     from remat.plan import solver as planner
-    from remat.records import Crossing
 
     replaced, with_segments = [], 0
     counted = planner._counted
@@ -512,7 +512,7 @@ def test_plans_with_segments_are_judged_with_the_handovers_counted(inputs: int, 
 def test_partial_plans_holding_different_side_inputs_are_not_compared() -> None:
     # Selective b0 keeps less than keep b0, at the same time and peak so far, but holds the
     # 1000-byte side input to its backward; only keep b0 then lets b1 be kept within the budget.
-    from remat.records import Crossing
+    from remat.crossing import Crossing
 
     p = profile(
         [block("b0", keep=cost(10, bwd=995), selective=cost(5), recompute=cost(5, ms=5.0)),
@@ -565,7 +565,7 @@ def test_frontier_is_the_brute_force_pareto_front(p: Profile) -> None:
 def test_greedy_counts_side_inputs() -> None:
     # Recomputing b0 (the best bytes per millisecond) holds the 5-byte side input through the
     # head's backward: greedy's peak sees that (16 > 15) and recomputes b1 too.
-    from remat.records import Crossing
+    from remat.crossing import Crossing
 
     p = profile(
         [block("b0", keep=cost(10), selective=cost(10, ms=9.0), recompute=cost(1, ms=1.0)),

@@ -10,37 +10,7 @@ keeps its input on the device until its backward; an offloaded block does not. S
 ``OptionCost.kept_bytes`` = the block's input (when kept on the device) + whatever the block's own
 ops keep. The part before the blocks (embeddings) and after them (head, logits, loss) are measured
 as fixed segments. The cost model (``remat.plan.costmodel``) replays these numbers through a step.
-
-# NOTE [ Tensors that cross a block boundary ]
-Besides the hidden state, tensors cross block boundaries, and each is one ``Crossing`` record,
-counted once however many blocks it touches (found by storage identity): its bytes, the blocks it
-enters (``consumers``), the block that returned it (``made_by``), the blocks whose forward saves it
-for the backward and under which options (``saved_by``, measured), and where the plain step frees
-it (``dies_after``). Two shapes, one record:
-1. **One that enters blocks** (``consumers``): an attention mask, a position bias, rotary cos/sin
-   made once in the model's forward, an encoder's output feeding cross-attention, T5's position
-   bias that its first layer makes and the later ones take, a block's hidden input that the
-   model's code keeps for a skip (NOTE [ A first input the model's code keeps for a skip ] in
-   remat.measure.sides). Its consumers hold it: a checkpointed one (``recompute``,
-   ``selective``) holds its inputs until its backward, a kept one when its forward saves it. The
-   numbers are those of the plain step, where it dies at the end of the forward (or in
-   ``dies_after``'s forward), or at the backward of the first kept block that saves it. Under a
-   plan it lives until the backward of the first block (in forward order) that holds it; the cost
-   model adds the difference (``remat.plan.sides``, NOTE [ A side input's extra life ]).
-2. **One that enters none** (``made_by``, no ``consumers``): a block returns it besides its hidden
-   output (BLOOM's layers return their attention probabilities) and the model's code holds it until
-   a later block returns (``outputs = block(...)``) or the head runs. Its maker holds it: under an
-   option whose forward saves it (``keep`` saves the probabilities) it lives on to the maker's
-   backward and dropping it frees nothing; under one that does not (``recompute``), dropping it frees
-   it. Each option's numbers are measured with every block on that option, so a block's kept bytes
-   carry the free of the tensor the block before it made as that run had it, which a plan mixing
-   options does not (BLOOM: a recomputed block after a kept one, 64 KiB more than its profile
-   said). ``estimate`` corrects the parts measured under another saving than the plan's
-   (``remat.plan.handovers``; one freed in the head's forward counts as live at the head's peak,
-   which may come first). Inside a segment its maker is recomputed in the forward and kept in the
-   replay (NOTE [ Handovers in a segment ] in ``remat.plan.segment_estimate``).
-The searches carry both as state bits set by the block that decides them, by one rule (NOTE [ What
-crosses a block boundary, as state ] in ``remat.plan.crossings``).
+The other tensors that cross a block boundary are ``remat.crossing.Crossing`` records.
 """
 
 from __future__ import annotations
@@ -48,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from remat.crossing import Crossing
 from remat.errors import RecordError
 from remat.record_json import (
     dump_record,
@@ -60,7 +31,6 @@ from remat.vocabulary import OPTIONS, in_option_order
 
 __all__ = [
     "BlockProfile",
-    "Crossing",
     "Estimate",
     "OptionCost",
     "Plan",
@@ -70,9 +40,10 @@ __all__ = [
     "load_record",
 ]
 
-PROFILE_SCHEMA = 8  # 2: side inputs; 3: head options (NOTE [ The head's options ]); 4: where a replay
+PROFILE_SCHEMA = 9  # 2: side inputs; 3: head options (NOTE [ The head's options ]); 4: where a replay
 # stops (BlockProfile.stop_peak_bytes); 5: handovers; 6: both as crossings (NOTE [ Tensors that cross a
-# block boundary ]); 7: where a replay starts (BlockProfile.unpack_bytes); 8: BlockProfile.saves, stats_bytes, Profile.layerdrop
+# block boundary ]); 7: where a replay starts (BlockProfile.unpack_bytes); 8: BlockProfile.saves, stats_bytes, Profile.layerdrop;
+# 9: a skip from a block's output is a side input (NOTE [ A skip from a block's output ] in remat.measure.sides)
 PLAN_SCHEMA = 2  # 2: the head's option, segments (NOTE [ A segment is one recompute frame over several calls ])
 
 # NOTE [ The head's options ]
@@ -146,7 +117,8 @@ class Segment:
 
     kept_bytes: int
     """Bytes the segment keeps from its forward until its backward; net, so negative when it
-    frees more, e.g. the head's forward, where side inputs die (NOTE [ Tensors that cross a block boundary ])."""
+    frees more, e.g. the head's forward, where side inputs die (NOTE [ Tensors that cross a block boundary ] in
+    ``remat.crossing``)."""
     fwd_peak_bytes: int
     """Peak bytes above the level at the start of its forward, during that forward."""
     bwd_peak_bytes: int
@@ -157,39 +129,6 @@ class Segment:
     """Forward time, milliseconds."""
     bwd_ms: float
     """Backward time, milliseconds."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class Crossing:
-    """A tensor that crosses a block boundary besides the hidden state, counted once (NOTE [ Tensors
-    that cross a block boundary ])."""
-
-    size_bytes: int
-    """Bytes of its storages."""
-    consumers: list[str] = field(default_factory=list)
-    """The blocks it enters, in forward order (besides their hidden input, or as the hidden input
-    of the first where the model's code keeps that for a skip); empty: it enters none, and the
-    model's code holds what ``made_by`` returned."""
-    made_by: str | None = None
-    """The block that returned it, for one that enters no block; None for one that enters blocks."""
-    saved_by: dict[str, list[str]] = field(default_factory=dict)
-    """Per block, the options measured under which that block's forward saves it for the backward:
-    a consumer's kept forward (``["keep"]``), the maker's runs that saved it (BLOOM's: ``keep``)."""
-    dies_after: str | None = None
-    """The block in whose forward phase the plain step (for one that enters no block: a run whose
-    maker does not save it) frees it, when that comes before the head: T5's position bias dies
-    where its stack ends, BLOOM's probabilities in the next block (NOTE [ Where a side input dies ]
-    in ``remat.plan.sides``); None: in the head's forward, or, saved, in the backward."""
-
-    @property
-    def enters_blocks(self) -> bool:
-        """Whether its consumers hold it (shape 1 of the NOTE); else its maker does (shape 2)."""
-        return bool(self.consumers)
-
-    @property
-    def savers(self) -> tuple[str, ...]:
-        """The blocks whose kept forward saves it."""
-        return tuple(b for b, options in self.saved_by.items() if "keep" in options)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -286,7 +225,7 @@ class Profile:
     def from_json(cls, text: str) -> Profile:
         profile = load_record_text(cls, text, "profile", PROFILE_SCHEMA)
         for i, crossing in enumerate(profile.crossings):
-            if (problem := _misplaced(crossing, [b.name for b in profile.blocks])) is not None:
+            if (problem := crossing.misplaced([b.name for b in profile.blocks])) is not None:
                 raise RecordError(f"malformed profile record: crossings[{i}]: {problem}; recreate the "
                                   "profile with `remat profile ... --out FILE`")
         return profile
@@ -368,24 +307,6 @@ class Plan:
     @classmethod
     def load(cls, path: str | Path) -> Plan:
         return cls.from_json(read_record_text(Path(path)))
-
-
-def _misplaced(crossing: Crossing, blocks: list[str]) -> str | None:
-    """What is wrong with where ``crossing`` says it goes among ``blocks`` (in forward order), or None."""
-    named = [*crossing.consumers, *crossing.saved_by, *filter(None, (crossing.made_by, crossing.dies_after))]
-    if unknown := [n for n in named if n not in blocks]:
-        return f"names {unknown}, which are not among the profile's blocks (expected names such as {blocks[:2]})"
-    if not crossing.consumers and crossing.made_by is None:
-        return "expected the blocks it enters (consumers) or the block that made it (made_by), got neither"
-    if crossing.consumers and crossing.made_by is not None:
-        return f"expected the blocks it enters or the block that made it, got both ({crossing.made_by!r} made it)"
-    holders = set(crossing.consumers) if crossing.consumers else {crossing.made_by}
-    if strangers := sorted(set(crossing.saved_by) - holders):
-        return f"is saved by {strangers}, expected only by the blocks that hold it ({sorted(map(str, holders))})"
-    if crossing.made_by is not None and crossing.dies_after is not None and (
-            blocks.index(crossing.dies_after) <= blocks.index(crossing.made_by)):
-        return f"dies in {crossing.dies_after!r}, which does not come after {crossing.made_by!r}, its maker"
-    return None
 
 
 def load_record(path: str | Path) -> Profile | Plan:

@@ -65,18 +65,20 @@ from typing import Any
 
 from torch import nn
 
+from remat.crossing import Crossing
 from remat.errors import ProfileError
 from remat.manual.batchnorm import snapshot_bytes
 from remat.manual.blocks import fingerprint
 from remat.measure import step as _step
 from remat.measure.handovers import read_handovers
 from remat.measure.notes import PartNumbers, StepNotes
-from remat.measure.sides import head_frees_last_input, replay_holds_output
+from remat.measure.saved import cached_skips, replay_holds_output
+from remat.measure.sides import head_frees_last_input
 from remat.measure.tracer import Trace
 from remat.plan.handovers import saved_under
 from remat.plan.schedule import Phase, step_phases
 from remat.plan.sides import SideGroups
-from remat.records import BlockProfile, Crossing, OptionCost, Profile, Segment
+from remat.records import BlockProfile, OptionCost, Profile, Segment
 
 __all__ = ["assemble", "attribute", "attribute_over_keep", "median_times", "phase_times", "run_numbers", "span"]
 
@@ -233,19 +235,21 @@ def assemble(
     per_option = {"keep": keep_blocks} | {o: run_numbers(traces[o], hooks_keep, len(named), run[2])
                                           for o, run in runs.items()}
     index = {name: i for i, (name, _) in enumerate(named)}
-    for numbers in per_option.values():
+    if sides and "selective" in traces and "recompute" in traces:  # NOTE [ A skip from a block's output ] in sides
+        sides = cached_skips(sides, traces["selective"][1], traces["recompute"][1], [n for n, _ in named])
+    for option, numbers in per_option.items():
         if numbers is not keep_blocks:
             for side in sides or []:  # NOTE [ Where a side input dies ] in remat.plan.sides
                 if side.dies_after is not None:
                     numbers[index[side.dies_after]].kept -= side.size_bytes
-            _peaks_over_model_level(numbers, keep_blocks, pre, post, order, named, sides or [])
-    if "selective" in per_option and "recompute" in traces:  # NOTE [ A replay's cache holds the block's output ] in sides
+            _peaks_over_model_level(numbers, keep_blocks, pre, post, order, named, sides or [], option)
+    if "selective" in per_option and "recompute" in traces:  # NOTE [ A replay's cache holds the block's output ] in saved
         selective, recompute = (traces[o][1] for o in ("selective", "recompute"))
         for i in replay_holds_output(selective, recompute, hooks_keep):
             per_option["selective"][i].kept += hooks_keep.out_bytes[i]
     # The head's forward with the side inputs still held: every block recomputed holds them.
     held = runs["recompute"][1].fwd_peak_bytes if sides and "recompute" in runs else post.fwd_peak_bytes
-    # NOTE [ Tensors that cross a block boundary ] in remat.records: the ones that enter no block
+    # NOTE [ Tensors that cross a block boundary ] in remat.crossing: the ones that enter no block
     handed = read_handovers([n for n, _ in named], {o: h for o, (_, h) in traces.items()})
     if sides and "recompute" in runs:  # as if the handovers freed in the head were saved as kept
         held += sum(h.size_bytes * (saved_under(h, "keep") - saved_under(h, "recompute"))
@@ -293,7 +297,7 @@ def assemble(
 
 def _peaks_over_model_level(
     numbers: list[PartNumbers], keep: list[PartNumbers], pre: Segment, post: Segment,
-    order: list[int], named: list[tuple[str, nn.Module]], sides: list[Crossing], held_as: str = "recompute",
+    order: list[int], named: list[tuple[str, nn.Module]], sides: list[Crossing], held_as: str,
 ) -> None:
     """Restate the backward peaks of one option's run (every block checkpointed the same way)
     over the live level the cost model replays for that plan, not the level of the run itself
@@ -303,6 +307,7 @@ def _peaks_over_model_level(
         size_bytes=tuple(s.size_bytes for s in sides),
         consumers=tuple(frozenset(names.index(n) for n in s.consumers) for s in sides),
         savers=tuple(frozenset(names.index(n) for n in s.savers) for s in sides),
+        cachers=tuple(frozenset(names.index(n) for n in s.cachers) for s in sides),
         post_held_extra_bytes=0,
         unsaving=frozenset(k for k, i in enumerate(order) if not keep[i].saves),
     )

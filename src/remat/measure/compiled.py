@@ -9,7 +9,7 @@ its compiled forward and backward minus its kept ones. Blocks of one kind and si
 median. The extra time may be negative (generated code can be faster than the eager block's),
 and is kept as measured.
 
-Crossings (NOTE [ Tensors that cross a block boundary ] in ``remat.records``): the cost model reads
+Crossings (NOTE [ Tensors that cross a block boundary ] in ``remat.crossing``): the cost model reads
 what a block saves of a side input from the kept step, so a compiled option is offered only when a
 step with every block on it saves and frees each side input where the kept step does (a
 saved-tensors hook notes what each compiled graph saves; Llama's rotary tables pass); its numbers
@@ -29,6 +29,7 @@ from typing import Any
 
 from torch import nn
 
+from remat.crossing import Crossing
 from remat.errors import InvalidType, InvalidValue
 from remat.manual.compiled import PREFIX, compiled_option
 from remat.measure.attribution import attribute_over_keep
@@ -37,7 +38,7 @@ from remat.measure.runner import StepRunner, every_block
 from remat.measure.sides import read_side_inputs
 from remat.measure.tracer import Trace
 from remat.plan.handovers import handovers
-from remat.records import Crossing, OptionCost, Profile
+from remat.records import OptionCost, Profile
 
 __all__ = ["add_options", "check_budgets", "measure_compiled", "without_compiled"]
 

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from remat.crossing import Crossing
 from remat.devices import ROOFLINE_EFFICIENCY, DeviceSpec
 from remat.errors import InvalidType, InvalidValue
 from remat.manual.blocks import find_blocks
@@ -41,7 +42,7 @@ from remat.measure.tiles import add_tiles, measure_tiles
 from remat.measure.tracer import Trace
 from remat.measure.warmup import running
 from remat.models.hf import cache_off, layerdrop_blocks, layerdrop_off
-from remat.records import Crossing, OptionCost, Profile
+from remat.records import OptionCost, Profile
 
 __all__ = ["FAKE_LIMITS", "FakeRun", "fake_copy", "fake_optimizer", "fake_run", "plain_peak"]
 

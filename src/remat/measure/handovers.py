@@ -1,5 +1,5 @@
 """The handovers of traced steps, as ``Crossing`` records that enter no block (shape 2 of NOTE [ Tensors
-that cross a block boundary ] in ``remat.records``).
+that cross a block boundary ] in ``remat.crossing``).
 
 A block's forward hook notes the storages it returns (besides its inputs and what lived before the
 step), and when each one is freed: the forward position of the last block started and whether it
@@ -30,10 +30,10 @@ from typing import Any
 
 import torch
 
+from remat.crossing import Crossing
 from remat.measure import step as _step
 from remat.measure.notes import StepNotes
 from remat.measure.sides import death_point, storage_key
-from remat.records import Crossing
 
 __all__ = ["note_handover_uses", "note_returned", "read_handovers"]
 

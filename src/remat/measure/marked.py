@@ -17,23 +17,22 @@ import torch
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from remat.crossing import Crossing
 from remat.errors import ProfileError
 from remat.measure import step as _step
 from remat.measure.handovers import note_handover_uses, note_returned
 from remat.measure.notes import StepNotes
 from remat.measure.runner import every_block
+from remat.measure.saved import backward_mark, noting_saved
+from remat.measure.sides import first_tensor as _first_tensor
 from remat.measure.sides import (
-    backward_mark,
     note_output,
     note_sides,
     noting_deaths,
-    noting_saved,
     read_held_firsts,
     read_side_inputs,
 )
-from remat.measure.sides import first_tensor as _first_tensor
 from remat.measure.sides import storage_key as _storage_key
-from remat.records import Crossing
 from remat.units import format_bytes
 
 __all__ = [
@@ -220,7 +219,7 @@ def sides_of(model: nn.Module, named: list[tuple[str, nn.Module]], batch: Any, l
              optimizer: Any, keys: set[int], traced: Hooks) -> tuple[list[Crossing], StepNotes]:
     """The side inputs of the step ``traced`` saw, after a plain step that notes what each block
     saves: which side inputs a kept block holds (NOTE [ Tensors that cross a block boundary ] in
-    remat.records); and the notes of a forward with every block kept that saves nothing, where what
+    remat.crossing); and the notes of a forward with every block kept that saves nothing, where what
     the model's code holds shows (NOTE [ A first input the model's code holds ] in
     remat.measure.sides)."""
     saved: dict[Any, set[int]] = {}

@@ -62,7 +62,7 @@ class StepNotes:
     kept_past_step: set[int] = field(default_factory=set)
     """The numbers of the noted storages still alive when the step ended: the model's own state
     holds them (NOTE [ A side input the model keeps past the step ] in ``remat.measure.sides``)."""
-    # --- side inputs (shape 1 of NOTE [ Tensors that cross a block boundary ] in remat.records) ---
+    # --- side inputs (shape 1 of NOTE [ Tensors that cross a block boundary ] in remat.crossing) ---
     sides: dict[int, list[Side]] = field(default_factory=dict)
     """[block]: each storage entering it besides its first input."""
     skips_in: set[tuple[int, int]] = field(default_factory=set)
@@ -87,7 +87,7 @@ class StepNotes:
     outlived: set[int] = field(default_factory=set)
     """The blocks whose output outlived the start of their own backward (NOTE [ A replay's cache
     holds the block's output ])."""
-    # --- handovers (shape 2 of NOTE [ Tensors that cross a block boundary ] in remat.records) ---
+    # --- handovers (shape 2 of NOTE [ Tensors that cross a block boundary ] in remat.crossing) ---
     returned: dict[int, list[int]] = field(default_factory=dict)
     """[block]: bytes of each storage it returned besides its inputs."""
     returned_hidden: set[tuple[int, int]] = field(default_factory=set)

@@ -1,28 +1,31 @@
 """The side inputs of a traced step, as ``Crossing`` records that enter blocks (shape 1 of NOTE
-[ Tensors that cross a block boundary ] in ``remat.records``).
+[ Tensors that cross a block boundary ] in ``remat.crossing``).
 
 A block's hooks note, per block, the storages that enter it besides its first input; a plain
 step run under a saved-tensors hook notes what each part saves. Storage keys live only as long as
 one step, so the two steps are matched by the order in which side inputs first appear (the same
 model and batch make the same calls in the same order). Left out: a tensor that is some block's
-first input or output (a skip: the block it enters first is charged with it already) and one that
-the part before the blocks saves (it lives to the end of the backward under every plan).
+first input (a skip: the block it enters first is charged with it already, NOTE [ A first input the
+model's code keeps for a skip ]) and one that the part before the blocks saves (it lives to the end
+of the backward under every plan). A block's output that enters a later block besides its first
+input is one, made by that block (NOTE [ A skip from a block's output ]).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import torch
 
+from remat.crossing import Crossing
 from remat.errors import ProfileError
 from remat.measure import step as _step
 from remat.measure.notes import DeathPoint, Side, StepNotes
-from remat.records import Crossing, Profile
+from remat.records import Profile
 
 __all__ = [
     "StepNotes",
@@ -32,7 +35,6 @@ __all__ = [
     "note_output",
     "note_sides",
     "noting_deaths",
-    "noting_saved",
     "read_held_firsts",
     "read_side_inputs",
     "storage_key",
@@ -88,7 +90,7 @@ def note_sides(hooks: StepNotes, i: int, x: torch.Tensor | None, inputs: Any) ->
             seen.add(storage_key(t))
             number = storage_number(hooks, t)
             hooks.sides[i].append(Side(storage_key(t), number, t.untyped_storage().nbytes()))
-            if number in hooks.firsts:  # a block's first input or output (alive: here): a skip
+            if number in hooks.first_numbers.values():  # a block's first input (alive: here): a skip
                 hooks.skips_in.add((i, number))
 
 
@@ -151,84 +153,8 @@ def note_output(hooks: StepNotes, i: int, y: torch.Tensor | None) -> None:
 
 
 def _output_died(hooks: StepNotes, i: int) -> None:
-    if i in hooks.began:  # NOTE [ A replay's cache holds the block's output ]
+    if i in hooks.began:  # NOTE [ A replay's cache holds the block's output ] in remat.measure.saved
         hooks.outlived.add(i)
-
-
-def backward_mark(hooks: StepNotes, i: int, mark: Callable[[str], None]) -> Callable[[Any], None]:
-    """The hook on block i's outputs: at the first gradient, marks ``bs{i}`` and notes that block
-    i's backward began."""
-    def hook(grad: Any) -> None:
-        if i not in hooks.began:
-            hooks.began.add(i)
-            mark(f"bs{i}")
-
-    return hook
-
-
-# NOTE [ A replay's cache holds the block's output ]
-# ``selective`` keeps the outputs of a block's matmuls in its replay's cache until the block's
-# backward; when the block's last op is a matmul, that is the block's output. Its numbers charge the
-# output to the next block, which under every option measured holds it (a checkpoint saves its
-# inputs) or, kept, lets it go in its forward when it saves nothing of it (``lin(sin(x + s))``):
-# there a selective block before a kept one held 128 KiB more than its plan's prediction. So where
-# the selective run's output outlived the start of its own backward (and the recompute run's did
-# not), and the kept next block let it go, the selective option keeps the output's bytes too: exact
-# before a kept block, an over-estimate by the output's bytes before a checkpointed one.
-
-
-def replay_holds_output(selective: StepNotes, recompute: StepNotes, keep: StepNotes) -> list[int]:
-    """The blocks whose output outlived the start of their own backward with every block on
-    ``selective`` (a replay's cache held it) but not on ``recompute``, and whose next block, kept,
-    let it go in the forward (NOTE [ A replay's cache holds the block's output ])."""
-    held = selective.outlived - recompute.outlived
-    first_of = keep.first_of
-    return sorted(i for i in held if any(first_of.get(j) == i and first_death(keep, j) is not None for j in first_of))
-
-
-@contextmanager
-def noting_saved(
-    hooks: StepNotes, saved: dict[Any, set[int]] | None, mark: Callable[[str], None] | None = None,
-    hold: bool = True,
-) -> Iterator[None]:
-    """With ``saved``, note there the storages each part (block index, "pre", "post") saves for
-    the backward while the step runs; with ``mark``, mark ``sv{i}`` each time block i saves one
-    (the last such mark is where a replay of the block stops: ``BlockProfile.stop_peak_bytes``)
-    and ``un{i}`` each time the backward reads one (the first is where a replay of the block
-    starts: ``BlockProfile.unpack_bytes``); nothing without either. The tensors are saved as they
-    are, so the step's memory is unchanged (NOTE [ What the saving hook holds ]); ``hold=False``:
-    nothing is saved (a forward with no backward after it)."""
-    if saved is None and mark is None and hold:
-        yield
-        return
-
-    def pack(t: torch.Tensor) -> Any:
-        who = hooks.running[-1] if hooks.running else ("post" if hooks.order else "pre")
-        if saved is not None:
-            saved.setdefault(who, set()).add(storage_key(t))
-        if mark is not None and hooks.running:
-            mark(f"sv{who}")
-            return who, t.detach()  # whose it is, for the mark when it is read
-        return t.detach() if hold else None
-
-    def unpack(packed: Any) -> Any:
-        if isinstance(packed, tuple):
-            assert mark is not None
-            mark(f"un{packed[0]}")
-            return packed[1]
-        return packed
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
-        yield
-
-
-# NOTE [ What the saving hook holds ]
-# The hook packs a tensor without its graph (``detach``: the same storage). Packed as it came, an
-# output an op saves of itself (``amax``, ``exp``) holds its own node, a cycle that keeps the node
-# and what it saved alive where the step lets them go: a branch the model's code cuts off with
-# ``.detach()`` (the ``x - x.amax(-1).detach()`` of a softmax kernel, performer-pytorch's) or a
-# graph it frees after a ``retain_graph`` backward. There the profile's plain step measured above
-# the real one (Reformer 17.65 MB for 9.74 MB; tests/test_profiler.py), and so did every plan.
 
 
 def _in_order(hooks: StepNotes) -> list[tuple[Side, list[int]]]:
@@ -241,6 +167,21 @@ def _in_order(hooks: StepNotes) -> list[tuple[Side, list[int]]]:
                 continue
             found.setdefault(side.number, (side, []))[1].append(i)
     return list(found.values())
+
+
+# NOTE [ A skip from a block's output ]
+# A block's output may enter a later block besides its first input: MONAI's UNETR keeps each
+# encoder's output in a local until a decoder concatenates it with its hidden input. It was left out
+# of the side inputs, as charged to the block that made it; but that block's numbers have it die
+# where the plain step frees it, while a checkpointed decoder holds it to its backward, and the
+# encoder that made it may save it too (an in-place activation saves its output; ``selective``
+# caches a last matmul's). On UNETR with whole decoders, a recomputed decoder among kept blocks
+# measured 131,072 B over its prediction, and once made side inputs of their consumers alone, every
+# plan among recomputed blocks 786,432 B under (two encoders save theirs); on tests/test_crossings.py
+# one hidden state each way. So it is a side input (``made_by`` its maker) whose holders are its
+# consumers and its maker on the options whose run saves it: ``keep`` where the kept step saved
+# it, ``selective`` where that run's output outlived the start of its maker's backward and the
+# recompute run's did not (``remat.measure.saved.cached_skips``). Its life is the side inputs' rule.
 
 
 def read_side_inputs(
@@ -258,11 +199,14 @@ def read_side_inputs(
         key = again_side.key  # the key ``saved`` knows it by, in the run that noted it
         if key in saved.get("pre", set()) or side.number in traced.kept_past_step:
             continue
+        maker = next((j for j, n in traced.output_numbers.items() if n == side.number), None)
+        holders = [*users, *([] if maker is None else [maker])]  # NOTE [ A skip from a block's output ]
         records.append(
             Crossing(
                 size_bytes=side.nbytes,
                 consumers=[names[i] for i in users],
-                saved_by={names[i]: ["keep"] for i in users if key in saved.get(i, set())},
+                made_by=None if maker is None else names[maker],
+                saved_by={names[i]: ["keep"] for i in holders if key in saved.get(i, set())},
                 dies_after=_dies_after(traced, side.number, names),
             )
         )
@@ -298,7 +242,7 @@ def _dies_after(hooks: StepNotes, number: int, names: list[str]) -> str | None:
 # backward. Read as the hidden state alone, recomputing the block was predicted one hidden state
 # low and recomputing the block that drops it one high (tests/test_crossings.py: 131,072 B each
 # way). So it is a crossing that enters the block and the later blocks it reaches as a skip (shape
-# 1 of NOTE [ Tensors that cross a block boundary ] in remat.records), dying where the plain step
+# 1 of NOTE [ Tensors that cross a block boundary ] in remat.crossing), dying where the plain step
 # frees it: its life under a plan is the side inputs' rule (NOTE [ A side input's extra life ] in
 # remat.plan.sides), and no other part of the cost model changes.
 

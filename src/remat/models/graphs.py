@@ -113,7 +113,7 @@ class UNet(nn.Module):
 @dataclass(frozen=True, kw_only=True)
 class BiasLMConfig:
     """A decoder whose attention takes one additive position bias, made once in the forward and
-    passed to every block (a side input, NOTE [ Tensors that cross a block boundary ] in ``remat.records``)."""
+    passed to every block (a side input, NOTE [ Tensors that cross a block boundary ] in ``remat.crossing``)."""
 
     vocab_size: int = 2048
     max_seq: int = 128

@@ -31,7 +31,7 @@ def estimate(profile: Profile, choices: Mapping[str, str]) -> Estimate:
     """
     costs = _chosen_costs(profile, choices)
     options = [choices[b.name] for b in profile.blocks]
-    if handovers(profile):  # NOTE [ Tensors that cross a block boundary ] in remat.records
+    if handovers(profile):  # NOTE [ Tensors that cross a block boundary ] in remat.crossing
         costs = _chosen_costs(profile := handed_over(profile, options), choices)
     phases = _phases(profile, costs, options)
     peak = max(phases, key=lambda p: p.peak_bytes)  # max() keeps the first phase reaching it
@@ -171,7 +171,7 @@ def smallest_feasible(profile: Profile) -> tuple[int, str]:
         picks.append(o)
         prefix, held = prefix + chain.kept_at(i, o, now[o]), chain.leaving(i, now[o])
     names = chain.chosen(picks)
-    handed = handed_over(profile, names)  # NOTE [ Tensors that cross a block boundary ] in remat.records
+    handed = handed_over(profile, names)  # NOTE [ Tensors that cross a block boundary ] in remat.crossing
     costs = [b.options[name] for b, name in zip(handed.blocks, names)]
     top = max(_phases(handed, costs, names), key=lambda p: p.peak_bytes)
     assert top.peak_bytes == peak, (top.peak_bytes, peak)

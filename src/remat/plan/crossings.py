@@ -9,7 +9,7 @@ a bit mask, and every number of block i depends on the blocks before it only thr
 mask. The rule, for both kinds:
 1. A bit is set by the option of the block that decides it: a side-input group's by the first
    block whose option holds it (NOTE [ A side input's extra life ] in ``remat.plan.sides``); a
-   handover's (shape 2 of NOTE [ Tensors that cross a block boundary ] in ``remat.records``) by its maker: one bit for "its option
+   handover's (shape 2 of NOTE [ Tensors that cross a block boundary ] in ``remat.crossing``) by its maker: one bit for "its option
    saves it", one for "its option offloads it". A bit the maker's options all set alike is no
    bit: its value is a constant.
 2. A bit lives while it can still move a number: a side-input group's and a handover's that dies

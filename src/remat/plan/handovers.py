@@ -29,7 +29,8 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from remat.records import Crossing, Profile
+from remat.crossing import Crossing
+from remat.records import Profile
 
 __all__ = ["OFFLOADS", "Placed", "handed_over", "handovers", "placed", "saved_under"]
 

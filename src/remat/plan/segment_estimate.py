@@ -2,7 +2,7 @@
 (``remat.plan.segments``) and the per-block chain around its segments. Pure: no torch.
 
 # NOTE [ Handovers in a segment ]
-A handover (shape 2 of NOTE [ Tensors that cross a block boundary ] in ``remat.records``) lives by
+A handover (shape 2 of NOTE [ Tensors that cross a block boundary ] in ``remat.crossing``) lives by
 its maker's option, and a block inside a segment is two things:
 1. In the forward, a call of the frame, which saves nothing: the model's code holds what the block
    made until it drops it, as under ``recompute``. The forward reads the profile corrected

@@ -180,12 +180,12 @@ class SegmentModel:
         sides = side_groups(profile)
         self.sides = sides if side_inputs(profile) else None
         self.uses = [0] * n  # the side-input groups each block receives, as a mask
-        self.saves = [0] * n  # those its kept forward saves
+        self.saves = [0] * n  # those its kept forward saves (a maker's replay saves another: its own output)
         if self.sides is not None:
             for g, (users, savers) in enumerate(zip(self.sides.consumers, self.sides.savers)):
                 for j in users:
                     self.uses[j] |= 1 << g
-                for j in savers:
+                for j in savers & users:
                     self.saves[j] |= 1 << g
 
     # --- one segment ---------------------------------------------------------------------------

@@ -34,7 +34,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from remat.records import Crossing, Profile
+from remat.crossing import Crossing
+from remat.records import Profile
 
 __all__ = ["HOLDING", "SideGroups", "saves_as_kept", "side_groups", "side_inputs"]
 
@@ -66,6 +67,9 @@ class SideGroups:
     unsaving: frozenset[int] = frozenset()
     """The blocks (forward positions) whose forward saves nothing: a checkpoint of one holds
     none of its inputs (``BlockProfile.saves``)."""
+    cachers: tuple[frozenset[int], ...] = ()
+    """[group]: the blocks whose ``selective`` forward saves them (``Crossing.cachers``); empty:
+    none for every group."""
 
     def _dies(self, g: int) -> int | None:
         return self.dies_after[g] if self.dies_after else None
@@ -92,7 +96,8 @@ class SideGroups:
         mask = 0
         checkpoint = option in HOLDING and block not in self.unsaving
         for g, (users, savers) in enumerate(zip(self.consumers, self.savers)):
-            if (checkpoint and block in users) or (block in savers and saves_as_kept(option)):
+            cached = option == "selective" and bool(self.cachers) and block in self.cachers[g]
+            if (checkpoint and block in users) or (block in savers and saves_as_kept(option)) or cached:
                 mask |= 1 << g
         return mask
 
@@ -126,15 +131,16 @@ class SideGroups:
 def side_groups(profile: Profile) -> SideGroups:
     """The side inputs of ``profile`` grouped by consumers, savers and death, in first-seen order."""
     index = {b.name: i for i, b in enumerate(profile.blocks)}
-    groups: dict[tuple[tuple[str, ...], tuple[str, ...], str | None], int] = {}
+    groups: dict[tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...], str | None], int] = {}
     for side in side_inputs(profile):
-        together = (tuple(side.consumers), side.savers, side.dies_after)  # they live and die together
+        together = (tuple(side.consumers), side.savers, side.cachers, side.dies_after)  # they live and die together
         groups[together] = groups.get(together, 0) + side.size_bytes
     return SideGroups(
         size_bytes=tuple(groups.values()),
-        consumers=tuple(frozenset(index[n] for n in users if n in index) for users, _, _ in groups),
-        savers=tuple(frozenset(index[n] for n in savers if n in index) for _, savers, _ in groups),
-        dies_after=tuple(index.get(d) if d is not None else None for _, _, d in groups),
+        consumers=tuple(frozenset(index[n] for n in users if n in index) for users, _, _, _ in groups),
+        savers=tuple(frozenset(index[n] for n in savers if n in index) for _, savers, _, _ in groups),
+        cachers=tuple(frozenset(index[n] for n in cachers if n in index) for _, _, cachers, _ in groups),
+        dies_after=tuple(index.get(d) if d is not None else None for _, _, _, d in groups),
         unsaving=frozenset(i for i, b in enumerate(profile.blocks) if not b.saves),
         post_held_extra_bytes=max(0, profile.post_fwd_peak_held_bytes - profile.post.fwd_peak_bytes)
         if side_inputs(profile)
