@@ -338,6 +338,63 @@ class ResidualUnits(nn.Module):
         return self.head(x)
 
 
+class Half(nn.Module):
+    """A residual MLP: norm and two linear maps."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.norm, self.up, self.down = nn.LayerNorm(d), nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.nn.functional.gelu(self.up(self.norm(x))))
+
+
+class Mixed(nn.Module):
+    """A diffusers SVD UNet's spatio-temporal resnet: two halves, and a learned mix of them."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.spatial, self.temporal, self.mix = Half(d), Half(d), nn.Parameter(torch.zeros(1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        s, a = self.spatial(x), torch.sigmoid(self.mix)
+        return a * s + (1 - a) * self.temporal(s)
+
+
+class MixedStage(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.res, self.proj = Mixed(d), Half(d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(self.res(x))
+
+
+class Wrapped(nn.Module):
+    """diffusers' UNet3D's ``transformer_in``: norms and projections around one layer, its body."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.norm, self.body = nn.LayerNorm(d), MixedStage(d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.body(self.norm(x))
+
+
+class PartsWhole(nn.Module):
+    """Rule 4's parts are whole (the stages' resnets and projections; before, the resnets fell
+    apart into halves, the mix kept at every budget), but for a module's body (the wrapped
+    stage's parts, not the wrapper)."""
+
+    def __init__(self, d: int = 32) -> None:
+        super().__init__()
+        self.embed, self.head = nn.Embedding(64, d), nn.Linear(d, 64)
+        self.one, self.two, self.wrapped = MixedStage(d), MixedStage(d), Wrapped(d)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.wrapped(self.two(self.one(self.embed(ids)))))
+
+
 def _loss(out: torch.Tensor, batch: tuple[torch.Tensor]) -> torch.Tensor:
     return torch.nn.functional.cross_entropy(out.flatten(0, 1), batch[-1].flatten())
 
@@ -352,6 +409,7 @@ CASES = {
     "stacked-down-path": (StackedDownPath, ["down.0", "down.1", "down.2", "up1", "up2"]),
     "quantized": (Quantized, [f"decoder.{i}" for i in range(6)]),
     "stemmed": (Stemmed, ["stem", "layers.0", "layers.1", "layers.2"]),
+    "parts-whole": (PartsWhole, [f"{s}.{p}" for s in ("one", "two", "wrapped.body") for p in ("res", "proj")]),
     "residual-units": (ResidualUnits, [f"unit{i}" for i in range(8)]),
     "stages": (Stages, ["down.0.a", "down.0.b", "down.1", "down.2", "middle.a", "middle.b", "up.0", "up.1", "up.2"]),
 }

@@ -46,7 +46,14 @@ __all__ = ["Calls", "by_calls"]
 #    attentions and downsampler, the granularity diffusers' own checkpointing takes): a block's
 #    backward holds its whole forward again, so the floor falls with the largest block. Not where
 #    each of them is one layer, bare or wrapped (MONAI's residual units: single convolutions with
-#    norms and activations between, which split off would be kept at every budget).
+#    norms and activations between, which split off would be kept at every budget). Each of them
+#    is whole, not split in turn: a diffusers SVD UNet's spatio-temporal resnets and attentions,
+#    split down to their attentions and feed-forwards, floored 4% above torch's checkpoint on them
+#    whole, the code between kept at every budget. But one that is the module's only one is its
+#    body, and gives way to its own: diffusers' UNet3D's ``transformer_in`` (one transformer layer)
+#    whole floored 17% higher. A list among them is no part; its items are (a codec's decoder).
+#    Whole, MONAI UNETR's decoders take an encoder's output besides their hidden input (NOTE [ A
+#    skip from a block's output ] in remat.measure.sides).
 # 5. A block inside another by object is left to it: a module held under two names (reformer's
 #    reversible and plain paths share their layers) is counted under its first name only, which
 #    may be in a path that never runs as a whole (a shared layer's name under the reversible
@@ -230,21 +237,30 @@ class _Trunk:
 
 
 def _uncovered(model: nn.Module, prefix: str, taken: set[str], above: set[str], trunk: _Trunk,
-               stage: bool = False) -> list[tuple[str, nn.Module]]:
-    """The modules of the trunk that no block covers (rule 3), each split into its own such
-    modules where it has two or more (rule 4); with ``stage``, a stage's parts, whole (rule 7)."""
+               stage: bool = False, whole: bool = False) -> list[tuple[str, nn.Module]]:
+    """The modules of the trunk that no block covers (rule 3), each split into its parts (rule 4);
+    with ``whole``, a module's parts; with ``stage``, a stage's parts (rule 7). A list among them is
+    no part, its items are."""
     found: list[tuple[str, nn.Module]] = []
     for child_name, child in model.named_children():
         full = f"{prefix}.{child_name}" if prefix else child_name
         if full in taken:
             continue
-        if full in above or (full not in trunk.calls.count and isinstance(child, CONTAINERS)):
-            found += _uncovered(child, full, taken, above, trunk, stage)
+        if full in above or (isinstance(child, CONTAINERS) and (whole or full not in trunk.calls.count)):
+            found += _uncovered(child, full, taken, above, trunk, stage, whole)
         elif trunk.holds(full, child, bare=stage):
-            parts = [] if stage else _uncovered(child, full, taken, above, trunk)
-            split = len(parts) >= 2 and not all(_bare_layer(m) for _, m in parts)  # rule 4
-            found += parts if split else [(full, child)]
+            found += [(full, child)] if stage or whole else _split(full, child, taken, above, trunk)
     return found
+
+
+def _split(name: str, module: nn.Module, taken: set[str], above: set[str], trunk: _Trunk
+           ) -> list[tuple[str, nn.Module]]:
+    """``module``'s parts, each whole, where it has two or more, not all single layers (rule 4);
+    a part that is its only one is its body, whose parts are its own."""
+    parts = _uncovered(module, name, taken, above, trunk, whole=True)
+    while len(parts) == 1:
+        parts = _uncovered(parts[0][1], parts[0][0], taken, above, trunk, whole=True)
+    return parts if len(parts) >= 2 and not all(_bare_layer(m) for _, m in parts) else [(name, module)]
 
 
 def _stage_parts(name: str, module: nn.Module, calls: Calls) -> list[tuple[str, nn.Module]]:
