@@ -87,6 +87,23 @@ def diffusers_cond_unet_stages() -> Built:
     return model.train(), (x, torch.tensor([10] * BATCH), text), _sample_loss
 
 
+def diffusers_svd_unet() -> Built:
+    """diffusers' SVD UNet: spatio-temporal resnets and attentions, each a spatial and a temporal
+    half and a learned mix of the two, whole blocks (NOTE [ Blocks by what runs ], rule 4)."""
+    from diffusers import UNetSpatioTemporalConditionModel
+
+    torch.manual_seed(0)
+    model = UNetSpatioTemporalConditionModel(
+        sample_size=16, in_channels=8, out_channels=4, block_out_channels=(32, 64), layers_per_block=1,
+        down_block_types=("CrossAttnDownBlockSpatioTemporal", "DownBlockSpatioTemporal"),
+        up_block_types=("UpBlockSpatioTemporal", "CrossAttnUpBlockSpatioTemporal"), addition_time_embed_dim=8,
+        projection_class_embeddings_input_dim=24, cross_attention_dim=32, num_attention_heads=(2, 4), num_frames=4)
+    g = _gen()
+    batch = {"sample": torch.randn(1, 4, 8, 16, 16, generator=g), "timestep": torch.tensor([10]),
+             "encoder_hidden_states": torch.randn(1, 1, 32, generator=g), "added_time_ids": torch.randn(1, 3, generator=g)}
+    return model.train(), batch, _sample_loss
+
+
 def diffusers_flux() -> Built:
     from diffusers import FluxTransformer2DModel
 
@@ -277,10 +294,23 @@ def monai_dynunet() -> Built:
     return model.train(), (torch.randn(BATCH, 1, 64, 64, generator=_gen()),), lambda out, b: out.square().mean()
 
 
+def monai_unetr() -> Built:
+    """MONAI's UNETR: encoders branch off a ViT's hidden states, and the model's code keeps their
+    outputs until decoders take them besides their hidden input, each saved by the encoder that
+    made it where that ends in an in-place activation (NOTE [ A skip from a block's output ])."""
+    from monai.networks.nets import UNETR
+
+    torch.manual_seed(0)
+    model = UNETR(in_channels=1, out_channels=2, img_size=(64, 64), feature_size=8, hidden_size=64, mlp_dim=128,
+                  num_heads=4, spatial_dims=2)
+    return model.train(), (torch.randn(BATCH, 1, 64, 64, generator=_gen()),), lambda out, b: out.square().mean()
+
+
 LIBS: dict[str, Callable[[], Built]] = {
     "diffusers-unet": diffusers_unet,
     "diffusers-cond-unet": diffusers_cond_unet,
     "diffusers-cond-unet-stages": diffusers_cond_unet_stages,
+    "diffusers-svd-unet": diffusers_svd_unet,
     "diffusers-flux": diffusers_flux,
     "x-unet": x_unet,
     "vit-pytorch-vit": vit_pytorch_vit,
@@ -295,14 +325,23 @@ LIBS: dict[str, Callable[[], Built]] = {
     "transformers-segformer": transformers_segformer,
     "monai-unet": monai_unet,
     "monai-dynunet": monai_dynunet,
+    "monai-unetr": monai_unetr,
 }
 
 # Modules a user might checkpoint by hand (torch's checkpoint on each): remat's floor is at or below
 # their peak too. MONAI's UNet: the down path's units and the up modules after it; DynUNet: its
-# stem, units and up modules.
+# stem, units and up modules; UNETR: its ViT's layers, its encoders and decoders, whole; diffusers'
+# SVD UNet: its resnets and attentions (the granularity diffusers' own checkpointing takes).
 _MONAI_DOWN = ["model.0", "model.1.submodule.0", "model.1.submodule.1.submodule.0", "model.1.submodule.1.submodule.1.submodule"]
 SENSIBLE: dict[str, list[str]] = {
     "monai-unet": [*_MONAI_DOWN, "model.1.submodule.1.submodule.2", "model.1.submodule.2", "model.2"],  # whole units
+    "diffusers-svd-unet": [f"{stage}.{part}" for stage, part in [
+        ("down_blocks.0", "resnets.0"), ("down_blocks.0", "attentions.0"), ("down_blocks.1", "resnets.0"),
+        ("mid_block", "resnets.0"), ("mid_block", "attentions.0"), ("mid_block", "resnets.1"),
+        *((f"up_blocks.{u}", f"{kind}.{k}") for u, kinds in ((0, ("resnets",)), (1, ("resnets", "attentions")))
+          for kind in kinds for k in range(2))]],
+    "monai-unetr": [*(f"vit.blocks.{i}" for i in range(12)), *(f"encoder{i}" for i in range(1, 5)),
+                    *(f"decoder{i}" for i in range(2, 6))],
     "monai-dynunet": ["input_block", "downsamples.0", "downsamples.1", "bottleneck", "upsamples.0", "upsamples.1",
                       "upsamples.2"],
 }
