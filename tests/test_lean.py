@@ -150,3 +150,31 @@ def test_a_reference_is_judged_against_the_plans_own_fake_peak(monkeypatch: pyte
     monkeypatch.setattr(verifier, "plain_peak", lambda *a, **k: fake(*a, **k) - 2**20)
     lean = verifier._lean(model, batch, loss_fn, None, [plan], recomputed - 2**19)
     assert lean is not None and lean.reference is None, lean
+
+
+class _KeepsATensor(torch.nn.Module):
+    """MONAI's attention: a plain tensor attribute (``att_mat = torch.Tensor()``), no buffer."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.lin, self.att_mat = torch.nn.Linear(d, d), torch.Tensor()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.relu(self.lin(x))
+
+
+def test_a_model_that_keeps_a_plain_empty_tensor_is_planned_where_the_plain_step_does_not_fit() -> None:
+    """Its fake copy failed (the empty tensor's copy under the fake mode took no new storage), and
+    ``auto`` below the plain step told the user to make the model copyable (MONAI's UNETR)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[_KeepsATensor(32) for _ in range(4)], torch.nn.Linear(32, 4))
+    batch = (torch.randn(64, 128, 32),)
+
+    def loss_fn(out: torch.Tensor, b: Any) -> torch.Tensor:
+        return out.square().mean()
+
+    plain = measure_step(model, batch, loss_fn=loss_fn, repeats=0).peak_bytes
+    plan, report = remat.auto(model, batch, int(0.7 * plain), loss_fn=loss_fn, repeats=1, verify=True)
+    remat.remove(model)
+    assert not plan.plain_ran and report.plain_peak_bytes == plain
+    assert report.fits and report.grads_equal

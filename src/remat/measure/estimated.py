@@ -198,11 +198,17 @@ def _create_state(model: nn.Module, opt: torch.optim.Optimizer | None) -> None:
 def fake_copy(model: nn.Module, fake_mode: Any) -> nn.Module:
     """A deep copy of ``model`` whose parameters and buffers are fake tensors of the same shapes,
     dtypes, devices and ``requires_grad`` (tied ones stay tied): the user's own modules, at no
-    memory. Other tensors the modules hold as plain attributes are copied (made fake on use)."""
+    memory. So are the tensors a module holds as plain attributes: copied by ``deepcopy`` under
+    the fake mode, an empty one (MONAI's attention keeps ``att_mat = torch.Tensor()``) failed to
+    take its new storage."""
     memo: dict[int, Any] = {}
     for t in (*model.parameters(), *model.buffers()):
         fake = fake_mode.from_tensor(t)
         memo[id(t)] = nn.Parameter(fake, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else fake
+    for module in model.modules():
+        for value in vars(module).values():
+            if isinstance(value, torch.Tensor) and id(value) not in memo:
+                memo[id(value)] = fake_mode.from_tensor(value)
     try:
         return copy.deepcopy(model, memo)
     except Exception as e:
