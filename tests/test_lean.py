@@ -178,3 +178,29 @@ def test_a_model_that_keeps_a_plain_empty_tensor_is_planned_where_the_plain_step
     remat.remove(model)
     assert not plan.plain_ran and report.plain_peak_bytes == plain
     assert report.fits and report.grads_equal
+
+
+def test_a_plain_step_predicted_to_fit_that_runs_out_is_profiled_lean(monkeypatch: pytest.MonkeyPatch,
+                                                                       caplog: pytest.LogCaptureFixture) -> None:
+    """NOTE [ Planning what does not fit ], rule 6: what no tensor holds (a MONAI 3-D UNet's
+    convolutions take 50 MB of scratch on the CPU beside a plain step of 73 MB on fake tensors) can
+    make the plain step run out where fake tensors said it fits. That was the user's error before."""
+    import remat.measure.profiler as profiler
+
+    model, batch, loss_fn = _gpt()
+    plain = measure_step(model, batch, loss_fn=loss_fn, repeats=0).peak_bytes
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+
+    def runs_out(*args: Any, **kwargs: Any) -> Any:
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(profiler, "_measured", runs_out)
+    with caplog.at_level("WARNING", logger="remat"):
+        prof = profile(model, batch, loss_fn=loss_fn, repeats=1, budget=plain)
+    assert not prof.plain_ran and prof.plain_peak_bytes == plain
+    assert "ran out of memory" in caplog.text and "profiling it as a step that does not fit" in caplog.text
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    plan = solve(prof, int(0.7 * plain))
+    remat.apply(model, plan)
+    assert measure_step(model, batch, loss_fn=loss_fn, repeats=0).peak_bytes == plan.estimate.peak_bytes
+    remat.remove(model)

@@ -36,6 +36,7 @@ __all__ = [
     "WrappingError",
     "close_matches",
     "did_you_mean",
+    "out_of_memory",
 ]
 
 
@@ -142,3 +143,9 @@ def did_you_mean(word: str, choices: Iterable[str], *, n: int = 1) -> str:
     when nothing is close: to append to an "unknown ..." message."""
     close = close_matches(word, choices, n=n)
     return f"; did you mean {', '.join(repr(c) for c in close)}?" if close else ""
+
+
+def out_of_memory(e: BaseException) -> bool:
+    """Whether ``e`` is the device running out of memory: CUDA's ``OutOfMemoryError``, or the CPU
+    allocator's refusal (under an address-space cap)."""
+    return type(e).__name__ == "OutOfMemoryError" or "can't allocate memory" in str(e)

@@ -34,7 +34,7 @@ from rich.table import Table
 from remat.cli.targets import DTYPES as _DTYPES
 from remat.cli.targets import ModelArgs, Target, measured_device
 from remat.devices import DEVICES
-from remat.errors import RematError
+from remat.errors import RematError, out_of_memory
 from remat.units import check_budget as units_check_budget
 from remat.units import format_bytes
 
@@ -163,10 +163,6 @@ def handle_errors(fn: _F) -> _F:
             raise click.ClickException(message) from e
 
     return wrapper  # type: ignore[return-value]
-
-
-def out_of_memory(e: BaseException) -> bool:
-    return type(e).__name__ == "OutOfMemoryError" or "can't allocate memory" in str(e)
 
 
 def given(ctx: click.Context, *names: str) -> list[str]:

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from remat.devices import DeviceSpec, get_device
-from remat.errors import InvalidType, InvalidValue, ProfileError
+from remat.errors import InvalidType, InvalidValue, ProfileError, out_of_memory
 from remat.manual.blocks import find_blocks
 from remat.measure import step as _step
 from remat.measure.attribution import assemble
@@ -112,17 +112,28 @@ def profile(
             if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
                 optimizer = optimizer(model.parameters())
             lean = None if budget is None else resolve_budget(model, batch, loss_fn, optimizer, budget)
-            if lean is None:
-                result = _measured(model, batch, loss_fn, optimizer, blocks, repeats, compiled)
-            else:
+            result = None
+            if lean is None or lean.fits:
+                try:
+                    result = _measured(model, batch, loss_fn, optimizer, blocks, repeats, compiled)
+                except (torch.OutOfMemoryError, RuntimeError) as e:
+                    if lean is None or not out_of_memory(e):
+                        raise
+                    log.warning("remat: the plain step, predicted at %d bytes within the budget of %d, ran "
+                                "out of memory (%s: what no tensor holds, such as a kernel's scratch space): "
+                                "profiling it as a step that does not fit", lean.plain_peak_bytes,
+                                lean.budget_bytes, str(e).split("\n")[0][:200])
+            if result is None:
+                assert lean is not None
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()  # what the step that ran out left in the allocator's cache
                 if compiled:  # measured with every block compiled: not a step known to fit
                     log.warning("remat: compiled options are left out: they are measured with every block "
-                                "compiled, and the plain step is predicted at %d bytes, over the budget of %d",
-                                lean.plain_peak_bytes, lean.budget_bytes)
+                                "compiled, a step not known to fit the budget of %d bytes", lean.budget_bytes)
                 try:
                     result = lean_profile(model, batch, loss_fn, optimizer, blocks, repeats, lean)
                 except (torch.OutOfMemoryError, RuntimeError) as e:
-                    if not isinstance(e, torch.OutOfMemoryError) and "can't allocate memory" not in str(e):
+                    if not out_of_memory(e):
                         raise
                     raise ProfileError(
                         f"remat ran out of memory while profiling within the budget of {lean.budget_bytes} "
