@@ -153,19 +153,20 @@ def test_a_reference_is_judged_against_the_plans_own_fake_peak(monkeypatch: pyte
 
 
 class _KeepsATensor(torch.nn.Module):
-    """MONAI's attention: a plain tensor attribute (``att_mat = torch.Tensor()``), no buffer."""
+    """MONAI's attention: a plain tensor attribute (``att_mat = torch.Tensor()``), no buffer; its
+    DynUNet: a list of tensors (``heads``)."""
 
     def __init__(self, d: int) -> None:
         super().__init__()
-        self.lin, self.att_mat = torch.nn.Linear(d, d), torch.Tensor()
+        self.lin, self.att_mat, self.heads = torch.nn.Linear(d, d), torch.Tensor(), [torch.rand(1)] * 2
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x + torch.relu(self.lin(x))
 
 
-def test_a_model_that_keeps_a_plain_empty_tensor_is_planned_where_the_plain_step_does_not_fit() -> None:
-    """Its fake copy failed (the empty tensor's copy under the fake mode took no new storage), and
-    ``auto`` below the plain step told the user to make the model copyable (MONAI's UNETR)."""
+def test_a_model_that_keeps_plain_tensors_is_planned_where_the_plain_step_does_not_fit() -> None:
+    """Its fake copy failed (a real tensor's copy under the fake mode takes no storage), and
+    ``auto`` below the plain step told the user to make the model copyable (MONAI's UNETR, DynUNet)."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[_KeepsATensor(32) for _ in range(4)], torch.nn.Linear(32, 4))
     batch = (torch.randn(64, 128, 32),)

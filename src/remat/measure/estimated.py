@@ -198,16 +198,16 @@ def _create_state(model: nn.Module, opt: torch.optim.Optimizer | None) -> None:
 def fake_copy(model: nn.Module, fake_mode: Any) -> nn.Module:
     """A deep copy of ``model`` whose parameters and buffers are fake tensors of the same shapes,
     dtypes, devices and ``requires_grad`` (tied ones stay tied): the user's own modules, at no
-    memory. So are the tensors a module holds as plain attributes: copied by ``deepcopy`` under
-    the fake mode, an empty one (MONAI's attention keeps ``att_mat = torch.Tensor()``) failed to
-    take its new storage."""
+    memory. So are the tensors a module holds as plain attributes, alone or in lists, tuples and
+    dicts: ``deepcopy`` under the fake mode cannot give a real tensor a storage (MONAI's attention
+    keeps ``att_mat = torch.Tensor()``, its DynUNet a list of its deep supervision's heads)."""
     memo: dict[int, Any] = {}
     for t in (*model.parameters(), *model.buffers()):
         fake = fake_mode.from_tensor(t)
         memo[id(t)] = nn.Parameter(fake, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else fake
     for module in model.modules():
-        for value in vars(module).values():
-            if isinstance(value, torch.Tensor) and id(value) not in memo:
+        for value in _step.tensors_in(list(vars(module).values())):
+            if id(value) not in memo:
                 memo[id(value)] = fake_mode.from_tensor(value)
     try:
         return copy.deepcopy(model, memo)
