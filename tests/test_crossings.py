@@ -423,3 +423,32 @@ def test_a_skip_from_a_blocks_output_is_held_by_its_maker_or_a_checkpoint() -> N
         ("dec.0",): ("enc.1", {"enc.1": ["selective"]}, HIDDEN), ("dec.1",): ("enc.0", {"enc.0": ["keep"]}, HIDDEN)}
     _every_flip_exact(model, prof)
     _plans_fit(model, prof)
+
+
+class CodeSavesTheSkip(nn.Module):
+    """MONAI's VNet: the code before the next block (its strided convolution; here a sine) saves
+    the encoder's output, which a decoder takes later as a skip; the encoder ends in an in-place
+    activation, which saves it too."""
+
+    def __init__(self, d: int = 32) -> None:
+        super().__init__()
+        self.embed, self.head = nn.Embedding(64, d), nn.Linear(d, 64)
+        self.enc = nn.Sequential(nn.Linear(d, d), nn.GELU(), nn.LeakyReLU(inplace=True))
+        self.trunk = nn.ModuleList([Mlp(d) for _ in range(3)])
+        self.dec = _Up(d)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        e = self.enc(self.embed(ids))
+        h = self.trunk[1](self.trunk[0](torch.sin(e)))
+        return self.head(self.trunk[2](self.dec(h, e)))
+
+
+def test_a_skip_the_code_between_blocks_saves_is_no_crossing() -> None:
+    """NOTE [ A skip from a block's output ] in remat.measure.sides: every plan holds it as long as
+    its consumer would; as a crossing, the plans that recomputed its maker measured a hidden state
+    over (MONAI's VNet: 262,144 B)."""
+    model, prof = _profiled(CodeSavesTheSkip)
+    assert [b.name for b in prof.blocks] == ["enc", "trunk.0", "trunk.1", "dec", "trunk.2"]
+    assert not [c for c in prof.crossings if c.made_by == "enc"]
+    _every_flip_exact(model, prof)
+    _plans_fit(model, prof)

@@ -55,8 +55,9 @@ def noting_saved(
     hooks: StepNotes, saved: dict[Any, set[int]] | None, mark: Callable[[str], None] | None = None,
     hold: bool = True,
 ) -> Iterator[None]:
-    """With ``saved``, note there the storages each part (block index, "pre", "post") saves for
-    the backward while the step runs; with ``mark``, mark ``sv{i}`` each time block i saves one
+    """With ``saved``, note there the storages each part saves for the backward while the step
+    runs (a block by its index, the model's code by ``"pre"`` before the blocks and ``("after", i)``
+    after block i started); with ``mark``, mark ``sv{i}`` each time block i saves one
     (the last such mark is where a replay of the block stops: ``BlockProfile.stop_peak_bytes``)
     and ``un{i}`` each time the backward reads one (the first is where a replay of the block
     starts: ``BlockProfile.unpack_bytes``); nothing without either. The tensors are saved as they
@@ -67,7 +68,7 @@ def noting_saved(
         return
 
     def pack(t: torch.Tensor) -> Any:
-        who = hooks.running[-1] if hooks.running else ("post" if hooks.order else "pre")
+        who = hooks.running[-1] if hooks.running else (("after", hooks.order[-1]) if hooks.order else "pre")
         if saved is not None:
             saved.setdefault(who, set()).add(storage_key(t))
         if mark is not None and hooks.running:
