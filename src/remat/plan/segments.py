@@ -156,6 +156,10 @@ class SegmentModel:
             stash[h.maker] -= h.size
             if h.dies is not None:
                 stash[h.dies] += h.size
+        index = {b.name: j for j, b in enumerate(blocks)}
+        for side in side_inputs(profile):  # off the kept bytes of the block it dies in (NOTE [ Where a side input dies ])
+            if side.dies_after in index:
+                stash[index[side.dies_after]] += side.size_bytes
         fork = min([r for r in stash if r > 0], default=0)
         self.fork = [min(fork, max(0, r)) for r in stash]
         # What the outer level counts of a call's stash (rng_j: none where the code's frees outweigh
