@@ -6,7 +6,8 @@ Write in_j for block j's input bytes, and K/F/B for an option's kept, forward-pe
 backward-peak bytes (keep: Kk, Fk, Bk; recompute: Kr, Fr, Br, and Tr its extra time, one
 re-forward); Fs_j is the kept forward's peak up to the block's last saved tensor
 (``BlockProfile.stop_peak_bytes``). A checkpoint's kept bytes beyond its input, rng_j = Kr_j - in_j,
-are what it stashes, the RNG state (on the CPU; the least rng_j of the profile, "fork" below),
+are what it stashes, the RNG state (on the CPU; the least rng_j of the profile, with the side inputs
+that die in its block back, "fork" below),
 plus what the code after the block keeps (a stack's last norm: "extra"), and what the model's
 code holds past the block (a handover: not stashed, NOTE [ Handovers in a segment ] in
 ``remat.plan.segment_estimate``); a segment stashes as much per call. Everything is read off the profile, nothing is measured for segments
