@@ -81,7 +81,7 @@ def note_sides(hooks: StepNotes, i: int, x: torch.Tensor | None, inputs: Any) ->
         hooks.firsts.add(number)
         seen.add(storage_key(x))
         hooks.first_numbers[i] = number
-        hooks.first_of[i] = next((j for j, n in hooks.output_numbers.items() if n == number), -1)
+        hooks.first_of[i] = -1 if (maker := output_of(hooks, number)) is None else maker
         if (j := next((j for j, ref in hooks.output_refs.items() if ref() is x), None)) is not None:
             hooks.handed_on[i] = j
     hooks.sides[i] = []
@@ -92,6 +92,11 @@ def note_sides(hooks: StepNotes, i: int, x: torch.Tensor | None, inputs: Any) ->
             hooks.sides[i].append(Side(storage_key(t), number, t.untyped_storage().nbytes()))
             if number in hooks.first_numbers.values():  # a block's first input (alive: here): a skip
                 hooks.skips_in.add((i, number))
+
+
+def output_of(hooks: StepNotes, number: int) -> int | None:
+    """The block whose first output is storage ``number``, if any."""
+    return next((j for j, n in hooks.output_numbers.items() if n == number), None)
 
 
 def first_death(hooks: StepNotes, i: int) -> DeathPoint | None:
@@ -204,7 +209,7 @@ def read_side_inputs(
         key = again_side.key  # the key ``saved`` knows it by, in the run that noted it
         if key in saved.get("pre", set()) or side.number in traced.kept_past_step:
             continue
-        maker = next((j for j, n in traced.output_numbers.items() if n == side.number), None)
+        maker = output_of(traced, side.number)
         if maker is not None and _code_saves(saving, saved, key, users[0]):  # NOTE [ A skip from a block's output ]
             continue
         holders = [*users, *([] if maker is None else [maker])]  # NOTE [ A skip from a block's output ]

@@ -157,10 +157,10 @@ class SegmentModel:
             stash[h.maker] -= h.size
             if h.dies is not None:
                 stash[h.dies] += h.size
-        index = {b.name: j for j, b in enumerate(blocks)}
-        for side in side_inputs(profile):  # off the kept bytes of the block it dies in (NOTE [ Where a side input dies ])
-            if side.dies_after in index:
-                stash[index[side.dies_after]] += side.size_bytes
+        sides = side_groups(profile)
+        for nbytes, dies in zip(sides.size_bytes, sides.dies_after):  # off the kept bytes of the block
+            if dies is not None:  # it dies in (NOTE [ Where a side input dies ])
+                stash[dies] += nbytes
         fork = min([r for r in stash if r > 0], default=0)
         self.fork = [min(fork, max(0, r)) for r in stash]
         # What the outer level counts of a call's stash (rng_j: none where the code's frees outweigh
@@ -182,7 +182,6 @@ class SegmentModel:
             after[j] = acc
             acc += blocks[j].grad_bytes
         self.grads_at = after
-        sides = side_groups(profile)
         self.sides = sides if side_inputs(profile) else None
         self.uses = [0] * n  # the side-input groups each block receives, as a mask
         self.saves = [0] * n  # those its kept forward saves (a maker's replay saves another: its own output)
