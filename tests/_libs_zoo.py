@@ -104,6 +104,19 @@ def diffusers_svd_unet() -> Built:
     return model.train(), batch, _sample_loss
 
 
+def diffusers_vqmodel() -> Built:
+    """diffusers' VQModel trained on its reconstruction alone: the quantizer's commitment loss, left
+    out of the loss, dies with the model's output, and with it all the quantizer saves (NOTE [ Blocks
+    by what runs ], rule 1)."""
+    from diffusers import VQModel
+
+    torch.manual_seed(0)
+    model = VQModel(in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 2,
+                    up_block_types=("UpDecoderBlock2D",) * 2, block_out_channels=(16, 32), layers_per_block=1,
+                    latent_channels=3, num_vq_embeddings=32, norm_num_groups=8, sample_size=32)
+    return model.train(), (torch.randn(BATCH, 3, 32, 32, generator=_gen()),), _sample_loss
+
+
 def diffusers_flux() -> Built:
     from diffusers import FluxTransformer2DModel
 
@@ -306,11 +319,22 @@ def monai_unetr() -> Built:
     return model.train(), (torch.randn(BATCH, 1, 64, 64, generator=_gen()),), lambda out, b: out.square().mean()
 
 
+def monai_vnet() -> Built:
+    """MONAI's VNet: stages of a strided convolution and its norm before a ``Sequential`` of
+    convolution layers, whose bare layers are blocks too (NOTE [ Blocks by what runs ], rule 7)."""
+    from monai.networks.nets import VNet
+
+    torch.manual_seed(0)
+    model = VNet(spatial_dims=2, in_channels=1, out_channels=2)
+    return model.train(), (torch.randn(2, 1, 64, 64, generator=_gen()),), lambda out, b: out.square().mean()
+
+
 LIBS: dict[str, Callable[[], Built]] = {
     "diffusers-unet": diffusers_unet,
     "diffusers-cond-unet": diffusers_cond_unet,
     "diffusers-cond-unet-stages": diffusers_cond_unet_stages,
     "diffusers-svd-unet": diffusers_svd_unet,
+    "diffusers-vqmodel": diffusers_vqmodel,
     "diffusers-flux": diffusers_flux,
     "x-unet": x_unet,
     "vit-pytorch-vit": vit_pytorch_vit,
@@ -326,12 +350,14 @@ LIBS: dict[str, Callable[[], Built]] = {
     "monai-unet": monai_unet,
     "monai-dynunet": monai_dynunet,
     "monai-unetr": monai_unetr,
+    "monai-vnet": monai_vnet,
 }
 
 # Modules a user might checkpoint by hand (torch's checkpoint on each): remat's floor is at or below
 # their peak too. MONAI's UNet: the down path's units and the up modules after it; DynUNet: its
-# stem, units and up modules; UNETR: its ViT's layers, its encoders and decoders, whole; diffusers'
-# SVD UNet: its resnets and attentions (the granularity diffusers' own checkpointing takes).
+# stem, units and up modules; UNETR: its ViT's layers, its encoders and decoders, whole; VNet: its
+# stages, whole; diffusers' SVD UNet and VQModel: their resnets and attentions (the granularity
+# diffusers' own checkpointing takes).
 _MONAI_DOWN = ["model.0", "model.1.submodule.0", "model.1.submodule.1.submodule.0", "model.1.submodule.1.submodule.1.submodule"]
 SENSIBLE: dict[str, list[str]] = {
     "monai-unet": [*_MONAI_DOWN, "model.1.submodule.1.submodule.2", "model.1.submodule.2", "model.2"],  # whole units
@@ -340,8 +366,13 @@ SENSIBLE: dict[str, list[str]] = {
         ("mid_block", "resnets.0"), ("mid_block", "attentions.0"), ("mid_block", "resnets.1"),
         *((f"up_blocks.{u}", f"{kind}.{k}") for u, kinds in ((0, ("resnets",)), (1, ("resnets", "attentions")))
           for kind in kinds for k in range(2))]],
+    "diffusers-vqmodel": [*(f"encoder.down_blocks.{i}.resnets.0" for i in range(2)),
+                          *(f"{part}.mid_block.{kind}" for part in ("encoder", "decoder")
+                            for kind in ("resnets.0", "attentions.0", "resnets.1")),
+                          *(f"decoder.up_blocks.{i}.resnets.{k}" for i in range(2) for k in range(2))],
     "monai-unetr": [*(f"vit.blocks.{i}" for i in range(12)), *(f"encoder{i}" for i in range(1, 5)),
                     *(f"decoder{i}" for i in range(2, 6))],
+    "monai-vnet": ["in_tr", "down_tr32", "down_tr64", "down_tr128", "down_tr256", "up_tr256", "up_tr128", "up_tr64"],
     "monai-dynunet": ["input_block", "downsamples.0", "downsamples.1", "bottleneck", "upsamples.0", "upsamples.1",
                       "upsamples.2"],
 }

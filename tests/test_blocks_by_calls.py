@@ -395,6 +395,61 @@ class PartsWhole(nn.Module):
         return self.head(self.wrapped(self.two(self.one(self.embed(ids)))))
 
 
+class VStage(nn.Module):
+    """MONAI's VNet stage: a strided convolution and its norm, bare, before a ``Sequential`` of
+    layers, and a residual sum around them."""
+
+    def __init__(self, d: int, depth: int) -> None:
+        super().__init__()
+        self.down, self.norm = nn.Linear(d, d), nn.LayerNorm(d)
+        self.ops = nn.Sequential(*[Mlp(d) for _ in range(depth)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        down = torch.nn.functional.elu(self.norm(self.down(x)))
+        return torch.nn.functional.elu(self.ops(down) + down)
+
+
+class VStages(nn.Module):
+    """Stages held one by one, each keeping its stack of layers (rule 7: its bare layers are blocks)."""
+
+    def __init__(self, d: int = 32) -> None:
+        super().__init__()
+        self.embed, self.head = nn.Embedding(64, d), nn.Linear(d, 64)
+        self.one, self.two = VStage(d, 2), VStage(d, 3)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.two(self.one(self.embed(ids))))
+
+
+class Ema(nn.Module):
+    """vector-quantize-pytorch's EMA codebook: the forward moves a buffer toward its input."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.proj = nn.Linear(d, d)
+        self.register_buffer("avg", torch.zeros(d))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.avg.data.lerp_(x.detach().mean((0, 1)), 0.2)
+        return self.proj(x) + self.avg
+
+
+class EmaBetween(nn.Module):
+    """A module whose forward changes its buffer, between the layers of a stack: a replay would
+    change it again and run on the changed buffer (rule 1)."""
+
+    def __init__(self, d: int = 32) -> None:
+        super().__init__()
+        self.embed, self.head = nn.Embedding(64, d), nn.Linear(d, 64)
+        self.layers, self.ema = nn.ModuleList([Mlp(d) for _ in range(4)]), Ema(d)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        for i, layer in enumerate(self.layers):
+            x = self.ema(layer(x)) if i == 1 else layer(x)
+        return self.head(x)
+
+
 def _loss(out: torch.Tensor, batch: tuple[torch.Tensor]) -> torch.Tensor:
     return torch.nn.functional.cross_entropy(out.flatten(0, 1), batch[-1].flatten())
 
@@ -412,6 +467,8 @@ CASES = {
     "parts-whole": (PartsWhole, [f"{s}.{p}" for s in ("one", "two", "wrapped.body") for p in ("res", "proj")]),
     "residual-units": (ResidualUnits, [f"unit{i}" for i in range(8)]),
     "stages": (Stages, ["down.0.a", "down.0.b", "down.1", "down.2", "middle.a", "middle.b", "up.0", "up.1", "up.2"]),
+    "ema-between": (EmaBetween, [f"layers.{i}" for i in range(4)]),
+    "vnet-stages": (VStages, [f"{s}.{p}" for s, n in (("one", 2), ("two", 3)) for p in ["down", "norm", *(f"ops.{i}" for i in range(n))]]),
 }
 
 
@@ -649,3 +706,35 @@ def test_named_blocks_no_gradient_reaches_are_refused_with_the_reason() -> None:
     batch = (torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1)),)
     with pytest.raises(ProfileError, match=r"no gradient reached the outputs of blocks \['encoder.0', 'encoder.1'\]"):
         remat.profile(Quantized(), batch, loss_fn=_loss, blocks=["encoder.*"], repeats=1)
+
+
+def test_named_blocks_that_change_their_buffers_are_refused_with_the_reason() -> None:
+    """Rule 1: vector-quantize-pytorch's EMA codebook named as a block planned ``recompute`` updated
+    the codebook twice per step and the encoder's gradients differed from the plain step's."""
+    torch.manual_seed(0)
+    batch = (torch.randint(0, 64, (4, 32), generator=torch.Generator().manual_seed(1)),)
+    with pytest.raises(ProfileError, match=r"\['ema'\] change a buffer in place in their forward \(ema\.avg"):
+        remat.profile(EmaBetween(), batch, loss_fn=_loss, repeats=1, blocks=["layers.*", "ema"])
+
+
+class ChecksItself(nn.Module):
+    """diffusers after ``enable_gradient_checkpointing()``: the model checkpoints its layers itself."""
+
+    def __init__(self, d: int = 32) -> None:
+        super().__init__()
+        self.embed, self.head = nn.Embedding(64, d), nn.Linear(d, 64)
+        self.layers = nn.ModuleList([Mlp(d) for _ in range(3)])
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        for layer in self.layers:
+            x = torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=False)
+        return self.head(x)
+
+
+def test_a_model_that_checkpoints_its_blocks_itself_is_refused_with_the_reason() -> None:
+    """Before, the refusal named the block by its index and asked for other ``blocks=``."""
+    torch.manual_seed(0)
+    batch = (torch.randint(0, 64, (4, 32), generator=torch.Generator().manual_seed(1)),)
+    with pytest.raises(ProfileError, match=r"block layers\.2 ran again in the backward: the model checkpoints it itself"):
+        remat.profile(ChecksItself(), batch, loss_fn=_loss, repeats=1)

@@ -23,6 +23,7 @@ from _tables import varied_chain
 from torch import nn
 
 import remat
+from remat.errors import CheckpointError
 from remat.measure.notes import StepNotes
 from remat.measure.sides import note_output, note_sides, read_side_inputs, storage_key, with_skips
 from remat.measure.tracer import measure_step
@@ -146,8 +147,10 @@ class ListedOutputs(nn.Module):
         return self.head(x)
 
 
-def _loss(out: torch.Tensor, batch: tuple[torch.Tensor]) -> torch.Tensor:
-    return torch.nn.functional.cross_entropy(out.flatten(0, 1), batch[0].flatten())
+def _loss(out: torch.Tensor | dict[str, torch.Tensor], batch: tuple[torch.Tensor]) -> torch.Tensor:
+    """Cross-entropy of the logits, plus the output's ``aux`` loss where it has one."""
+    logits, aux = (out["logits"], out.get("aux", 0.0)) if isinstance(out, dict) else (out, 0.0)
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch[0].flatten()) + aux
 
 
 BATCH = (torch.randint(0, 64, (8, 128), generator=torch.Generator().manual_seed(1)),)
@@ -507,3 +510,84 @@ def test_a_side_input_that_dies_in_its_block_leaves_the_replays_rng_state_whole(
             if measured != predicted:
                 off.append((base, name, predicted, measured))
     assert not off, off
+
+
+class Quantizer(nn.Module):
+    """diffusers' ``VectorQuantizer``: the nearest code, passed on straight through, and a
+    commitment loss; the output's gradient path saves nothing."""
+
+    def __init__(self, d: int, codes: int = 16) -> None:
+        super().__init__()
+        self.codes = nn.Embedding(codes, d)
+
+    def forward(self, z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        index = torch.cdist(z.flatten(0, 1), self.codes.weight).argmin(1)
+        zq = self.codes(index).view_as(z)
+        commit = 0.25 * ((zq.detach() - z) ** 2).mean() + ((zq - z.detach()) ** 2).mean()
+        return z + (zq - z).detach(), commit, index
+
+
+class VectorQuantized(nn.Module):
+    """diffusers' ``VQModel`` on sequences: its output holds the commitment loss, which the loss
+    adds (``aux``) or leaves out."""
+
+    def __init__(self, d: int = 32, commit_in_loss: bool = False) -> None:
+        super().__init__()
+        self.embed, self.head = nn.Embedding(64, d), nn.Linear(d, 64)
+        self.encoder, self.decoder = nn.ModuleList([Mlp(d), Mlp(d)]), nn.ModuleList([Mlp(d), Mlp(d)])
+        self.quantize, self.commit_in_loss = Quantizer(d), commit_in_loss
+
+    def forward(self, ids: torch.Tensor) -> dict[str, torch.Tensor]:
+        x = self.embed(ids)
+        for layer in self.encoder:
+            x = layer(x)
+        q, commit, _ = self.quantize(x)
+        for layer in self.decoder:
+            q = layer(q)
+        return {"logits": self.head(q), "aux" if self.commit_in_loss else "commit": commit}
+
+
+@pytest.mark.parametrize("commit_in_loss", [False, True], ids=["commit-left-out", "commit-in-loss"])
+def test_a_module_whose_backward_reads_nothing_it_saved_is_no_block(commit_in_loss: bool) -> None:
+    """Rule 1 of NOTE [ Blocks by what runs ] in remat.manual.settle: with the commitment loss left
+    out of the loss, all the quantizer saves is in that loss's graph, which dies with the model's
+    output. As a block, its checkpoint's inputs lived to that drop as well, and plans that
+    recomputed it measured 117,796 B over their prediction."""
+    model, prof = _profiled(lambda: VectorQuantized(commit_in_loss=commit_in_loss))
+    names = [b.name for b in prof.blocks]
+    assert ("quantize" in names) == commit_in_loss
+    assert len(names) == 4 + commit_in_loss
+    _every_flip_exact(model, prof)
+    _plans_fit(model, prof)
+
+
+class AddsInPlace(nn.Module):
+    """MONAI's SegResNetDS: the model's code adds a skip into a block's output in place
+    (``x += skip``) before the next block takes it."""
+
+    def __init__(self, d: int = 32) -> None:
+        super().__init__()
+        self.embed, self.head = nn.Embedding(64, d), nn.Linear(d, 64)
+        self.layers = nn.ModuleList([Mlp(d) for _ in range(4)])
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        skip = self.embed(ids)
+        x = self.layers[1](self.layers[0](skip))
+        x += skip
+        for layer in self.layers[2:]:
+            x = layer(x)
+        return self.head(x)
+
+
+def test_a_block_output_changed_in_place_between_blocks_ends_segments() -> None:
+    """NOTE [ A first input made between blocks ] in remat.measure.sides: a segment over
+    ``layers.1`` and ``layers.2`` replayed ``layers.2`` on ``layers.1``'s output without the skip,
+    and MONAI's SegResNetDS's floor plan had gradients 1e-2 off, with no error."""
+    model, prof = _profiled(AddsInPlace)
+    names = [b.name for b in prof.blocks]
+    assert "layers.2" in prof.skip_bytes
+    for plan in _plans_fit(model, prof):  # gradients equal to plain
+        assert not any(names.index(a) < 2 <= names.index(b) for a, b in plan.segments), plan.segments
+    with pytest.raises(CheckpointError, match=r"changed an output of block layers\.1 in place before block layers\.2"):
+        _measured(model, prof, dict.fromkeys(names, "keep"), [["layers.1", "layers.2"]])
+    assert remat.applied_plan(model) is None

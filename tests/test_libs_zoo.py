@@ -75,7 +75,8 @@ def _library_checkpointing(model: nn.Module, batch: Any, loss_fn: Any) -> int | 
     output require grad, so the first layer's input would then need a gradient)."""
     twin = copy.deepcopy(model)
     enable = getattr(twin, "enable_gradient_checkpointing", None) or getattr(twin, "gradient_checkpointing_enable", None)
-    if enable is None or not getattr(twin, "supports_gradient_checkpointing", True):  # transformers' PVT has none
+    if enable is None or not all(getattr(twin, flag, True) for flag in (
+            "supports_gradient_checkpointing", "_supports_gradient_checkpointing")):  # transformers' PVT, diffusers' VQModel
         return None
     enable()
     return _peak(twin, batch, loss_fn)

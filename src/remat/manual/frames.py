@@ -142,7 +142,7 @@ class Frame:
         self.values: weakref.WeakKeyDictionary[Slot, torch.Tensor] = weakref.WeakKeyDictionary()
         self.calls: list[Call] = []
         self.held: dict[int, tuple[weakref.ref[torch.Tensor], Held]] = {}
-        self.outputs: dict[int, tuple[weakref.ref[torch.Tensor], int, tuple[Any, ...]]] = {}
+        self.outputs: dict[int, tuple[weakref.ref[torch.Tensor], int, tuple[Any, ...], int]] = {}
         self.filling = -1  # during the replay: the index of the next placeholder to fill
         self.replayed = False
 
@@ -193,6 +193,13 @@ class Frame:
         def ref(t: torch.Tensor, path: tuple[Any, ...]) -> Any:
             known = self.outputs.get(id(t))
             if known is not None and known[0]() is t:
+                if t._version != known[3]:  # NOTE [ A first input made between blocks ] in remat.measure.sides
+                    names = self.owner.names
+                    raise CheckpointError(
+                        f"remat segment {self.owner.label(self.span)}: the model's code changed an output of block "
+                        f"{names[self.calls[known[1]].index]} in place before block {names[call.index]} took it "
+                        "(as `x += skip`), which the segment's replay cannot redo; end the segment before "
+                        f"block {names[call.index]} (remat.solve does, where the profile saw the change)")
                 return Out(known[1], known[2])
             return self.hold(t)
 
@@ -203,7 +210,7 @@ class Frame:
         k = len(self.calls) - 1
 
         def note(t: torch.Tensor, path: tuple[Any, ...]) -> None:
-            self.outputs[id(t)] = (weakref.ref(t), k, path)
+            self.outputs[id(t)] = (weakref.ref(t), k, path, t._version)
 
         walk(out, note)
 

@@ -4,7 +4,7 @@ what of the trunk no stack covers. ``remat.measure.warmup`` runs that forward.""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from torch import nn
 
@@ -19,7 +19,13 @@ __all__ = ["Calls", "by_calls"]
 # 1. A found block that ran, holds parameters and returned what a gradient reaches in the backward
 #    is a block; one whose output no gradient reaches (DETR's frozen backbone, T2T-ViT's unfolding
 #    of the image, encodec's encoder where the model quantizes its output to integer codes) has no
-#    backward to replay in, and one without parameters (T2T-ViT's reshapes and ``Identity``, in a
+#    backward to replay in, nor has one whose backward reads nothing its forward saved (diffusers'
+#    ``VectorQuantizer`` where the loss leaves out its commitment loss: all it saves is in that
+#    loss's graph, which dies with the model's output; as a block, every plan that recomputed it
+#    measured 5,184 B over its prediction, ``Calls.idle``), nor one whose forward changes its
+#    buffers in place (vector-quantize-pytorch's EMA codebook: a replay updated it twice and
+#    quantized with the updated codebook, and the encoder's gradients differed, ``Calls.mutates``;
+#    a named one is refused), and one without parameters (T2T-ViT's reshapes and ``Identity``, in a
 #    ``Sequential`` where they repeat) is the model's code. One that never runs but whose modules
 #    do (a ``ModuleList`` of ``ModuleList``s that the model iterates in its own loop, ``for attn,
 #    ff in self.layers``) gives way to its outermost modules that run, hold parameters and return
@@ -77,6 +83,12 @@ __all__ = ["Calls", "by_calls"]
 #    checkpointing (0.594), and at 0.588 split (``transformers-segformer``). On the CPU a segment
 #    holds an RNG state per call (5,056 B; on a GPU that state is in host memory), so a segment
 #    over a stage's parts costs more than the stage as one checkpoint: ConvNeXt's floor rose 0.5%.
+#    A module that keeps a stack of found blocks in a container of its own is a stage too, whose
+#    bare layers with parameters, embeddings aside, are blocks as well (``_Trunk.stages``; not the
+#    model's own, such as its closing norm): MONAI's VNet stages, a strided convolution and its
+#    norm before a ``Sequential`` of convolution layers, floored 0.2% above torch's checkpoint on
+#    the whole stages while the model's code kept those two at every budget (``test_libs_zoo``'s
+#    ``monai-vnet``).
 # 8. A found stack of layers of one weight each in a module that holds parameters beside it and makes
 #    its output in its own code (``Calls.made``: MONAI's residual unit, two convolutions in a
 #    ``Sequential`` and a residual convolution it adds to them) is that unit's chain of layers, not
@@ -110,6 +122,17 @@ class Calls:
     made: set[str]
     """The modules whose first call returned a tensor that none of their own modules returned: their
     own code made it (a residual unit's sum, rule 8)."""
+    idle: set[str] = field(default_factory=set)
+    """The modules whose first call saved tensors for the backward, none of which the backward read
+    (rule 1)."""
+    mutates: dict[str, str] = field(default_factory=dict)
+    """The modules whose first call changed a buffer's values in place, and the first such buffer
+    by name (rule 1; a training norm's running statistics are not counted: a replay puts them back)."""
+
+    def replays(self, name: str) -> bool:
+        """Whether the first call of ``name`` has a backward that reads what it saved and a replay
+        that would run it as the step did (rule 1)."""
+        return name in self.grads and name not in self.idle and name not in self.mutates
 
 
 def by_calls(model: nn.Module, found: list[tuple[str, nn.Module]], calls: Calls
@@ -124,7 +147,7 @@ def by_calls(model: nn.Module, found: list[tuple[str, nn.Module]], calls: Calls
         if calls.count.get(name, 0) > 1:
             repeated.append(name)
             continue
-        if name in calls.count and (name not in calls.grads or param_count(module) == 0):
+        if name in calls.count and (not calls.replays(name) or param_count(module) == 0):
             continue  # rule 1: no backward, or the model's code
         tied = len(repeated)
         if name not in calls.count:
@@ -141,9 +164,12 @@ def by_calls(model: nn.Module, found: list[tuple[str, nn.Module]], calls: Calls
         raise ProfileError(f"blocks {missing} did not run in the training step while others of their stack did; "
                            "remat plans blocks that run in every step (turn off layerdrop or other random layer "
                            "skips, or name the blocks with blocks=)")
+    modules = dict(model.named_modules())
+    stages = {c.rpartition(".")[0] for c, ran in stacks.items() if any(ran) and "." in c
+              and isinstance(modules[c], CONTAINERS)}  # rule 7: a stack's stage, not the model
     trunk = _Trunk(calls, last_end=max((calls.end[n] for n, _ in blocks), default=None),
                    least=min((param_count(m) for _, m in blocks), default=0),
-                   blocks=frozenset(id(m) for _, b in blocks for m in b.modules()))
+                   blocks=frozenset(id(m) for _, b in blocks for m in b.modules()), stages=frozenset(stages))
     taken = {n for n, _ in blocks}
     above = {".".join(n.split(".")[:k]) for n in taken for k in range(n.count(".") + 1)}  # with the root, ""
     blocks += _uncovered(model, "", taken, above, trunk)
@@ -170,7 +196,7 @@ def _running_within(name: str, module: nn.Module, calls: Calls, canonical: dict[
             found += _running_within(full, child, calls, canonical, repeated)
         elif calls.count[full] > 1:
             repeated.append(full)
-        elif param_count(child) > 0 and full in calls.grads:
+        elif param_count(child) > 0 and calls.replays(full):
             found.append((full, child))
     return found
 
@@ -223,12 +249,14 @@ class _Trunk:
     blocks: frozenset[int] = frozenset()
     """The modules of the blocks found so far, by object: a module that holds one under another
     name (DynUNet's recursive ``skip_layers``, fed the batch) is no block (rule 5)."""
+    stages: frozenset[str] = frozenset()
+    """The modules that keep a stack of found blocks in a container of their own (rule 7)."""
 
     def holds(self, name: str, module: nn.Module, bare: bool = False) -> bool:
         """Whether ``module``, which no block covers, is a block of the trunk (rule 3); with
         ``bare``, a layer without modules of its own may be one (a stage's part, rule 7)."""
         calls, params = self.calls, param_count(module)
-        if calls.count.get(name) != 1 or name not in calls.grads or not (name in calls.grad_inputs or name in calls.fed):
+        if calls.count.get(name) != 1 or not calls.replays(name) or not (name in calls.grad_inputs or name in calls.fed):
             return False
         before_last = self.last_end is None or calls.start[name] < self.last_end
         if params == 0 or not (before_last or params >= self.least) or any(id(m) in self.blocks for m in module.modules()):
@@ -248,8 +276,9 @@ def _uncovered(model: nn.Module, prefix: str, taken: set[str], above: set[str], 
             continue
         if full in above or (isinstance(child, CONTAINERS) and (whole or full not in trunk.calls.count)):
             found += _uncovered(child, full, taken, above, trunk, stage, whole)
-        elif trunk.holds(full, child, bare=stage):
-            found += [(full, child)] if stage or whole else _split(full, child, taken, above, trunk)
+        elif trunk.holds(full, child, bare=stage or (prefix in trunk.stages and not isinstance(child, nn.Embedding))):
+            bare = not any(True for _ in child.children())  # a stack's stage's own layer (rule 7)
+            found += [(full, child)] if stage or whole or bare else _split(full, child, taken, above, trunk)
     return found
 
 

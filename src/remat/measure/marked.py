@@ -63,6 +63,7 @@ class Hooks(StepNotes):
     def __init__(self, named: list[tuple[str, nn.Module]], mark: Callable[[str], None]) -> None:
         super().__init__()
         self.mark = mark
+        self.names = [name for name, _ in named]
         self.handles = []
         for i, (_, module) in enumerate(named):
             self.handles.append(module.register_forward_pre_hook(self._pre(i), with_kwargs=True))
@@ -73,8 +74,13 @@ class Hooks(StepNotes):
             if not torch.is_grad_enabled():
                 return
             if i in self.order:
+                if self.forward_done:  # a recompute in the backward: the model's own checkpointing
+                    raise ProfileError(
+                        f"block {self.names[i]} ran again in the backward: the model checkpoints it itself "
+                        "(diffusers' enable_gradient_checkpointing(), open_clip's set_grad_checkpointing()). "
+                        "Turn that off and let remat's plan decide what to recompute")
                 raise ProfileError(
-                    f"block {i} ({type(module).__name__}) ran twice in one step; remat plans blocks "
+                    f"block {self.names[i]} ({type(module).__name__}) ran twice in one step; remat plans blocks "
                     "that run once per step (name other blocks with blocks=)"
                 )
             self.order.append(i)

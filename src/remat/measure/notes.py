@@ -78,10 +78,10 @@ class StepNotes:
     first_of: dict[int, int] = field(default_factory=dict)
     """[block]: the block whose output its first input is, the same storage (-1: none)."""
     output_refs: dict[int, Any] = field(default_factory=dict)
-    """[block]: a weak reference to its first output, the tensor itself."""
+    """[block]: a weak reference to its first output, the tensor itself, and its version then."""
     handed_on: dict[int, int] = field(default_factory=dict)
-    """[block]: the block whose first output, the very tensor, its first input is (NOTE [ A first
-    input made between blocks ] in ``remat.measure.sides``)."""
+    """[block]: the block whose first output, the very tensor and not changed in place since, its
+    first input is (NOTE [ A first input made between blocks ] in ``remat.measure.sides``)."""
     began: set[int] = field(default_factory=set)
     """The blocks whose backward has begun."""
     outlived: set[int] = field(default_factory=set)

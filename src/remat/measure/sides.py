@@ -82,7 +82,8 @@ def note_sides(hooks: StepNotes, i: int, x: torch.Tensor | None, inputs: Any) ->
         seen.add(storage_key(x))
         hooks.first_numbers[i] = number
         hooks.first_of[i] = -1 if (maker := output_of(hooks, number)) is None else maker
-        if (j := next((j for j, ref in hooks.output_refs.items() if ref() is x), None)) is not None:
+        if (j := next((j for j, (ref, version) in hooks.output_refs.items()
+                       if ref() is x and x._version == version), None)) is not None:
             hooks.handed_on[i] = j
     hooks.sides[i] = []
     for t in _step.tensors_in(inputs):
@@ -143,7 +144,7 @@ def note_output(hooks: StepNotes, i: int, y: torch.Tensor | None) -> None:
         number = storage_number(hooks, y)
         hooks.firsts.add(number)
         hooks.output_numbers[i] = number
-        hooks.output_refs[i] = weakref.ref(y)
+        hooks.output_refs[i] = (weakref.ref(y), y._version)
         weakref.finalize(y.untyped_storage(), _output_died, hooks, i)
 
 
@@ -303,7 +304,9 @@ def read_held_firsts(traced: StepNotes, names: list[str]) -> list[Crossing]:
 # extractor's output before the feature projection, and the frame of a segment over both held it,
 # 9,984 B over the prediction of the floor plan (hf zoo; tests/test_crossings.py: one hidden state).
 # So a block whose first input is not the very tensor the block before it returned ends segments
-# there, as one computed between blocks does.
+# there, as one computed between blocks does; so does one the model's code changed in place between
+# them (MONAI's SegResNetDS: ``x += skip``), whose change a replay cannot redo (the frame refuses to
+# record it: ``remat.manual.frames``).
 
 
 def with_skips(traced: StepNotes, profile: Profile, unsaved: StepNotes) -> Profile:

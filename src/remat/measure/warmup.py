@@ -9,10 +9,12 @@ import itertools
 import logging
 import warnings
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from remat.errors import ProfileError
 from remat.manual.blocks import no_blocks
@@ -20,6 +22,7 @@ from remat.manual.settle import Calls, by_calls
 from remat.measure import step as _step
 from remat.measure.marked import outside_remat
 from remat.measure.sides import first_tensor as _first_tensor
+from remat.measure.sides import storage_key
 
 __all__ = ["running"]
 
@@ -45,6 +48,9 @@ def running(model: nn.Module, named: list[tuple[str, nn.Module]], explicit: bool
     ticks = itertools.count()
     late: set[str] = set()  # called with gradients only after the model's forward returned
     done = False
+    first: list[str] = []  # the modules in their first call, innermost last
+    saved: set[str] = set()  # of those, the ones whose call saved a tensor for the backward (rule 1)
+    read: set[str] = set()  # and the ones whose saved tensor the backward read
 
     def pre(module: nn.Module, args: Any, kwargs: Any) -> None:
         if torch.is_grad_enabled():
@@ -55,6 +61,7 @@ def running(model: nn.Module, named: list[tuple[str, nn.Module]], explicit: bool
             calls.count[name] = calls.count.get(name, 0) + 1
             if name not in calls.start:
                 calls.start[name] = next(ticks)
+                first.append(name)
                 if (x := _first_tensor((args, kwargs))) is not None and x.requires_grad:
                     calls.grad_inputs.add(name)
                 elif x is not None and id(x) in batch_ids:
@@ -64,6 +71,8 @@ def running(model: nn.Module, named: list[tuple[str, nn.Module]], explicit: bool
         nonlocal done
         if torch.is_grad_enabled() and not done and (name := names[id(module)]) not in calls.end:
             calls.end[name] = next(ticks)
+            if name in first:
+                first.remove(name)
             y = _first_tensor(output)
             if y is not None and not any(r() is y for r in returned.pop(name, [])):
                 calls.made.add(name)  # rule 8
@@ -74,12 +83,26 @@ def running(model: nn.Module, named: list[tuple[str, nn.Module]], explicit: bool
                     t.register_hook(lambda _, name=name: calls.grads.add(name))
         done = done or module is model
 
+    def pack(t: torch.Tensor) -> tuple[tuple[str, ...], torch.Tensor]:
+        saved.update(first)
+        return tuple(first), t.detach()  # NOTE [ What the saving hook holds ] in remat.measure.saved
+
+    def unpack(packed: tuple[tuple[str, ...], torch.Tensor]) -> torch.Tensor:
+        read.update(packed[0])
+        return packed[1]
+
     handles = [h for m in model.modules() for h in (m.register_forward_pre_hook(pre, with_kwargs=True), m.register_forward_hook(post))]
+    def written(buffer: str) -> None:  # rule 1: a replay would change it again
+        for name in first:
+            calls.mutates.setdefault(name, buffer)
+
     try:
-        _step.train_step(model, batch, loss_fn, optimizer)
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack), _BufferWrites(model, written):
+            _step.train_step(model, batch, loss_fn, optimizer)
     finally:
         for h in handles:
             h.remove()
+    calls.idle.update(saved - read)
     if explicit:
         if missing := [n for n, _ in named if n not in calls.count]:
             if set(missing) & late:
@@ -88,6 +111,11 @@ def running(model: nn.Module, named: list[tuple[str, nn.Module]], explicit: bool
                                "once per step with gradients (check blocks=, and that the model trains)")
         if cut := [n for n, _ in named if n not in calls.grads]:
             raise _cut_off(cut)
+        if changing := [n for n, _ in named if n in calls.mutates]:
+            raise ProfileError(
+                f"blocks {changing[:4]} change a buffer in place in their forward ({calls.mutates[changing[0]]}: an "
+                "EMA codebook, a step counter), which a recompute would run again, replaying on the changed "
+                "values; remat plans blocks that can be replayed: leave them out of blocks=")
         return named
     kept, repeated = by_calls(model, named, calls)
     if repeated:
@@ -115,6 +143,35 @@ def running(model: nn.Module, named: list[tuple[str, nn.Module]], explicit: bool
     if left := sorted({n for n, _ in named} - {n for n, _ in kept}):
         log.info("blocks found by the model's containers that do not run as blocks in a training step: %s", left)
     return kept
+
+
+class _BufferWrites(TorchDispatchMode):
+    """Calls ``written(name)`` for each op that writes into one of ``model``'s buffers, however it
+    is reached (``buffer.data.lerp_``, which no version counter sees), on real or fake tensors; not
+    for a training norm's running statistics, which a replay puts back (NOTE [ BatchNorm in
+    recompute ] in remat.manual.batchnorm)."""
+
+    def __init__(self, model: nn.Module, written: Callable[[str], None]) -> None:
+        super().__init__()
+        self.written = written
+        self.buffers = {storage_key(t): name for name, t in model.named_buffers(remove_duplicate=False)
+                        if not _replayed(model.get_submodule(name.rpartition(".")[0]))}
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if self.buffers:
+            for k, arg in enumerate(func._schema.arguments):
+                if arg.alias_info is not None and arg.alias_info.is_write:
+                    t = args[k] if k < len(args) else kwargs.get(arg.name)
+                    if isinstance(t, torch.Tensor) and (name := self.buffers.get(storage_key(t))) is not None:
+                        self.written(name)
+        return func(*args, **kwargs)
+
+
+def _replayed(module: nn.Module) -> bool:
+    """Whether a replay puts back what ``module``'s forward changes in its buffers: a training norm's
+    running statistics."""
+    return isinstance(module, nn.modules.batchnorm._NormBase) and module.training
 
 
 def _in_backward(names: list[str]) -> ProfileError:
