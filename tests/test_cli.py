@@ -272,6 +272,7 @@ def test_infeasible_budget_names_the_smallest_feasible(estimated: tuple[Path, Re
     assert re.search(r"Error: budget 1\.00 MiB is below the smallest feasible \d", result.stderr)
     data = json.loads(run("plan", "--profile", path, "--budget", "1MiB", "--json", code=1).stdout)
     assert data["type"] == "InfeasibleBudget" and data["smallest_feasible_bytes"] > 2**20
+    assert data["smallest_estimated"] is False  # a profile's floor, not one from tensors alone
 
 
 def test_baseline_that_does_not_fit_exits_1(estimated: tuple[Path, Result]) -> None:

@@ -95,7 +95,8 @@ class ProfileError(RematError, ValueError):
 class InfeasibleBudget(RematError, ValueError):
     """No plan (of the method asked for) brings the step's peak under the budget."""
 
-    def __init__(self, message: str, *, budget_bytes: int, smallest_bytes: int, dominant: str):
+    def __init__(self, message: str, *, budget_bytes: int, smallest_bytes: int, dominant: str,
+                 estimated: bool = False):
         super().__init__(message)
         self.budget_bytes = budget_bytes
         """The budget asked for."""
@@ -103,6 +104,12 @@ class InfeasibleBudget(RematError, ValueError):
         """The lowest peak any plan reaches: the smallest budget that can be met."""
         self.dominant = dominant
         """What dominates that lowest peak, for people."""
+        self.estimated = estimated
+        """Whether ``smallest_bytes`` is an estimate, not a floor real steps measured: from the step's
+        tensors alone, where no real step fits the budget, or just above the budget, where the floor
+        plan's own step ran out of memory (NOTE [ Planning what does not fit ] in remat.measure.lean).
+        What no tensor holds (a convolution's scratch space) may put the smallest budget that can be
+        met higher."""
 
 
 class PlanMismatch(RematError, ValueError):

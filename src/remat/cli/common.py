@@ -159,6 +159,7 @@ def handle_errors(fn: _F) -> _F:
                 smallest = getattr(e, "smallest_bytes", None)
                 if smallest is not None:
                     error["smallest_feasible_bytes"] = smallest
+                    error["smallest_estimated"] = getattr(e, "estimated", False)  # from tensors alone
                 click.echo(json.dumps(error))
             raise click.ClickException(message) from e
 

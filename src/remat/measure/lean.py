@@ -11,7 +11,9 @@ profiler runs may peak above it. The rules, in order:
    below the plain step.
 3. Over it, every byte of the profile comes from the profiler's steps on fake tensors (each block
    kept, selective, recomputed; the head's and the tiled MLP's options), and ``solve`` on it raises
-   ``InfeasibleBudget`` when not even the floor fits, before a single real step.
+   ``InfeasibleBudget`` when not even the floor fits, before a single real step. That floor is the
+   tensors' alone (``InfeasibleBudget.estimated``): what no tensor holds, which only a real step
+   measures, may raise it.
 4. Times come from real steps, and a step runs only when the cost model predicts its peak within
    the budget from those bytes: every block recomputed with the leanest head (the lean step), and
    steps with one block of each kind kept, then selective, then tiled, among recomputed blocks, as
@@ -32,6 +34,9 @@ warning says so.
    a MONAI 3-D UNet's convolutions take 50 MB of scratch on the CPU beside a plain step of 73 MB on
    fake tensors (123 MB measured). Then the profile is made lean as if it were predicted over, with
    a warning, and the user's model as it was (``remat.measure.preserve``).
+7. Where a lean profile's own step runs out of memory, the first is the floor plan's, whose peak is
+   the lowest: no plan fits, and ``profile`` refuses the budget (``InfeasibleBudget.estimated``, the
+   smallest above it), not as remat's fault (``remat.plan.refusals.ran_out_within``).
 """
 
 from __future__ import annotations
@@ -48,7 +53,7 @@ import torch
 from torch import nn
 
 from remat.devices import DeviceSpec, get_device
-from remat.errors import RematError
+from remat.errors import InfeasibleBudget, RematError
 from remat.manual.blocks import find_blocks
 from remat.manual.lm_head import HEAD_KEEP
 from remat.manual.segments import apply_segments, remove_segments
@@ -71,6 +76,7 @@ from remat.measure.scratch import Scratch
 from remat.measure.tracer import host_link_bytes_per_s
 from remat.plan.costmodel import estimate
 from remat.plan.head import estimate_with_head
+from remat.plan.refusals import tensors_alone
 from remat.plan.solver import smallest_any, solve
 from remat.records import OptionCost, Profile
 from remat.units import format_bytes, parse_budget
@@ -146,7 +152,10 @@ def lean_profile(model: nn.Module, batch: Any, loss_fn: Any, optimizer: torch.op
     fixed: dict[str, Any] = dict(device=str(device), mode="measured", plain_ran=False,
                                  device_memory_bytes=lean.spec.memory_bytes if cuda else None)
     fake = run.profile(**fixed)
-    solve(fake, lean.budget_bytes)  # InfeasibleBudget before any real step (rule 3)
+    try:
+        solve(fake, lean.budget_bytes)  # InfeasibleBudget before any real step (rule 3)
+    except InfeasibleBudget as e:
+        raise tensors_alone(e) from None
     modules = dict(model.named_modules())
     named = [(name, modules[name]) for name, _ in run.named]
     with preserved(model, optimizer):
@@ -261,6 +270,8 @@ class _Timing:
                                          spec=twin.spec).traced()[:2], n)
         blocks = [r.minus(f) for r, f in zip(real[2], fake[2])]
         parts = {"post_kept": real[1].kept_bytes - fake[1].kept_bytes,  # NOTE [ What no tensor holds ]
+                 "pre_grad": real[0].grad_bytes - fake[0].grad_bytes,
+                 "post_grad": real[1].grad_bytes - fake[1].grad_bytes,
                  "pre_fwd": real[0].fwd_peak_bytes - fake[0].fwd_peak_bytes,
                  "pre_bwd": real[0].bwd_peak_bytes - fake[0].bwd_peak_bytes,
                  "post_fwd": real[1].fwd_peak_bytes - fake[1].fwd_peak_bytes,

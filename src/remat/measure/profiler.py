@@ -44,6 +44,7 @@ from remat.measure.tiles import add_tiles, measure_tiles
 from remat.measure.tracer import MemoryTracer, base_bytes, host_link_bytes_per_s, sized
 from remat.measure.warmup import running
 from remat.models.hf import every_layer, layerdrop_blocks, without_cache
+from remat.plan.refusals import ran_out_within
 from remat.plan.sharding import per_rank_profile
 from remat.records import Profile
 
@@ -135,13 +136,7 @@ def profile(
                 except (torch.OutOfMemoryError, RuntimeError) as e:
                     if not out_of_memory(e):
                         raise
-                    raise ProfileError(
-                        f"remat ran out of memory while profiling within the budget of {lean.budget_bytes} "
-                        "bytes. Every step it runs is predicted within the budget (NOTE [ Planning what does "
-                        "not fit ] in remat.measure.lean): either the device holds less than the budget "
-                        "besides what is already on it (lower the budget), or this is a bug in remat: please "
-                        f"report it, with the model and this message ({type(e).__name__}: {str(e)[:300]})"
-                    ) from e
+                    raise ran_out_within(lean.budget_bytes, f"{type(e).__name__}: {str(e)[:300]}") from e
         result = dataclasses.replace(result, layerdrop=[b.name for b in result.blocks if b.name in skipped])
     else:
         if compiled:

@@ -7,7 +7,7 @@ from remat.errors import InfeasibleBudget
 from remat.records import Profile
 from remat.units import format_bytes
 
-__all__ = ["exact_bytes", "in_eval_mode", "infeasible"]
+__all__ = ["exact_bytes", "in_eval_mode", "infeasible", "ran_out_within", "tensors_alone"]
 
 
 def infeasible(profile: Profile, budget_bytes: int, smallest: int, dominant: str) -> InfeasibleBudget:
@@ -38,6 +38,32 @@ def in_eval_mode(error: InfeasibleBudget) -> InfeasibleBudget:
         "before planning (if it still does not fit, raise the budget or lower the batch).",
         budget_bytes=error.budget_bytes, smallest_bytes=error.smallest_bytes,
         dominant=error.dominant,
+    )
+
+
+def tensors_alone(error: InfeasibleBudget) -> InfeasibleBudget:
+    """``error`` for a profile whose bytes are the step's tensors alone, no real step having fit the
+    budget: its smallest is an estimate (``InfeasibleBudget.estimated``)."""
+    head, advice = str(error).rsplit("; ", 1)
+    return InfeasibleBudget(
+        f"{head.replace('the smallest feasible ', 'the smallest feasible from the step tensors alone, ', 1)}: what "
+        "no tensor holds (a convolution's scratch space) is measured only by a real step, none of which fits "
+        "this budget, and may put it higher; " + advice,
+        budget_bytes=error.budget_bytes, smallest_bytes=error.smallest_bytes, dominant=error.dominant,
+        estimated=True,
+    )
+
+
+def ran_out_within(budget_bytes: int, why: str) -> InfeasibleBudget:
+    """The refusal of ``budget_bytes`` where a real step predicted within it from its tensors ran
+    out of memory (``why``): the first is the floor plan's, so no plan fits; the smallest is above
+    the budget (``InfeasibleBudget.estimated``)."""
+    return InfeasibleBudget(
+        f"budget {format_bytes(budget_bytes)} is below the smallest feasible on this device: the floor plan's "
+        f"step, predicted within it from its tensors, ran out of memory ({why}). What no tensor holds (a "
+        "convolution's scratch space) takes the rest, or the device holds less than the budget besides what "
+        "is already on it; raise the budget or lower the batch.",
+        budget_bytes=budget_bytes, smallest_bytes=budget_bytes + 1, dominant="what no tensor holds", estimated=True,
     )
 
 
