@@ -738,3 +738,38 @@ def test_a_model_that_checkpoints_its_blocks_itself_is_refused_with_the_reason()
     batch = (torch.randint(0, 64, (4, 32), generator=torch.Generator().manual_seed(1)),)
     with pytest.raises(ProfileError, match=r"block layers\.2 ran again in the backward: the model checkpoints it itself"):
         remat.profile(ChecksItself(), batch, loss_fn=_loss, repeats=1)
+
+
+class FlagsItsCheckpointing(nn.Module):
+    """diffusers' and open_clip's shape: a flag on the module that calls the blocks."""
+
+    def __init__(self, d: int = 32) -> None:
+        super().__init__()
+        self.embed, self.head = nn.Embedding(64, d), nn.Linear(d, 64)
+        self.layers = nn.ModuleList([Mlp(d) for _ in range(3)])
+        self.gradient_checkpointing = True  # as enable_gradient_checkpointing() leaves it
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        for layer in self.layers:
+            use = self.gradient_checkpointing and torch.is_grad_enabled()
+            x = torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=False) if use else layer(x)
+        return self.head(x)
+
+
+def test_a_models_own_checkpointing_is_off_while_remat_plans() -> None:
+    """NOTE [ A model's own checkpointing ] in remat.manual.own_checkpointing: before, profiling a
+    diffusers DiT after enable_gradient_checkpointing() stopped at "block 2 ran twice in one step"."""
+    torch.manual_seed(0)
+    model = FlagsItsCheckpointing()
+    ref = copy.deepcopy(model)
+    batch = (torch.randint(0, 64, (8, 128), generator=torch.Generator().manual_seed(1)),)
+    plan, report = remat.auto(model, batch, "60%", loss_fn=_loss, repeats=1, verify=True)
+    assert [b for b in plan.choices] == ["layers.0", "layers.1", "layers.2"] and report.fits
+    assert model.gradient_checkpointing is False and report.grads_equal  # remat's plan alone decides
+    for m in (model, ref):
+        m.zero_grad(set_to_none=True)
+        _loss(m(*batch), batch).backward()
+    assert all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), ref.parameters()))
+    remat.remove(model)
+    assert model.gradient_checkpointing is True and "_remat_own_checkpointing_off" not in model.__dict__

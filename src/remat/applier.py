@@ -43,6 +43,7 @@ from remat.manual.head import set_head_chunk
 from remat.manual.lm_head import chunk_of_option, clear_head, set_head
 from remat.manual.module_form import expect_module
 from remat.manual.options import clear_option, set_option
+from remat.manual.own_checkpointing import own_checkpointing_off
 from remat.manual.segments import apply_segments, remove_segments
 from remat.measure.step import check_compiled
 from remat.models.hf import cache_off, layerdrop_blocks
@@ -54,7 +55,9 @@ __all__ = ["PlanMismatch", "WrappingError", "applied_plan", "apply", "check_wrap
 log = logging.getLogger(__name__)
 
 _PLAN_ATTR = "_remat_plan"
-_CACHE_ATTR = "_remat_cache_hooks"
+_UNDO_ATTR = "_remat_undo"
+"""What ``apply`` turned off for the plan, each undone by its ``remove()`` in ``remove``: the K/V cache's
+hooks, the model's own checkpointing flags (NOTE [ A model's own checkpointing ])."""
 
 
 # Class names, compared by name so that checking needs no torch.distributed import.
@@ -133,7 +136,7 @@ def apply(model: nn.Module, plan: Plan, *, strict: bool = True) -> nn.Module:
     if plan.head != "keep":
         set_head(model, plan.head_module, plan.head, causal_lm=plan.head_causal_lm)
     object.__setattr__(model, _PLAN_ATTR, plan)
-    object.__setattr__(model, _CACHE_ATTR, cache_off(model))
+    object.__setattr__(model, _UNDO_ATTR, cache_off(model) + own_checkpointing_off(model))
     log.info("applied %s plan: %s", plan.method, _summary(plan))
     return wrapper
 
@@ -147,7 +150,7 @@ def remove(model: nn.Module) -> nn.Module:
         clear_head(module)
         set_head_chunk(module, None)
         module.__dict__.pop(_PLAN_ATTR, None)  # on the inner module of a DDP wrapper too
-        for handle in module.__dict__.pop(_CACHE_ATTR, []):
+        for handle in module.__dict__.pop(_UNDO_ATTR, []):
             handle.remove()
     return model
 

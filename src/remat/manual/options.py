@@ -25,7 +25,7 @@ from remat.manual.compiled import (
 from remat.manual.tiled import is_tiled, tile_block, untile_block
 from remat.vocabulary import CheckpointOption
 
-__all__ = ["clear_option", "option_of", "set_option"]
+__all__ = ["clear_option", "is_hf_layer", "option_of", "set_option"]
 
 
 def set_option(module: nn.Module, option: str) -> None:
@@ -40,7 +40,7 @@ def set_option(module: nn.Module, option: str) -> None:
         set_option(module, "keep")
         compile_block(module, budget)
         return
-    if _is_hf_layer(module):
+    if is_hf_layer(module):
         _set_hf(module, option)
         return
     if option == "keep":
@@ -57,7 +57,8 @@ def set_option(module: nn.Module, option: str) -> None:
 # positional arguments, and turns use_cache off while checkpointing).
 
 
-def _is_hf_layer(module: nn.Module) -> bool:
+def is_hf_layer(module: nn.Module) -> bool:
+    """Whether ``module`` is a transformers layer with its own checkpointing hook."""
     return any(c.__name__ == "GradientCheckpointingLayer" for c in type(module).__mro__)
 
 
@@ -111,7 +112,7 @@ def option_of(module: nn.Module) -> str:
         return "tiled"
     if (budget := compiled_budget_of(module)) is not None:
         return compiled_option(budget)
-    if _is_hf_layer(module):
+    if is_hf_layer(module):
         return getattr(module, "_remat_mode", None) or "keep"
     return module_form.is_checkpointed(module) or "keep"
 
@@ -120,7 +121,7 @@ def clear_option(module: nn.Module) -> None:
     """Undo ``set_option`` on ``module``: its own forward again (transformers' settings as before)."""
     untile_block(module)
     uncompile_block(module)
-    if _is_hf_layer(module):
+    if is_hf_layer(module):
         _restore_hf(module)  # transformers' own settings back, as they were before apply
     else:
         module_form.uncheckpoint_module(module)

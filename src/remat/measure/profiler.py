@@ -29,6 +29,7 @@ from torch import nn
 from remat.devices import DeviceSpec, get_device
 from remat.errors import InvalidType, InvalidValue, ProfileError, out_of_memory
 from remat.manual.blocks import find_blocks
+from remat.manual.own_checkpointing import without_own_checkpointing
 from remat.measure import step as _step
 from remat.measure.attribution import assemble
 from remat.measure.collector import collecting_once
@@ -109,7 +110,7 @@ def profile(
         _step.check_trainable(model, "remat.profile")
         skipped = layerdrop_blocks(model)  # Profile.layerdrop
         # NOTE [ layerdrop ], NOTE [ No K/V cache in a planned training step ] in remat.models.hf
-        with every_layer(model), without_cache(model):
+        with every_layer(model), without_cache(model), without_own_checkpointing(model):
             if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
                 optimizer = optimizer(model.parameters())
             lean = None if budget is None else resolve_budget(model, batch, loss_fn, optimizer, budget)
