@@ -212,7 +212,7 @@ def test_a_lean_step_that_runs_out_refuses_the_budget(monkeypatch: pytest.Monkey
     """NOTE [ Planning what does not fit ], rule 7: in a process capped below a MONAI 3-D UNet's
     plain step, the floor plan's step (91 MiB with its head's scratch) ran out, and the user was
     told it was remat's bug or a device smaller than the budget."""
-    import remat.measure.lean as lean
+    import remat.measure.lean_steps as lean_steps
 
     model, batch, loss_fn = _gpt()
     plain = measure_step(model, batch, loss_fn=loss_fn, repeats=0).peak_bytes
@@ -222,7 +222,7 @@ def test_a_lean_step_that_runs_out_refuses_the_budget(monkeypatch: pytest.Monkey
         raise RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate "
                            "memory: you tried to allocate 33554432 bytes. Error code 12 (Cannot allocate memory)")
 
-    monkeypatch.setattr(lean._Timing, "run_steps", runs_out)
+    monkeypatch.setattr(lean_steps.LeanSteps, "run_steps", runs_out)
     budget = int(0.7 * plain)
     with pytest.raises(InfeasibleBudget, match="ran out of memory.*scratch space") as refused:
         remat.auto(model, batch, budget, loss_fn=loss_fn, repeats=1)

@@ -43,10 +43,9 @@ from remat.manual.head import set_head_chunk
 from remat.manual.lm_head import chunk_of_option, clear_head, set_head
 from remat.manual.module_form import expect_module
 from remat.manual.options import clear_option, set_option
-from remat.manual.own_checkpointing import own_checkpointing_off
 from remat.manual.segments import apply_segments, remove_segments
-from remat.measure.step import check_compiled
-from remat.models.hf import cache_off, layerdrop_blocks
+from remat.measure.step import check_compiled, switched_off
+from remat.models.hf import layerdrop_blocks
 from remat.records import Plan
 from remat.vocabulary import OPTIONS
 
@@ -136,7 +135,7 @@ def apply(model: nn.Module, plan: Plan, *, strict: bool = True) -> nn.Module:
     if plan.head != "keep":
         set_head(model, plan.head_module, plan.head, causal_lm=plan.head_causal_lm)
     object.__setattr__(model, _PLAN_ATTR, plan)
-    object.__setattr__(model, _UNDO_ATTR, cache_off(model) + own_checkpointing_off(model))
+    object.__setattr__(model, _UNDO_ATTR, switched_off(model))
     log.info("applied %s plan: %s", plan.method, _summary(plan))
     return wrapper
 

@@ -33,13 +33,11 @@ from torch import nn
 
 from remat.applier import applied_plan, apply, remove
 from remat.errors import InvalidType, InvalidValue
-from remat.manual.own_checkpointing import without_own_checkpointing
 from remat.measure import step as _step
 from remat.measure.collector import collecting_once
 from remat.measure.estimated import plain_peak
 from remat.measure.lean import lean_spec
 from remat.measure.tracer import StepMemory, measure_step
-from remat.models.hf import every_layer, without_cache
 from remat.records import Plan
 from remat.verify_steps import compare, loss_and_grads, plan_key, reserved_peak, times_in_turns
 
@@ -186,7 +184,7 @@ def verify_many(
     # The plain step as remat profiles it, without a K/V cache (NOTE [ No K/V cache in a planned
     # training step ]): with one, transformers' attention multiplies a concatenated key rather than
     # a view of it, which on some CPUs (an AMD EPYC's MKL) sums in another order, 1e-8 apart.
-    with without_cache(model), every_layer(model), without_own_checkpointing(model):  # NOTE [ layerdrop ] in remat.models.hf
+    with _step.as_planned(model):  # NOTE [ layerdrop ] in remat.models.hf
         try:
             remove(model)
             plain_mem = measure_step(model, batch, loss_fn=loss_fn, optimizer=optimizer, repeats=0)
@@ -276,7 +274,7 @@ def _lean(model: nn.Module, batch: Any, loss_fn: Any, optimizer: Any, plans: Seq
     """None when the plain step is predicted within ``budget_bytes``; else the prediction and the
     reference step (NOTE [ Verifying without the plain step ])."""
     spec = lean_spec(_step.batch_device(model, batch))
-    with without_cache(model), every_layer(model), without_own_checkpointing(model):
+    with _step.as_planned(model):
         plain = plain_peak(model, batch, loss_fn, optimizer, spec)
         if plain <= budget_bytes:
             return None
@@ -309,7 +307,7 @@ def _verify_lean(model: nn.Module, batch: Any, plans: Sequence[Plan], loss_fn: A
         )
     previous = applied_plan(model)
     measured: dict[tuple[tuple[str, str], ...], tuple[StepMemory, tuple[float, bool | None], int | None]] = {}
-    with without_cache(model), every_layer(model), without_own_checkpointing(model):  # NOTE [ layerdrop ] in remat.models.hf
+    with _step.as_planned(model):  # NOTE [ layerdrop ] in remat.models.hf
         try:
             ref_grads: list[torch.Tensor] = []
             if lean.reference is not None:

@@ -5,8 +5,8 @@ diffusers' ``enable_gradient_checkpointing()``, open_clip's and timm's ``set_gra
 set a flag (``gradient_checkpointing``, ``grad_checkpointing``) on the modules that call the blocks,
 which then run each block under torch's checkpoint: the block runs again in the model's own
 backward, under whatever option remat gave it. remat's plan decides what is recomputed, so while it
-profiles, verifies and applies a plan those flags are off, and ``remat.remove`` (or the end of
-profiling) turns them back on. Before, profiling such a model stopped at "block ... ran twice in one
+profiles, verifies and applies a plan those flags are off (``remat.measure.step.switched_off``), and
+``remat.remove`` (or the end of profiling) turns them back on. Before, profiling such a model stopped at "block ... ran twice in one
 step" (diffusers' DiT, open_clip's CLIP). transformers' layers are not touched here: remat sets
 their own hook (NOTE [ transformers layers ] in ``remat.manual.options``).
 """
@@ -15,14 +15,12 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 from torch import nn
 
 from remat.manual.options import is_hf_layer
 
-__all__ = ["own_checkpointing_off", "without_own_checkpointing"]
+__all__ = ["own_checkpointing_off"]
 
 log = logging.getLogger(__name__)
 
@@ -59,26 +57,14 @@ def own_checkpointing_off(model: nn.Module) -> list[Flag]:
     for module in model.modules():
         if is_hf_layer(module):
             continue
-        off = module.__dict__.setdefault(_OFF, {})
+        off = module.__dict__.get(_OFF, {})
         for flag in FLAGS:
             if module.__dict__.get(flag) is True or off.get(flag):
                 setattr(module, flag, False)
                 off[flag] = off.get(flag, 0) + 1
+                module.__dict__[_OFF] = off
                 flags.append(Flag(module, flag))
-        if not off:
-            del module.__dict__[_OFF]
     if flags:
         log.info("remat: the model checkpoints its own blocks (%s on %d modules): off while remat plans "
                  "them; remat.remove turns it back on", flags[0].name, len(flags))
     return flags
-
-
-@contextmanager
-def without_own_checkpointing(model: nn.Module) -> Iterator[None]:
-    """The model with its own checkpointing off, and back on after, error or not."""
-    flags = own_checkpointing_off(model)
-    try:
-        yield
-    finally:
-        for flag in flags:
-            flag.remove()

@@ -29,7 +29,6 @@ from torch import nn
 from remat.devices import DeviceSpec, get_device
 from remat.errors import InvalidType, InvalidValue, ProfileError, out_of_memory
 from remat.manual.blocks import find_blocks
-from remat.manual.own_checkpointing import without_own_checkpointing
 from remat.measure import step as _step
 from remat.measure.attribution import assemble
 from remat.measure.collector import collecting_once
@@ -44,7 +43,7 @@ from remat.measure.sides import with_skips
 from remat.measure.tiles import add_tiles, measure_tiles
 from remat.measure.tracer import MemoryTracer, base_bytes, host_link_bytes_per_s, sized
 from remat.measure.warmup import running
-from remat.models.hf import every_layer, layerdrop_blocks, without_cache
+from remat.models.hf import layerdrop_blocks
 from remat.plan.refusals import ran_out_within
 from remat.plan.sharding import per_rank_profile
 from remat.records import Profile
@@ -110,7 +109,7 @@ def profile(
         _step.check_trainable(model, "remat.profile")
         skipped = layerdrop_blocks(model)  # Profile.layerdrop
         # NOTE [ layerdrop ], NOTE [ No K/V cache in a planned training step ] in remat.models.hf
-        with every_layer(model), without_cache(model), without_own_checkpointing(model):
+        with _step.as_planned(model):
             if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
                 optimizer = optimizer(model.parameters())
             lean = None if budget is None else resolve_budget(model, batch, loss_fn, optimizer, budget)

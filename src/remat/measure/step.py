@@ -24,6 +24,8 @@ import torch
 from torch import nn
 
 from remat.errors import InvalidType, InvalidValue
+from remat.manual.own_checkpointing import own_checkpointing_off
+from remat.models.hf import cache_off, every_layer
 
 __all__ = [
     "Batch",
@@ -352,3 +354,25 @@ def batch_device(model: nn.Module, batch: Batch) -> torch.device:
         return first.device
     param = next(model.parameters(), None)
     return param.device if param is not None else torch.device("cpu")
+
+
+def switched_off(model: nn.Module) -> list[Any]:
+    """Turn off what a planned training step runs without: transformers' K/V cache (NOTE [ No K/V
+    cache in a planned training step ] in remat.models.hf) and the model's own checkpointing (NOTE
+    [ A model's own checkpointing ] in remat.manual.own_checkpointing); each of the returned
+    handles' ``remove()`` undoes its part. ``remat.apply`` keeps them until ``remat.remove``."""
+    return [*cache_off(model), *own_checkpointing_off(model)]
+
+
+@contextlib.contextmanager
+def as_planned(model: nn.Module) -> Iterator[None]:
+    """Steps of ``model`` inside this context run as remat plans them: every layer (NOTE
+    [ layerdrop ] in remat.models.hf) and what ``switched_off`` turns off; all back as it was
+    on exit, error or not."""
+    with every_layer(model):
+        handles = switched_off(model)
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()

@@ -91,11 +91,11 @@ def running(model: nn.Module, named: list[tuple[str, nn.Module]], explicit: bool
         read.update(packed[0])
         return packed[1]
 
-    handles = [h for m in model.modules() for h in (m.register_forward_pre_hook(pre, with_kwargs=True), m.register_forward_hook(post))]
     def written(buffer: str) -> None:  # rule 1: a replay would change it again
         for name in first:
             calls.mutates.setdefault(name, buffer)
 
+    handles = [h for m in model.modules() for h in (m.register_forward_pre_hook(pre, with_kwargs=True), m.register_forward_hook(post))]
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, unpack), _BufferWrites(model, written):
             _step.train_step(model, batch, loss_fn, optimizer)

@@ -7,12 +7,14 @@ from remat.errors import InfeasibleBudget
 from remat.records import Profile
 from remat.units import format_bytes
 
-__all__ = ["exact_bytes", "in_eval_mode", "infeasible", "ran_out_within", "tensors_alone"]
+__all__ = ["exact_bytes", "in_eval_mode", "infeasible", "ran_out_within"]
 
 
-def infeasible(profile: Profile, budget_bytes: int, smallest: int, dominant: str) -> InfeasibleBudget:
+def infeasible(profile: Profile, budget_bytes: int, smallest: int, dominant: str,
+               estimated: bool = False) -> InfeasibleBudget:
     """The refusal of ``budget_bytes`` for ``profile``, whose smallest feasible peak is ``smallest``
-    (``dominant``: what dominates it, or where it falls)."""
+    (``dominant``: what dominates it, or where it falls); ``estimated``: a profile whose bytes are
+    the step's tensors alone, no real step having fit the budget (``InfeasibleBudget.estimated``)."""
     assert smallest > budget_bytes, (smallest, budget_bytes)
     if 2 * (profile.param_bytes + profile.optimizer_bytes) >= smallest:
         advice = (
@@ -20,12 +22,16 @@ def infeasible(profile: Profile, budget_bytes: int, smallest: int, dominant: str
         )
     else:
         advice = "raise the budget or lower the batch"
+    source, caveat = ("from the step tensors alone, ", (
+        ": what no tensor holds (a convolution's scratch space) is measured only by a real step, none of "
+        "which fits this budget, and may put it higher")) if estimated else ("", "")
     return InfeasibleBudget(
-        f"budget {exact_bytes(budget_bytes, smallest)} is below the smallest feasible "
-        f"{exact_bytes(smallest, budget_bytes)} ({dominant}); {advice}.",
+        f"budget {exact_bytes(budget_bytes, smallest)} is below the smallest feasible {source}"
+        f"{exact_bytes(smallest, budget_bytes)} ({dominant}){caveat}; {advice}.",
         budget_bytes=budget_bytes,
         smallest_bytes=smallest,
         dominant=dominant,
+        estimated=estimated,
     )
 
 
@@ -37,20 +43,7 @@ def in_eval_mode(error: InfeasibleBudget) -> InfeasibleBudget:
         f"{head}; the model is in eval() mode, but remat plans training steps: call model.train() "
         "before planning (if it still does not fit, raise the budget or lower the batch).",
         budget_bytes=error.budget_bytes, smallest_bytes=error.smallest_bytes,
-        dominant=error.dominant,
-    )
-
-
-def tensors_alone(error: InfeasibleBudget) -> InfeasibleBudget:
-    """``error`` for a profile whose bytes are the step's tensors alone, no real step having fit the
-    budget: its smallest is an estimate (``InfeasibleBudget.estimated``)."""
-    head, advice = str(error).rsplit("; ", 1)
-    return InfeasibleBudget(
-        f"{head.replace('the smallest feasible ', 'the smallest feasible from the step tensors alone, ', 1)}: what "
-        "no tensor holds (a convolution's scratch space) is measured only by a real step, none of which fits "
-        "this budget, and may put it higher; " + advice,
-        budget_bytes=error.budget_bytes, smallest_bytes=error.smallest_bytes, dominant=error.dominant,
-        estimated=True,
+        dominant=error.dominant, estimated=error.estimated,
     )
 
 
