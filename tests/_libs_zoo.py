@@ -346,6 +346,17 @@ def monai_segresnet_ds() -> Built:
     return model.train(), (torch.randn(2, 1, 64, 64, generator=_gen()),), _deep_loss
 
 
+def monai_basicunet() -> Built:
+    """MONAI's BasicUNet: stages that pool before their two convolutions, or concatenate the skip
+    after their upsampler, in their own code, which split would keep what that code saves and makes
+    at every budget: its stages are blocks whole (NOTE [ Blocks by what runs ], rule 9)."""
+    from monai.networks.nets import BasicUNet
+
+    torch.manual_seed(0)
+    model = BasicUNet(spatial_dims=2, in_channels=1, out_channels=3, features=(8, 16, 32, 64, 128, 8), dropout=0.1)
+    return model.train(), (torch.randn(BATCH, 1, 64, 64, generator=_gen()),), lambda out, b: out.square().mean()
+
+
 LIBS: dict[str, Callable[[], Built]] = {
     "diffusers-unet": diffusers_unet,
     "diffusers-cond-unet": diffusers_cond_unet,
@@ -369,12 +380,13 @@ LIBS: dict[str, Callable[[], Built]] = {
     "monai-unetr": monai_unetr,
     "monai-vnet": monai_vnet,
     "monai-segresnet-ds": monai_segresnet_ds,
+    "monai-basicunet": monai_basicunet,
 }
 
 # Modules a user might checkpoint by hand (torch's checkpoint on each): remat's floor is at or below
 # their peak too. MONAI's UNet: the down path's units and the up modules after it; DynUNet: its
 # stem, units and up modules; UNETR: its ViT's layers, its encoders and decoders, whole; VNet: its
-# stages, whole; diffusers' SVD UNet and VQModel: their resnets and attentions (the granularity
+# stages, whole; BasicUNet: its stages, whole; diffusers' SVD UNet and VQModel: their resnets and attentions (the granularity
 # diffusers' own checkpointing takes).
 _MONAI_DOWN = ["model.0", "model.1.submodule.0", "model.1.submodule.1.submodule.0", "model.1.submodule.1.submodule.1.submodule"]
 SENSIBLE: dict[str, list[str]] = {
@@ -390,6 +402,7 @@ SENSIBLE: dict[str, list[str]] = {
                           *(f"decoder.up_blocks.{i}.resnets.{k}" for i in range(2) for k in range(2))],
     "monai-unetr": [*(f"vit.blocks.{i}" for i in range(12)), *(f"encoder{i}" for i in range(1, 5)),
                     *(f"decoder{i}" for i in range(2, 6))],
+    "monai-basicunet": ["conv_0", *(f"down_{i}" for i in range(1, 5)), *(f"upcat_{i}" for i in range(1, 5))],
     "monai-vnet": ["in_tr", "down_tr32", "down_tr64", "down_tr128", "down_tr256", "up_tr256", "up_tr128", "up_tr64"],
     "monai-dynunet": ["input_block", "downsamples.0", "downsamples.1", "bottleneck", "upsamples.0", "upsamples.1",
                       "upsamples.2"],

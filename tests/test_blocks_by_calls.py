@@ -450,6 +450,45 @@ class EmaBetween(nn.Module):
         return self.head(x)
 
 
+class PoolStage(nn.Module):
+    """MONAI BasicUNet's down stage: its own code pools (saving the indices) before its layers."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.layers = nn.Sequential(Mlp(d), Mlp(d))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        pooled, _ = torch.nn.functional.max_pool1d(x.transpose(1, 2), 2, return_indices=True)
+        return self.layers(pooled.transpose(1, 2))
+
+
+class CatStage(nn.Module):
+    """Its up stage: an upsampler, then its own code concatenates the skip before its layers."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.upsample = nn.Linear(d, d)
+        self.layers = nn.Sequential(nn.Linear(2 * d, d), Mlp(d))
+
+    def forward(self, x: torch.Tensor, skip: torch.Tensor) -> torch.Tensor:
+        return self.layers(torch.cat([self.upsample(x).repeat_interleave(2, dim=1), skip], dim=-1))
+
+
+class PoolCatUNet(nn.Module):
+    """Stages whose own code does work for the backward between their layers: whole, they floor lower
+    than split (rule 9)."""
+
+    def __init__(self, d: int = 32) -> None:
+        super().__init__()
+        self.embed, self.head = nn.Embedding(64, d), nn.Linear(d, 64)
+        self.stem = Mlp(d)
+        self.down, self.up = PoolStage(d), CatStage(d)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        skip = self.stem(self.embed(ids))
+        return self.head(self.up(self.down(skip), skip))
+
+
 def _loss(out: torch.Tensor, batch: tuple[torch.Tensor]) -> torch.Tensor:
     return torch.nn.functional.cross_entropy(out.flatten(0, 1), batch[-1].flatten())
 
@@ -583,6 +622,32 @@ def _fits_at_the_floor(model: nn.Module, batch: Any) -> remat.Profile:
         remat.remove(model)
     assert plan.estimate is not None and measured <= plan.estimate.peak_bytes, (measured, plan.estimate)
     return prof
+
+
+def _floor(prof: remat.Profile) -> int:
+    with pytest.raises(remat.InfeasibleBudget) as refused:
+        remat.solve(prof, 1)
+    assert refused.value.smallest_bytes is not None
+    return refused.value.smallest_bytes
+
+
+def test_stages_whose_own_code_works_between_their_layers_are_whole_where_that_floors_lower() -> None:
+    torch.manual_seed(0)
+    model, ref = PoolCatUNet(), PoolCatUNet()
+    ref.load_state_dict(model.state_dict())
+    batch = (torch.randint(0, 64, (8, 128), generator=torch.Generator().manual_seed(1)),)
+    prof = _fits_at_the_floor(model, batch)
+    assert [b.name for b in prof.blocks] == ["stem", "down", "up"]
+    split = remat.profile(model, batch, loss_fn=_mean_square, repeats=1,
+                          blocks=["stem", "down.layers.*", "up.upsample", "up.layers.*"])
+    assert _floor(split) > _floor(prof)
+    remat.apply(model, remat.solve(prof, _floor(prof)))
+    for m in (model, ref):
+        _mean_square(m(*batch), batch).backward()
+    assert all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), ref.parameters()))
+    remat.remove(model)
+    # where whole floors higher, stages stay split: VNet's, whose own code adds and activates after them
+    assert [b.name for b in remat.profile(VStages(), batch, loss_fn=_mean_square, repeats=1).blocks] == CASES["vnet-stages"][1]
 
 
 def _mean_square(output: Any, batch: Any) -> torch.Tensor:

@@ -11,7 +11,7 @@ from torch import nn
 from remat.errors import ProfileError
 from remat.manual.blocks import CONTAINERS, is_block_stack, param_count, stack_candidates
 
-__all__ = ["Calls", "by_calls"]
+__all__ = ["Calls", "by_calls", "coarser"]
 
 # NOTE [ Blocks by what runs ]
 # Containers say what repeats; only a forward says what runs. ``by_calls`` takes the module calls of
@@ -96,6 +96,15 @@ __all__ = ["Calls", "by_calls"]
 #    whole. Split, the residual path was the model's code between blocks, and segments cannot span
 #    it: MONAI's UNet floored at 3.84 MiB where torch's checkpoint on its whole units reaches 3.68
 #    (3.65 now; ``test_libs_zoo``'s ``monai-unet``).
+# 9. A stage whose own code does work for the backward (``Calls.work``: it saves a tensor, or makes
+#    the input of one of its modules: MONAI BasicUNet's max pooling before its convolutions, whose
+#    indices and output its split plan kept at every budget, and the concatenation of its up path's
+#    skip, whose output ended segments) is one block in the other candidate list (``coarser``:
+#    each such stage whole, the innermost where they nest, one holding at most half of the
+#    blocks). The profiler takes the list with the lower floor, from the steps on fake tensors,
+#    the finer one when they tie or cannot run there (``remat.measure.warmup.by_floor``).
+#    BasicUNet floored at 47.63 MB split, 37.80 as stages, torch's checkpoint on its stages
+#    (``test_libs_zoo``'s ``monai-basicunet``).
 # So every block remat chooses has run once in that forward: a block that does not run is never the
 # user's error. One that runs with gradients only after the forward (in the model's own backward: a
 # reversible network) has nothing to checkpoint, and is refused with that reason.
@@ -128,6 +137,10 @@ class Calls:
     mutates: dict[str, str] = field(default_factory=dict)
     """The modules whose first call changed a buffer's values in place, and the first such buffer
     by name (rule 1; a training norm's running statistics are not counted: a replay puts them back)."""
+    work: dict[str, list[int]] = field(default_factory=dict)
+    """The modules holding parameters whose own code (or a module of theirs without parameters) saved
+    a tensor for the backward or made the first input of one of their modules, each time at the
+    position of the calls' starts and ends that follows it (rule 9)."""
 
     def replays(self, name: str) -> bool:
         """Whether the first call of ``name`` has a backward that reads what it saved and a replay
@@ -311,3 +324,31 @@ def _keeps_a_stack(stage: nn.Module) -> bool:
 
     return any(n and own(n) and is_block_stack(c) and not all(_one_weight(m) for m in c.children())
                for n, c, _ in stack_candidates(stage))
+
+
+def coarser(model: nn.Module, blocks: list[tuple[str, nn.Module]], calls: Calls) -> list[tuple[str, nn.Module]] | None:
+    """``blocks`` with each stage that does work between its blocks whole (rule 9), or None when
+    no stage does."""
+    names = [n for n, _ in blocks]
+
+    def under(name: str, other: str) -> bool:
+        return name.startswith(other + ".")
+
+    stages: list[str] = []
+    for stage, module in model.named_modules():
+        if (not stage or calls.count.get(stage) != 1 or not calls.replays(stage)
+                or param_count(module) == 0 or any(stage == n or under(stage, n) for n in names)):
+            continue
+        inner = [n for n in names if under(n, stage)]
+        if len(inner) < 2 or 2 * len(inner) > len(names):
+            continue
+        own = [w for w in calls.work if w == stage or (under(w, stage) and not any(w == n or under(w, n) for n in inner))]
+        if any(calls.start[stage] < at <= calls.end[stage] for w in own for at in calls.work[w]):
+            stages.append(stage)
+    stages = [s for s in stages if not any(under(o, s) for o in stages)]  # the innermost
+    if not stages:
+        return None
+    modules = dict(model.named_modules())
+    kept = [(n, m) for n, m in blocks if not any(under(n, s) for s in stages)] + [(s, modules[s]) for s in stages]
+    order = {n: i for i, n in enumerate(modules)}
+    return sorted(kept, key=lambda b: order[b[0]])

@@ -40,11 +40,12 @@ from remat.measure.runner import StepRunner
 from remat.measure.sides import with_skips
 from remat.measure.tiles import add_tiles, measure_tiles
 from remat.measure.tracer import Trace
-from remat.measure.warmup import running
+from remat.measure.warmup import by_floor, running
 from remat.models.hf import cache_off, layerdrop_blocks, layerdrop_off
+from remat.plan.solver import smallest_any
 from remat.records import OptionCost, Profile
 
-__all__ = ["FAKE_LIMITS", "FakeRun", "fake_copy", "fake_optimizer", "fake_run", "plain_peak"]
+__all__ = ["FAKE_LIMITS", "FakeRun", "fake_copy", "fake_floor", "fake_optimizer", "fake_run", "plain_peak"]
 
 
 def _fake_limits() -> tuple[type[Exception], ...]:
@@ -123,7 +124,10 @@ def fake_run(make_model: Callable[[Any], nn.Module], batch: Any, loss_fn: Any,
         layerdrop_off(model)  # a fake model, thrown away after: nothing to put back
         cache_off(model)  # on a fake model, thrown away after: nothing to remove
         _create_state(model, opt)
-        named = running(model, named, blocks is not None, fake_batch, loss_fn, opt)
+        named, coarse = running(model, named, blocks is not None, fake_batch, loss_fn, opt)
+    # outside the fake mode, whose tensors another one's steps cannot take
+    named = by_floor(named, coarse, fake_floor(make_model, batch, loss_fn, make_optimizer, spec))
+    with steps:
         keys = base_keys(model, opt, fake_batch)
         runs = option_runs(model, named, fake_batch, loss_fn, opt, keys, lambda: FakeMeter(spec))
         traces = {option: (meter.trace, hooks) for option, (meter, hooks) in runs.items()}
@@ -149,6 +153,18 @@ def fake_run(make_model: Callable[[Any], nn.Module], batch: Any, loss_fn: Any,
             layerdrop=[n for n, _ in named if n in skipped],
         ),
     )  # fmt: skip
+
+
+def fake_floor(make_model: Callable[[Any], nn.Module], batch: Any, loss_fn: Any,
+               make_optimizer: Callable[[nn.Module], torch.optim.Optimizer] | None,
+               spec: DeviceSpec) -> Callable[[list[str]], int]:
+    """The floor of the model ``make_model`` makes with the blocks named, from its profile on fake
+    tensors: what rule 9 of NOTE [ Blocks by what runs ] (``remat.manual.settle``) compares."""
+
+    def floor(names: list[str]) -> int:
+        return smallest_any(fake_run(make_model, batch, loss_fn, make_optimizer, names, spec).profile())[0]
+
+    return floor
 
 
 def plain_peak(model: nn.Module, batch: Any, loss_fn: Any, optimizer: torch.optim.Optimizer | None,

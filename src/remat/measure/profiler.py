@@ -33,16 +33,16 @@ from remat.measure import step as _step
 from remat.measure.attribution import assemble
 from remat.measure.collector import collecting_once
 from remat.measure.compiled import add_options, check_budgets, measure_compiled, without_compiled
-from remat.measure.estimated import check_factory, fake_run
+from remat.measure.estimated import check_factory, fake_copy, fake_floor, fake_optimizer, fake_run
 from remat.measure.heads import add_heads, measure_heads
-from remat.measure.lean import lean_profile, resolve_budget
+from remat.measure.lean import lean_profile, lean_spec, resolve_budget
 from remat.measure.marked import base_keys, dtype_name, marked_step, option_runs, sides_of
 from remat.measure.preserve import preserved
 from remat.measure.runner import StepRunner, every_block
 from remat.measure.sides import with_skips
 from remat.measure.tiles import add_tiles, measure_tiles
 from remat.measure.tracer import MemoryTracer, base_bytes, host_link_bytes_per_s, sized
-from remat.measure.warmup import running
+from remat.measure.warmup import by_floor, running
 from remat.models.hf import layerdrop_blocks
 from remat.plan.refusals import ran_out_within
 from remat.plan.sharding import per_rank_profile
@@ -169,7 +169,10 @@ def _measured(
     with preserved(model, optimizer):
         # warm-up: lazy state, allocator, and which blocks run
         with sized(device):  # NOTE [ A free the CPU trace cannot size ] in remat.measure.tracer
-            named = running(model, named, blocks is not None, batch, loss_fn, optimizer)
+            named, coarse = running(model, named, blocks is not None, batch, loss_fn, optimizer)
+            make_opt = None if optimizer is None else fake_optimizer(optimizer, model)
+            named = by_floor(named, coarse, fake_floor(functools.partial(fake_copy, model), batch, loss_fn, make_opt,
+                                                       lean_spec(device)))
         model.zero_grad(set_to_none=True)
         base = base_bytes(model, optimizer, batch, device)
         opt_bytes = _step.optimizer_bytes(optimizer)

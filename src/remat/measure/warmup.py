@@ -16,15 +16,15 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from remat.errors import ProfileError
+from remat.errors import ProfileError, RematError
 from remat.manual.blocks import no_blocks
-from remat.manual.settle import Calls, by_calls
+from remat.manual.settle import Calls, by_calls, coarser
 from remat.measure import step as _step
 from remat.measure.marked import outside_remat
 from remat.measure.sides import first_tensor as _first_tensor
 from remat.measure.sides import storage_key
 
-__all__ = ["running"]
+__all__ = ["Blocks", "by_floor", "running"]
 
 log = logging.getLogger(__name__)
 
@@ -37,22 +37,39 @@ def _cut_off(names: list[str]) -> ProfileError:
                         "recompute in. Name the blocks whose outputs the loss depends on with blocks=")
 
 
-def running(model: nn.Module, named: list[tuple[str, nn.Module]], explicit: bool, batch: Any, loss_fn: Any,
-            optimizer: Any) -> list[tuple[str, nn.Module]]:
+Blocks = list[tuple[str, nn.Module]]
+
+
+def running(model: nn.Module, named: Blocks, explicit: bool, batch: Any, loss_fn: Any,
+            optimizer: Any) -> tuple[Blocks, Blocks | None]:
     """The blocks, settled by what runs in a warm-up step on ``batch``: named ones must run; found
-    ones are settled by the module calls (NOTE [ Blocks by what runs ] in remat.manual.settle)."""
+    ones are settled by the module calls (NOTE [ Blocks by what runs ] in remat.manual.settle),
+    with the other candidate list of rule 9 (``coarser``), or None."""
     calls = Calls(count={}, start={}, end={}, grads=set(), grad_inputs=set(), fed=set(), made=set())
     returned: dict[str, list[weakref.ref[torch.Tensor]]] = {}  # per module in its first call: its modules' outputs
     batch_ids = {id(t) for t in _step.tensors_in(batch)}
     names = {id(m): n for n, m in model.named_modules()}
     ticks = itertools.count()
+    clock = 0  # how many of ``ticks`` were taken: where in the calls' starts and ends a tensor is saved
+    holding = {n for n, m in model.named_modules() if any(True for _ in m.parameters())}
+    outputs: dict[int, weakref.ref[torch.Tensor]] = {}  # what modules holding parameters returned (rule 9)
+    inputs: dict[str, set[int]] = {}  # what they were called with, while they run
     late: set[str] = set()  # called with gradients only after the model's forward returned
     done = False
     first: list[str] = []  # the modules in their first call, innermost last
     saved: set[str] = set()  # of those, the ones whose call saved a tensor for the backward (rule 1)
     read: set[str] = set()  # and the ones whose saved tensor the backward read
 
+    def holder() -> str | None:
+        """The innermost module in its first call that holds parameters: whose code runs now."""
+        return next((n for n in reversed(first) if n in holding), None)
+
+    def worked() -> None:  # rule 9
+        if (name := holder()) is not None:
+            calls.work.setdefault(name, []).append(clock)
+
     def pre(module: nn.Module, args: Any, kwargs: Any) -> None:
+        nonlocal clock
         if torch.is_grad_enabled():
             name = names[id(module)]
             if done:
@@ -60,20 +77,29 @@ def running(model: nn.Module, named: list[tuple[str, nn.Module]], explicit: bool
                 return
             calls.count[name] = calls.count.get(name, 0) + 1
             if name not in calls.start:
-                calls.start[name] = next(ticks)
+                calls.start[name], clock = next(ticks), clock + 1
+                x = _first_tensor((args, kwargs))
+                if (x is not None and x.requires_grad and (h := holder()) is not None and id(x) not in inputs.get(h, ())
+                        and not ((r := outputs.get(id(x))) is not None and r() is x)):
+                    worked()  # made by the code of the module that calls this one
                 first.append(name)
-                if (x := _first_tensor((args, kwargs))) is not None and x.requires_grad:
+                if name in holding:
+                    inputs[name] = {id(t) for t in _step.tensors_in((args, kwargs))}
+                if x is not None and x.requires_grad:
                     calls.grad_inputs.add(name)
                 elif x is not None and id(x) in batch_ids:
                     calls.fed.add(name)
 
     def post(module: nn.Module, args: Any, output: Any) -> None:
-        nonlocal done
+        nonlocal done, clock
         if torch.is_grad_enabled() and not done and (name := names[id(module)]) not in calls.end:
-            calls.end[name] = next(ticks)
+            calls.end[name], clock = next(ticks), clock + 1
             if name in first:
                 first.remove(name)
+            inputs.pop(name, None)
             y = _first_tensor(output)
+            if y is not None and name in holding:
+                outputs[id(y)] = weakref.ref(y)
             if y is not None and not any(r() is y for r in returned.pop(name, [])):
                 calls.made.add(name)  # rule 8
             if y is not None and (parent := name.rpartition(".")[0]) in calls.start and parent not in calls.end:
@@ -85,6 +111,7 @@ def running(model: nn.Module, named: list[tuple[str, nn.Module]], explicit: bool
 
     def pack(t: torch.Tensor) -> tuple[tuple[str, ...], torch.Tensor]:
         saved.update(first)
+        worked()
         return tuple(first), t.detach()  # NOTE [ What the saving hook holds ] in remat.measure.saved
 
     def unpack(packed: tuple[tuple[str, ...], torch.Tensor]) -> torch.Tensor:
@@ -116,7 +143,7 @@ def running(model: nn.Module, named: list[tuple[str, nn.Module]], explicit: bool
                 f"blocks {changing[:4]} change a buffer in place in their forward ({calls.mutates[changing[0]]}: an "
                 "EMA codebook, a step counter), which a recompute would run again, replaying on the changed "
                 "values; remat plans blocks that can be replayed: leave them out of blocks=")
-        return named
+        return named, None
     kept, repeated = by_calls(model, named, calls)
     if repeated:
         warnings.warn(
@@ -142,7 +169,27 @@ def running(model: nn.Module, named: list[tuple[str, nn.Module]], explicit: bool
         raise no_blocks(model)
     if left := sorted({n for n, _ in named} - {n for n, _ in kept}):
         log.info("blocks found by the model's containers that do not run as blocks in a training step: %s", left)
-    return kept
+    return kept, coarser(model, kept, calls)
+
+
+def by_floor(finer: Blocks, coarser: Blocks | None, floor_of: Callable[[list[str]], int]) -> Blocks:
+    """Of rule 9's two candidate lists, the one with the lower floor (``floor_of`` block names, from
+    steps on fake tensors); the finer where they tie, or where the model runs no step on fake
+    tensors (NOTE [ Blocks by what runs ] in remat.manual.settle)."""
+    if coarser is None:
+        return finer
+    try:
+        floors = [floor_of([n for n, _ in blocks]) for blocks in (finer, coarser)]
+    except RematError:
+        raise
+    except Exception as e:  # a forward that reads tensor values, an op fake tensors cannot run
+        log.info("remat: the blocks %s cannot be compared on fake tensors (%s: %s); keeping their parts",
+                 sorted({n for n, _ in coarser} - {n for n, _ in finer}), type(e).__name__, str(e).split("\n")[0][:200])
+        return finer
+    chosen = coarser if floors[1] < floors[0] else finer
+    log.info("remat: stages whole floor at %d bytes, split at %d: taking them %s", floors[1], floors[0],
+             "whole" if chosen is coarser else "split")
+    return chosen
 
 
 class _BufferWrites(TorchDispatchMode):
