@@ -102,7 +102,9 @@ __all__ = ["Calls", "by_calls", "coarser"]
 #    skip, whose output ended segments) is one block in the other candidate list (``coarser``:
 #    each such stage whole, the innermost where they nest, one holding at most half of the
 #    blocks). The profiler takes the list with the lower floor, from the steps on fake tensors,
-#    the finer one when they tie or cannot run there (``remat.measure.warmup.by_floor``).
+#    the finer one when they tie within 1% (a diffusers UNet's up stages whole floored 1 KiB lower,
+#    where split ones are planned per part above the floor) or cannot run there
+#    (``remat.measure.warmup.by_floor``).
 #    BasicUNet floored at 47.63 MB split, 37.80 as stages, torch's checkpoint on its stages
 #    (``test_libs_zoo``'s ``monai-basicunet``).
 # So every block remat chooses has run once in that forward: a block that does not run is never the

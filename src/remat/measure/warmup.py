@@ -24,7 +24,7 @@ from remat.measure.marked import outside_remat
 from remat.measure.sides import first_tensor as _first_tensor
 from remat.measure.sides import storage_key
 
-__all__ = ["Blocks", "by_floor", "running"]
+__all__ = ["NEAR_TIE", "Blocks", "by_floor", "running"]
 
 log = logging.getLogger(__name__)
 
@@ -172,9 +172,15 @@ def running(model: nn.Module, named: Blocks, explicit: bool, batch: Any, loss_fn
     return kept, coarser(model, kept, calls)
 
 
+NEAR_TIE = 0.01
+"""How much lower than the finer list's floor the coarser's must be to be taken (rule 9): a
+diffusers UNet's up stages whole floored 1 KiB lower than split, where the finer list's plans choose
+per part above the floor."""
+
+
 def by_floor(finer: Blocks, coarser: Blocks | None, floor_of: Callable[[list[str]], int]) -> Blocks:
     """Of rule 9's two candidate lists, the one with the lower floor (``floor_of`` block names, from
-    steps on fake tensors); the finer where they tie, or where the model runs no step on fake
+    steps on fake tensors); the finer where they (nearly) tie, or where the model runs no step on fake
     tensors (NOTE [ Blocks by what runs ] in remat.manual.settle)."""
     if coarser is None:
         return finer
@@ -186,7 +192,7 @@ def by_floor(finer: Blocks, coarser: Blocks | None, floor_of: Callable[[list[str
         log.info("remat: the blocks %s cannot be compared on fake tensors (%s: %s); keeping their parts",
                  sorted({n for n, _ in coarser} - {n for n, _ in finer}), type(e).__name__, str(e).split("\n")[0][:200])
         return finer
-    chosen = coarser if floors[1] < floors[0] else finer
+    chosen = coarser if floors[1] < floors[0] * (1 - NEAR_TIE) else finer
     log.info("remat: stages whole floor at %d bytes, split at %d: taking them %s", floors[1], floors[0],
              "whole" if chosen is coarser else "split")
     return chosen
