@@ -1,6 +1,7 @@
 """The blocks found by containers (``remat.manual.blocks``), settled by the module calls of one
 forward with gradients (NOTE [ Blocks by what runs ]): which run, once, with a backward, and
-what of the trunk no stack covers. ``remat.measure.warmup`` runs that forward."""
+what of the trunk no stack covers. ``remat.measure.warmup`` runs that forward, and
+``remat.measure.calls_seen`` watches it."""
 
 from __future__ import annotations
 
