@@ -489,6 +489,57 @@ class PoolCatUNet(nn.Module):
         return self.head(self.up(self.down(skip), skip))
 
 
+class Rotary(nn.Module):
+    """rotary-embedding-torch's cached table: the first call fills a buffer, later ones read it."""
+
+    def __init__(self, d: int, length: int = 128) -> None:
+        super().__init__()
+        self.register_buffer("table", torch.zeros(length, d), persistent=False)
+        self.register_buffer("filled", torch.tensor(0), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.filled.item() == 0:
+            pos = torch.arange(self.table.shape[0], dtype=torch.float32)[:, None]
+            self.table.copy_(torch.sin(pos / 10 ** torch.linspace(0, 4, self.table.shape[1])))
+            self.filled.fill_(1)
+        return x * self.table[: x.shape[1]].cos() + x.roll(1, -1) * self.table[: x.shape[1]].sin()
+
+
+class RotaryLayer(Mlp):
+    def __init__(self, d: int, rotary: Rotary) -> None:
+        super().__init__(d)
+        self.rotary = rotary
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(self.rotary(x))
+
+
+class SharedRotary(nn.Module):
+    """Layers that share one rotary table, which the first of them fills in the first step alone: a
+    cache, not a change a replay would make again (rule 1)."""
+
+    def __init__(self, d: int = 32) -> None:
+        super().__init__()
+        rotary = Rotary(d)
+        self.embed, self.head = nn.Embedding(64, d), nn.Linear(d, 64)
+        self.layers = nn.ModuleList([RotaryLayer(d, rotary) for _ in range(4)])
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+class EmaLists(ListsOfLists):
+    """Lists of lists whose first list's modules change their buffers every step: they ran, as the
+    model's code (rule 1), and their stack skips no layer (rule 2)."""
+
+    def __init__(self, d: int = 32) -> None:
+        super().__init__(d)
+        self.layers[0] = nn.ModuleList([Ema(d), Ema(d)])
+
+
 def _loss(out: torch.Tensor, batch: tuple[torch.Tensor]) -> torch.Tensor:
     return torch.nn.functional.cross_entropy(out.flatten(0, 1), batch[-1].flatten())
 
@@ -507,6 +558,8 @@ CASES = {
     "residual-units": (ResidualUnits, [f"unit{i}" for i in range(8)]),
     "stages": (Stages, ["down.0.a", "down.0.b", "down.1", "down.2", "middle.a", "middle.b", "up.0", "up.1", "up.2"]),
     "ema-between": (EmaBetween, [f"layers.{i}" for i in range(4)]),
+    "shared-rotary": (SharedRotary, [f"layers.{i}" for i in range(4)]),
+    "ema-lists": (EmaLists, [f"layers.{i}.{j}" for i in range(1, 6) for j in range(2)]),
     "vnet-stages": (VStages, [f"{s}.{p}" for s, n in (("one", 2), ("two", 3)) for p in ["down", "norm", *(f"ops.{i}" for i in range(n))]]),
 }
 

@@ -26,7 +26,10 @@ __all__ = ["Calls", "by_calls", "coarser"]
 #    measured 5,184 B over its prediction, ``Calls.idle``), nor one whose forward changes its
 #    buffers in place (vector-quantize-pytorch's EMA codebook: a replay updated it twice and
 #    quantized with the updated codebook, and the encoder's gradients differed, ``Calls.mutates``;
-#    a named one is refused), and one without parameters (T2T-ViT's reshapes and ``Identity``, in a
+#    a named one is refused; a write in the first step alone fills a cache, which a replay
+#    leaves as it is: rotary-embedding-torch's table of frequencies, filled by the first layer
+#    that runs, so that the first layer of a bs-roformer was no block and its stack was refused as
+#    one that skips layers), and one without parameters (T2T-ViT's reshapes and ``Identity``, in a
 #    ``Sequential`` where they repeat) is the model's code. One that never runs but whose modules
 #    do (a ``ModuleList`` of ``ModuleList``s that the model iterates in its own loop, ``for attn,
 #    ff in self.layers``) gives way to its outermost modules that run, hold parameters and return
@@ -138,8 +141,9 @@ class Calls:
     """The modules whose first call saved tensors for the backward, none of which the backward read
     (rule 1)."""
     mutates: dict[str, str] = field(default_factory=dict)
-    """The modules whose first call changed a buffer's values in place, and the first such buffer
-    by name (rule 1; a training norm's running statistics are not counted: a replay puts them back)."""
+    """The modules whose first call changed a buffer's values in place, in the first step and again
+    in the next, and the first such buffer by name (rule 1; a training norm's running statistics are
+    not counted: a replay puts them back)."""
     work: dict[str, list[int]] = field(default_factory=dict)
     """The modules holding parameters whose own code (or a module of theirs without parameters) saved
     a tensor for the backward or made the first input of one of their modules, each time at the
@@ -172,7 +176,8 @@ def by_calls(model: nn.Module, found: list[tuple[str, nn.Module]], calls: Calls
             within = parts  # rule 7
         else:
             within = [(name, module)]
-        stacks.setdefault(name.rpartition(".")[0], []).append(bool(within) or len(repeated) > tied)
+        ran = bool(within) or len(repeated) > tied or any(n.startswith(name + ".") for n in calls.count)
+        stacks.setdefault(name.rpartition(".")[0], []).append(ran)  # rule 2: its modules ran, blocks or not
         blocks += within
     if skipped := [stack for stack, ran in stacks.items() if any(ran) and not all(ran)]:
         missing = [n for n, _ in found if n.rpartition(".")[0] in skipped and not any(

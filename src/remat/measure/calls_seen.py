@@ -129,7 +129,18 @@ class CallsSeen:
 
 
 def seen_calls(model: nn.Module, batch: Any, loss_fn: Any, optimizer: Any) -> CallsSeen:
-    """One training step of ``model`` on ``batch``, its module calls watched."""
+    """One training step of ``model`` on ``batch``, its module calls watched; where it wrote into
+    buffers, the next step too, whose writes are the ones a step makes (the first alone fills a
+    cache: rule 1)."""
+    seen = _watched(model, batch, loss_fn, optimizer)
+    if seen.calls.mutates:
+        again = _watched(model, batch, loss_fn, optimizer).calls.mutates
+        for name in [n for n in seen.calls.mutates if n not in again]:
+            del seen.calls.mutates[name]
+    return seen
+
+
+def _watched(model: nn.Module, batch: Any, loss_fn: Any, optimizer: Any) -> CallsSeen:
     seen = CallsSeen(model, batch_ids={id(t) for t in _step.tensors_in(batch)})
     handles = [h for m in model.modules()
                for h in (m.register_forward_pre_hook(seen.pre, with_kwargs=True), m.register_forward_hook(seen.post))]
