@@ -8,6 +8,7 @@ budget (and none is the plain step), and a budget below the floor runs no real s
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
@@ -264,3 +265,57 @@ def test_what_the_heads_backward_leaves_on_real_tensors_is_measured() -> None:
     remat.apply(model, plan)
     assert measure_step(model, batch, loss_fn=loss_fn, repeats=0).peak_bytes <= plan.estimate.peak_bytes
     remat.remove(model)
+
+
+class _LazyTable(torch.nn.Module):
+    """CoCa's attention: a rotary table made (by an einsum) on its first forward, sliced from then on."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.norm, self.up, self.down = torch.nn.LayerNorm(d), torch.nn.Linear(d, 4 * d), torch.nn.Linear(4 * d, d)
+        self.register_buffer("inv_freq", 1.0 / 10000 ** (torch.arange(0, d, 2).float() / d))
+        self.table: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n = x.shape[1]
+        if self.table is not None and self.table.shape[-2] >= n:
+            pos = self.table[:n]
+        else:
+            freqs = torch.einsum("i , j -> i j", torch.arange(n, dtype=torch.float32), self.inv_freq)
+            pos = self.table = torch.cat((freqs, freqs), dim=-1)
+        h = self.norm(x)
+        h = h * pos.cos() + h.roll(1, -1) * pos.sin()
+        return x + self.down(torch.nn.functional.gelu(self.up(h)))
+
+
+class _LazyNet(torch.nn.Module):
+    def __init__(self, d: int = 64) -> None:
+        super().__init__()
+        self.embed, self.head = torch.nn.Embedding(64, d), torch.nn.Linear(d, 64)
+        self.layers = torch.nn.ModuleList([_LazyTable(d) for _ in range(4)])
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+def test_the_lean_warm_up_step_makes_lazy_state_without_selective_replays(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a fresh CoCa, ``auto`` below the plain step raised torch's "aten.slice.Tensor encountered during
+    backward but not found in storage": the lean profile's first step (a warm-up for lazy state) ran the
+    floor plan, whose selective blocks replayed a slice of the table their forward had made instead."""
+    from remat.measure import lean_steps
+
+    floor_plan = lean_steps.solve
+
+    def selective(prof: Any, budget: int) -> Any:  # the floor plan as CoCa's had it: selective blocks
+        plan = floor_plan(prof, budget)
+        return dataclasses.replace(plan, choices={n: "selective" for n in plan.choices}, segments=[])
+
+    monkeypatch.setattr(lean_steps, "solve", selective)
+    torch.manual_seed(0)
+    model, ids = _LazyNet(), torch.randint(0, 64, (8, 128), generator=torch.Generator().manual_seed(1))
+    loss = lambda out, b: torch.nn.functional.cross_entropy(out.flatten(0, 1), b[0].flatten())  # noqa: E731
+    prof = profile(model, (ids,), loss_fn=loss, repeats=1, budget="60%")
+    assert not prof.plain_ran and all(layer.table is not None for layer in model.layers)

@@ -144,9 +144,11 @@ class LeanSteps:
         """The floor plan's step (the lowest predicted peak): the scratch every later step is
         gated with (NOTE [ What no tensor holds ])."""
         plan = solve(self.fake, smallest_any(self.fake)[0])
-        with self._config(self.runner.model, self.named, [plan.choices[n] for n in self.names], plan.head,
-                          plan.segments):
-            self.runner.marked(lambda _: None)  # warm-up: lazy state, the allocator
+        # warm-up: lazy state, the allocator; a selective block recomputed instead, whose replay met an
+        # op its forward had not recorded where that forward made lazy state (CoCa's rotary table)
+        warm = ["recompute" if plan.choices[n] == "selective" else plan.choices[n] for n in self.names]
+        with self._config(self.runner.model, self.named, warm, plan.head, plan.segments):
+            self.runner.marked(lambda _: None)
         blocks, parts = self._measure([plan.choices[n] for n in self.names], plan.head, plan.segments)
         s = self.scratch
         s.margin = max(0, *(v for b in blocks for v in (b.fwd_peak, b.bwd_peak, b.stop_peak) if v is not None))
