@@ -168,7 +168,7 @@ class Skipping(nn.Module):
 
 
 def test_a_block_that_stops_running_is_an_error_that_says_so() -> None:
-    with pytest.raises(ProfileError, match=r"blocks \['blocks.1'\] did not run in this step.*layerdrop"):
+    with pytest.raises(ProfileError, match=r"blocks \[.blocks.1.\] did not run in this step.*stochastic depth.*holds when"):
         remat.profile(Skipping(), torch.randn(4, 8), loss_fn=_sum_loss, repeats=1)
 
 

@@ -12,7 +12,12 @@ from torch import nn
 from remat.errors import ProfileError
 from remat.manual.blocks import CONTAINERS, is_block_stack, param_count, stack_candidates
 
-__all__ = ["Calls", "by_calls", "coarser"]
+__all__ = ["RANDOM_SKIPS", "Calls", "by_calls", "coarser"]
+
+RANDOM_SKIPS = ("step: turn off layerdrop, stochastic depth or other random layer skips while remat profiles (a "
+                "plan made with every layer holds when layers are skipped after), or name blocks that run in every "
+                "step with blocks=")
+"""What to do about blocks that a step skips at random (rule 2)."""
 
 # NOTE [ Blocks by what runs ]
 # Containers say what repeats; only a forward says what runs. ``by_calls`` takes the module calls of
@@ -183,8 +188,7 @@ def by_calls(model: nn.Module, found: list[tuple[str, nn.Module]], calls: Calls
         missing = [n for n, _ in found if n.rpartition(".")[0] in skipped and not any(
             b == n or b.startswith(n + ".") for b, _ in blocks)]
         raise ProfileError(f"blocks {missing} did not run in the training step while others of their stack did; "
-                           "remat plans blocks that run in every step (turn off layerdrop or other random layer "
-                           "skips, or name the blocks with blocks=)")
+                           f"remat plans blocks that run in every {RANDOM_SKIPS}")
     modules = dict(model.named_modules())
     stages = {c.rpartition(".")[0] for c, ran in stacks.items() if any(ran) and "." in c
               and isinstance(modules[c], CONTAINERS)}  # rule 7: a stack's stage, not the model

@@ -19,6 +19,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from remat.crossing import Crossing
 from remat.errors import ProfileError
+from remat.manual.settle import RANDOM_SKIPS
 from remat.measure import step as _step
 from remat.measure.handovers import note_handover_uses, note_returned
 from remat.measure.notes import StepNotes
@@ -145,7 +146,7 @@ def marked_step(
         hooks.remove()
     if missing := [named[i][0] for i in range(len(named)) if i not in hooks.order]:
         raise ProfileError(f"blocks {missing} did not run in this step; remat plans blocks that run in every "
-                           "step (turn off layerdrop or other random layer skips, or name them with blocks=)")
+                           f"{RANDOM_SKIPS}")
     return hooks
 
 
