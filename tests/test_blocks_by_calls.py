@@ -7,6 +7,7 @@ Each gives the blocks expected, and the plans at 60% and 40% of the plain peak a
 from __future__ import annotations
 
 import copy
+import threading
 from typing import Any
 
 import pytest
@@ -701,6 +702,17 @@ def test_stages_whose_own_code_works_between_their_layers_are_whole_where_that_f
     remat.remove(model)
     # where whole floors higher, stages stay split: VNet's, whose own code adds and activates after them
     assert [b.name for b in remat.profile(VStages(), batch, loss_fn=_mean_square, repeats=1).blocks] == CASES["vnet-stages"][1]
+
+
+def test_stages_stay_split_where_the_model_cannot_be_copied_to_compare_them() -> None:
+    """Rule 9 compares floors on a fake copy; a model ``deepcopy`` cannot copy (a lock among its
+    attributes) is profiled as before, its stages split, not refused."""
+    torch.manual_seed(0)
+    model = PoolCatUNet()
+    model.lock = threading.Lock()
+    batch = (torch.randint(0, 64, (8, 128), generator=torch.Generator().manual_seed(1)),)
+    prof = remat.profile(model, batch, loss_fn=_mean_square, repeats=1)
+    assert [b.name for b in prof.blocks] == ["stem", "down.layers.0", "down.layers.1", "up"]  # copyable: down whole
 
 
 def _mean_square(output: Any, batch: Any) -> torch.Tensor:

@@ -12,7 +12,7 @@ from typing import Any
 
 from torch import nn
 
-from remat.errors import ProfileError, RematError
+from remat.errors import ProfileError
 from remat.manual.blocks import no_blocks
 from remat.manual.settle import by_calls, coarser
 from remat.measure.calls_seen import seen_calls
@@ -97,9 +97,7 @@ def by_floor(finer: Blocks, coarser: Blocks | None, floor_of: Callable[[list[str
         return finer
     try:
         floors = [floor_of([n for n, _ in blocks]) for blocks in (finer, coarser)]
-    except RematError:
-        raise
-    except Exception as e:  # a forward that reads tensor values, an op fake tensors cannot run
+    except Exception as e:  # a forward that reads tensor values, a model deepcopy cannot copy: a choice lost
         log.info("remat: the blocks %s cannot be compared on fake tensors (%s: %s); keeping their parts",
                  sorted({n for n, _ in coarser} - {n for n, _ in finer}), type(e).__name__, str(e).split("\n")[0][:200])
         return finer
