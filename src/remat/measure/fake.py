@@ -101,6 +101,18 @@ if hasattr(aten, "_scaled_dot_product_flash_attention_for_cpu"):
     _EXTRA_FLOPS[aten._scaled_dot_product_flash_attention_for_cpu_backward] = _cpu_flash_bwd_flops
 
 
+# NOTE [ A Python number autograd keeps ]
+# ``x * 0.5`` and ``x / d`` reach the dispatcher with the number as a Python scalar, and autograd
+# keeps it for the backward as a 0-dim tensor of its own (8 bytes, a double or a long) that no op
+# returns, so the meter would not see it: on the CPU it is device memory, and a gMLP's attention
+# (``sim * self.scale``) kept 8 B more per block than its fake twin, and a lean profile's plan
+# measured 8 B over its prediction (segformer-pytorch's too; 24 B under bf16 autocast in
+# TimeSformer's). The meter counts that tensor while it lives: after the op, it takes it from the
+# output's backward node (``_saved_other``), which frees it in that node's backward. On a GPU it is
+# host memory, and uncounted.
+_KEEPS_ITS_NUMBER = frozenset({aten.mul.Tensor, aten.mul_.Tensor, aten.div.Tensor, aten.div_.Tensor})
+
+
 class FakeMeter(TorchDispatchMode):
     """Live bytes and a roofline clock through code that runs on fake tensors.
 
@@ -118,6 +130,8 @@ class FakeMeter(TorchDispatchMode):
         self.marks: list[Mark] = []
         self._storages: dict[int, int] = {}
         self._refs: dict[int, Any] = {}
+        self._numbers: list[weakref.ref[torch.Tensor]] = []
+        """Outputs whose backward node keeps a Python number, until the node is there to read."""
         self.flop_errors: dict[str, str] = {}
         """Ops whose FLOP formula failed -> why; their time is the memory-bound estimate alone."""
 
@@ -144,7 +158,20 @@ class FakeMeter(TorchDispatchMode):
         self._refs.pop(key, None)
         self.live -= nbytes
 
+    def _kept_numbers(self) -> None:
+        """Counts the numbers the last ops' backward nodes keep (NOTE [ A Python number autograd keeps ])."""
+        waiting = []
+        for ref in self._numbers:
+            if (t := ref()) is None:
+                continue
+            if t.grad_fn is None:  # autograd has not made the node yet (it asks the output's device first)
+                waiting.append(ref)
+            elif isinstance(number := getattr(t.grad_fn, "_saved_other", None), torch.Tensor) and number.dim() == 0:
+                self._track(number)
+        self._numbers = waiting
+
     def mark(self, label: str) -> None:
+        self._kept_numbers()
         self.marks.append(
             Mark(label=label, live_bytes=self.live, peak_bytes=self._peak_since, t_ms=self.clock_ms)
         )
@@ -163,6 +190,7 @@ class FakeMeter(TorchDispatchMode):
 
     def __exit__(self, *exc: Any) -> None:
         try:
+            self._kept_numbers()
             super().__exit__(*exc)
         finally:
             self._restore()
@@ -195,7 +223,13 @@ class FakeMeter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
+        if self._numbers:
+            self._kept_numbers()
         out = func(*args, **kwargs)
+        if (func in _KEEPS_ITS_NUMBER and self.spec.name == "cpu" and torch.is_grad_enabled() and len(args) == 2
+                and isinstance(args[1], (int, float)) and not isinstance(args[1], bool)
+                and isinstance(args[0], torch.Tensor) and args[0].requires_grad and isinstance(out, torch.Tensor)):
+            self._numbers.append(weakref.ref(out))
         inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         in_keys = {storage_key(t) for t in inputs}
         written = 0
