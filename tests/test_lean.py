@@ -319,3 +319,24 @@ def test_the_lean_warm_up_step_makes_lazy_state_without_selective_replays(monkey
     loss = lambda out, b: torch.nn.functional.cross_entropy(out.flatten(0, 1), b[0].flatten())  # noqa: E731
     prof = profile(model, (ids,), loss_fn=loss, repeats=1, budget="60%")
     assert not prof.plain_ran and all(layer.table is not None for layer in model.layers)
+
+
+class _Scaled(torch.nn.Module):
+    """An attention's ``sim * self.scale``: autograd keeps the Python number for the backward."""
+
+    def __init__(self, d: int = 64) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(d, d), torch.nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.b(torch.tanh(self.a(x) * 0.5) / 3)
+
+
+def test_fake_tensors_count_the_python_numbers_autograd_keeps() -> None:
+    from remat.measure.estimated import plain_peak
+    from remat.measure.lean import lean_spec
+
+    model, x = torch.nn.Sequential(*[_Scaled() for _ in range(4)]), torch.randn(32, 64)
+    loss = lambda out, b: out.square().mean()  # noqa: E731
+    real = measure_step(model, (x,), loss_fn=loss, repeats=0).peak_bytes
+    assert plain_peak(model, (x,), loss, None, lean_spec(torch.device("cpu"))) == real  # 16 B short before

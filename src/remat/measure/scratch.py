@@ -50,11 +50,7 @@ class Scratch:
         whatever runs around it, so it is added to the profile's peaks (and a block of one kind
         and size stands for the others). A block's option no step ran is charged the largest scratch of any block's phase in the first step (over, never
         under: a kept up.4 of that UNet is 267,072 bytes in its backward, its recompute 0; a
-        transformer's blocks have none, and lose nothing), and what its forward keeps beyond its
-        fake twin as the block's other options measured it (autograd keeps the Python number of
-        ``x * 0.5`` as an 8-byte tensor for the backward, made past the dispatcher, under every
-        option: a gMLP's kept blocks measured 8 B each over a plan's prediction where no step with
-        one kept fit the budget), and every real step after the first
+        transformer's blocks have none, and lose nothing), and every real step after the first
         runs only when this corrected profile predicts it within the budget. What the head keeps
         is corrected too: a storage dies when its last Python reference goes, which is not always
         the same op on fake and real tensors, and the last block's input (NOTE [ The last block's
@@ -74,12 +70,7 @@ class Scratch:
 
         def measured(option: str, name: str) -> PartNumbers:
             seen = self.blocks.get(own.get(option, option), {})
-            found = next((seen[n] for n in [name, *kind.get(name, [])] if n in seen), None)
-            if found is not None:
-                return found
-            # what its forward leaves that no tensor holds, as its other options measured it
-            kept = [s[n].kept for s in self.blocks.values() for n in [name, *kind.get(name, [])] if n in s]
-            return dataclasses.replace(unmeasured, kept=max([0, *kept]))
+            return next((seen[n] for n in [name, *kind.get(name, [])] if n in seen), unmeasured)
 
         blocks = []
         for b in prof.blocks:
