@@ -27,7 +27,8 @@ from torch import nn
 
 from remat.errors import BlockError, InvalidType, did_you_mean
 
-__all__ = ["CONTAINERS", "BlockError", "find_blocks", "fingerprint", "is_block_stack", "param_count", "stack_candidates"]
+__all__ = ["CONTAINERS", "BlockError", "find_blocks", "fingerprint", "inside", "is_block_stack", "param_count",
+           "stack_candidates"]
 
 
 def param_count(module: nn.Module) -> int:
@@ -79,7 +80,8 @@ def find_blocks(
     return found
 
 
-def _inside(name: str, container: str) -> bool:
+def inside(name: str, container: str) -> bool:
+    """Whether module ``name`` is ``container`` or one of its modules (``""``: the model)."""
     return container == "" or name == container or name.startswith(container + ".")
 
 
@@ -101,7 +103,7 @@ def _stacks(model: nn.Module) -> list[tuple[str, nn.Module]]:
     for name, container, params in by_size[1:]:
         if params == 0 or not is_block_stack(container):
             continue
-        if any(_inside(name, t) or _inside(t, name) for t, _ in taken):
+        if any(inside(name, t) or inside(t, name) for t, _ in taken):
             continue
         taken.append((name, container))
     order = {n: i for i, (n, _) in enumerate(model.named_modules())}

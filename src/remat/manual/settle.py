@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from remat.errors import ProfileError
-from remat.manual.blocks import CONTAINERS, is_block_stack, param_count, stack_candidates
+from remat.manual.blocks import CONTAINERS, inside, is_block_stack, param_count, stack_candidates
 
 __all__ = ["RANDOM_SKIPS", "Calls", "by_calls", "coarser"]
 
@@ -342,25 +342,21 @@ def coarser(model: nn.Module, blocks: list[tuple[str, nn.Module]], calls: Calls)
     """``blocks`` with each stage that does work between its blocks whole (rule 9), or None when
     no stage does."""
     names = [n for n, _ in blocks]
-
-    def under(name: str, other: str) -> bool:
-        return name.startswith(other + ".")
-
     stages: list[str] = []
     for stage, module in model.named_modules():
         if (not stage or calls.count.get(stage) != 1 or not calls.replays(stage)
-                or param_count(module) == 0 or any(stage == n or under(stage, n) for n in names)):
+                or param_count(module) == 0 or any(inside(stage, n) for n in names)):
             continue
-        inner = [n for n in names if under(n, stage)]
+        inner = [n for n in names if inside(n, stage)]
         if len(inner) < 2 or 2 * len(inner) > len(names):
             continue
-        own = [w for w in calls.work if w == stage or (under(w, stage) and not any(w == n or under(w, n) for n in inner))]
+        own = [w for w in calls.work if inside(w, stage) and not any(inside(w, n) for n in inner)]
         if any(calls.start[stage] < at <= calls.end[stage] for w in own for at in calls.work[w]):
             stages.append(stage)
-    stages = [s for s in stages if not any(under(o, s) for o in stages)]  # the innermost
+    stages = [s for s in stages if not any(o != s and inside(o, s) for o in stages)]  # the innermost
     if not stages:
         return None
     modules = dict(model.named_modules())
-    kept = [(n, m) for n, m in blocks if not any(under(n, s) for s in stages)] + [(s, modules[s]) for s in stages]
+    kept = [(n, m) for n, m in blocks if not any(inside(n, s) for s in stages)] + [(s, modules[s]) for s in stages]
     order = {n: i for i, n in enumerate(modules)}
     return sorted(kept, key=lambda b: order[b[0]])

@@ -45,7 +45,7 @@ from remat.models.hf import cache_off, layerdrop_blocks, layerdrop_off
 from remat.plan.solver import smallest_any
 from remat.records import OptionCost, Profile
 
-__all__ = ["FAKE_LIMITS", "FakeRun", "fake_copy", "fake_floor", "fake_optimizer", "fake_run", "plain_peak"]
+__all__ = ["FAKE_LIMITS", "FakeFloors", "FakeRun", "fake_copy", "fake_optimizer", "fake_run", "plain_peak"]
 
 
 def _fake_limits() -> tuple[type[Exception], ...]:
@@ -125,8 +125,11 @@ def fake_run(make_model: Callable[[Any], nn.Module], batch: Any, loss_fn: Any,
         cache_off(model)  # on a fake model, thrown away after: nothing to remove
         _create_state(model, opt)
         named, coarse = running(model, named, blocks is not None, fake_batch, loss_fn, opt)
-    # outside the fake mode, whose tensors another one's steps cannot take
-    named = by_floor(named, coarse, fake_floor(make_model, batch, loss_fn, make_optimizer, spec))
+    if coarse is not None:  # rule 9, outside the fake mode, whose tensors another one's steps cannot take
+        floors = FakeFloors(make_model, batch, loss_fn, make_optimizer, spec)
+        named = by_floor(named, coarse, floors)
+        if (chosen := floors.runs.get(tuple(n for n, _ in named))) is not None:
+            return chosen
     with steps:
         keys = base_keys(model, opt, fake_batch)
         runs = option_runs(model, named, fake_batch, loss_fn, opt, keys, lambda: FakeMeter(spec))
@@ -155,16 +158,23 @@ def fake_run(make_model: Callable[[Any], nn.Module], batch: Any, loss_fn: Any,
     )  # fmt: skip
 
 
-def fake_floor(make_model: Callable[[Any], nn.Module], batch: Any, loss_fn: Any,
-               make_optimizer: Callable[[nn.Module], torch.optim.Optimizer] | None,
-               spec: DeviceSpec) -> Callable[[list[str]], int]:
+@dataclasses.dataclass
+class FakeFloors:
     """The floor of the model ``make_model`` makes with the blocks named, from its profile on fake
-    tensors: what rule 9 of NOTE [ Blocks by what runs ] (``remat.manual.settle``) compares."""
+    tensors: what rule 9 of NOTE [ Blocks by what runs ] (``remat.manual.settle``) compares. Each
+    run is kept (``runs``): the chosen list's is the fake run itself, not run again."""
 
-    def floor(names: list[str]) -> int:
-        return smallest_any(fake_run(make_model, batch, loss_fn, make_optimizer, names, spec).profile())[0]
+    make_model: Callable[[Any], nn.Module]
+    batch: Any
+    loss_fn: Any
+    make_optimizer: Callable[[nn.Module], torch.optim.Optimizer] | None
+    spec: DeviceSpec
+    runs: dict[tuple[str, ...], FakeRun] = dataclasses.field(default_factory=dict)
 
-    return floor
+    def __call__(self, names: list[str]) -> int:
+        run = fake_run(self.make_model, self.batch, self.loss_fn, self.make_optimizer, names, self.spec)
+        self.runs[tuple(names)] = run
+        return smallest_any(run.profile())[0]
 
 
 def plain_peak(model: nn.Module, batch: Any, loss_fn: Any, optimizer: torch.optim.Optimizer | None,

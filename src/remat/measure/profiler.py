@@ -33,7 +33,7 @@ from remat.measure import step as _step
 from remat.measure.attribution import assemble
 from remat.measure.collector import collecting_once
 from remat.measure.compiled import add_options, check_budgets, measure_compiled, without_compiled
-from remat.measure.estimated import check_factory, fake_copy, fake_floor, fake_optimizer, fake_run
+from remat.measure.estimated import FakeFloors, check_factory, fake_copy, fake_optimizer, fake_run
 from remat.measure.heads import add_heads, measure_heads
 from remat.measure.lean import lean_profile, lean_spec, resolve_budget
 from remat.measure.marked import base_keys, dtype_name, marked_step, option_runs, sides_of
@@ -171,7 +171,7 @@ def _measured(
         with sized(device):  # NOTE [ A free the CPU trace cannot size ] in remat.measure.tracer
             named, coarse = running(model, named, blocks is not None, batch, loss_fn, optimizer)
             make_opt = None if optimizer is None else fake_optimizer(optimizer, model)
-            named = by_floor(named, coarse, fake_floor(functools.partial(fake_copy, model), batch, loss_fn, make_opt,
+            named = by_floor(named, coarse, FakeFloors(functools.partial(fake_copy, model), batch, loss_fn, make_opt,
                                                        lean_spec(device)))
         model.zero_grad(set_to_none=True)
         base = base_bytes(model, optimizer, batch, device)
