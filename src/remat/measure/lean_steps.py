@@ -154,9 +154,13 @@ class LeanSteps:
         s.margin = max(0, *(v for b in blocks for v in (b.fwd_peak, b.bwd_peak, b.stop_peak) if v is not None))
         order = [b.name for b in self.fake.blocks]
         inside = {n for a, b in plan.segments for n in order[order.index(a):order.index(b) + 1]}
-        for i, name in enumerate(self.names):  # a block in a segment ran no option of its own
+        for i, name in enumerate(self.names):
             if name not in inside:
                 s.add(plan.choices[name], [name], [blocks[i]])
+            else:  # its phases in the segment (NOTE [ What no tensor holds ])
+                b = blocks[i]
+                s.add("keep", [name], [b])
+                s.add("recompute", [name], [dataclasses.replace(b, bwd_peak=max(b.bwd_peak, b.fwd_peak))])
         s.parts, s.heads[plan.head] = parts, parts
         self.corrected = s.onto(self.fake)
 

@@ -51,7 +51,11 @@ class Scratch:
         and size stands for the others). A block's option no step ran is charged the largest scratch of any block's phase in the first step (over, never
         under: a kept up.4 of that UNet is 267,072 bytes in its backward, its recompute 0; a
         transformer's blocks have none, and lose nothing), and every real step after the first
-        runs only when this corrected profile predicts it within the budget. What the head keeps
+        runs only when this corrected profile predicts it within the budget. A block inside one
+        of the floor plan's segments ran its forward without gradients, then its replay and its
+        backward: those phases stand for its kept ones, and for its recomputed ones (whose
+        backward runs the replay's kernels too); charged the margin instead, transformers'
+        SegFormer was refused at its floor, 9% below the smallest the lean profile named. What the head keeps
         is corrected too: a storage dies when its last Python reference goes, which is not always
         the same op on fake and real tensors, and the last block's input (NOTE [ The last block's
         input ]) died in the head of a real UNet step and not of its fake twin (48 KiB); so is what
