@@ -28,7 +28,7 @@ class CallsSeen:
     batch_ids: set[int]
     """The batch's tensors, by id: a module whose first call takes one is fed the batch (rule 3)."""
     calls: Calls = field(default_factory=lambda: Calls(count={}, start={}, end={}, grads=set(), grad_inputs=set(),
-                                                       fed=set(), made=set()))
+                                                       fed=set(), made=set(), made_inputs=set()))
     late: set[str] = field(default_factory=set)
     """The modules called with gradients only after the model's forward returned (rule 1)."""
     clock: int = 0
@@ -93,6 +93,8 @@ class CallsSeen:
             calls.grad_inputs.add(name)
         elif x is not None and id(x) in self.batch_ids:
             calls.fed.add(name)
+        elif x is not None:
+            calls.made_inputs.add(name)
 
     def post(self, module: nn.Module, args: Any, output: Any) -> None:
         calls, name = self.calls, self.names[id(module)]
