@@ -236,11 +236,42 @@ class _Staged:
             args = tuple(args[self.same[i]] if i in self.same else a for i, a in enumerate(args))
         if not self.started:
             self.started = True
-            with self.fwd:
+            with self.fwd, uncached_casts():
                 return self.fn(*args, **self.kwargs)
         roots = module_roots(self.fn, self.kwargs) + self.arg_roots
         with self.rec, RestoreRunningStats(roots), stop_passes_through():
             return self.fn(*args, **self.kwargs)
+
+
+# NOTE [ Autocast's casts in a checkpoint's forward ]
+# 1. Under autocast, the low-precision copy of a parameter is cached from its first cast until the
+#    outermost autocast region exits: the end of the model's forward, as a user writes it. A
+#    checkpointed forward saves none of its casts, but cached they lived to that end all the same
+#    (a layer's bf16 weights, 393,216 B in a pure-torch transformer): the profile's recompute run
+#    read them as kept to the block's backward, they died in the head instead, and plans mixing
+#    options measured up to 398 KiB over their prediction (CoCa under bf16 autocast: 575 KB).
+# 2. So a checkpoint's forward (and a segment's, remat.manual.segments) runs without the cache:
+#    each cast dies after its last use, as the tensors the checkpoint drops do.
+# 3. The recompute runs with the cache as the forward was entered (torch's checkpoint and a
+#    segment's call record it outside this), so its casts, its graph and the gradients are the
+#    plain step's.
+# 4. Left: a kept block's cast that no op saves (a bias's) is still cached to the end of the
+#    forward, and dies in the head under every plan the profile's kept run stands for. A plan
+#    that recomputes such a block frees it earlier than that run says, and measures it over its
+#    prediction (2,304 B per recomputed layer of tests/test_reach.py's autocast model given
+#    biases; CoCa's layers have none and are exact).
+
+
+@contextlib.contextmanager
+def uncached_casts() -> Iterator[None]:
+    """Autocast without its cast cache while the block runs (NOTE [ Autocast's casts in a
+    checkpoint's forward ])."""
+    cached = torch.is_autocast_cache_enabled()
+    torch.set_autocast_cache_enabled(False)
+    try:
+        yield
+    finally:
+        torch.set_autocast_cache_enabled(cached)
 
 
 # NOTE [ A recompute stopped early ]

@@ -30,6 +30,7 @@ next step starts clean.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -40,7 +41,7 @@ from torch import nn
 from torch.utils.checkpoint import get_device_states
 
 from remat.errors import CheckpointError, InvalidType, InvalidValue
-from remat.manual.checkpoint import stop_passes_through
+from remat.manual.checkpoint import stop_passes_through, uncached_casts
 from remat.manual.frames import Call, Done, Frame, autocast_state, walk
 
 __all__ = ["SegmentForward", "Segments", "apply_segments", "remove_segments", "segments_of"]
@@ -124,7 +125,8 @@ class Segments:
                     f.record(call, args, kwargs)
                 if replaying and stack[0].complete():
                     raise Done  # the replaying frame has all it needs (NOTE above: early stop)
-            with torch.autograd.graph.saved_tensors_hooks(top.pack, top.unpack), stop_passes_through(Done):
+            with (torch.autograd.graph.saved_tensors_hooks(top.pack, top.unpack), stop_passes_through(Done),
+                  uncached_casts() if top.filling < 0 else contextlib.nullcontext()):  # NOTE [ Autocast's casts in a checkpoint's forward ]
                 out = inner(*args, **kwargs)
             for f in recording:
                 f.note_output(out)
