@@ -116,7 +116,7 @@ class _CastLayer(nn.Module):
 
 class Autocast(nn.Module):
     """Layers under bf16 autocast (NOTE [ Autocast's casts in a checkpoint's forward ] in
-    remat.manual.checkpoint): a checkpointed layer's cached bf16 weights lived to the end of the
+    remat.manual.contexts): a checkpointed layer's cached bf16 weights lived to the end of the
     forward, and a plan recomputing the last layer alone measured 398,464 B over its prediction."""
 
     def __init__(self, d: int = 128, vocab: int = 512) -> None:

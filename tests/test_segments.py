@@ -218,7 +218,7 @@ def test_measured_peak_goes_below_checkpointing_every_block() -> None:
 
 
 def test_a_replay_stops_early_through_a_block_that_wraps_errors() -> None:
-    """NOTE [ A recompute stopped early ] in remat.manual.checkpoint: the replay's ``Done`` passes
+    """NOTE [ A recompute stopped early ] in remat.manual.contexts: the replay's ``Done`` passes
     through the block's own error (x-transformers' masked attention failed the backward)."""
     torch.manual_seed(0)
     blocks = nn.Sequential(*[WrapsItsErrors(8) for _ in range(3)])

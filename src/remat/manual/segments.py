@@ -41,7 +41,7 @@ from torch import nn
 from torch.utils.checkpoint import get_device_states
 
 from remat.errors import CheckpointError, InvalidType, InvalidValue
-from remat.manual.checkpoint import stop_passes_through, uncached_casts
+from remat.manual.contexts import stop_passes_through, uncached_casts
 from remat.manual.frames import Call, Done, Frame, autocast_state, walk
 
 __all__ = ["SegmentForward", "Segments", "apply_segments", "remove_segments", "segments_of"]

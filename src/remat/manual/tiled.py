@@ -29,7 +29,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint as _torch_checkpoint
 
 from remat.errors import BlockError
-from remat.manual.checkpoint import stop_passes_through
+from remat.manual.contexts import stop_passes_through
 
 __all__ = ["find_mlp", "is_tiled", "tile_block", "tiles", "untile_block"]
 
@@ -139,5 +139,5 @@ def is_tiled(block: nn.Module) -> bool:
 
 
 def _tile_forward(mlp: Any, tile: torch.Tensor) -> Any:
-    with stop_passes_through():  # NOTE [ A recompute stopped early ] in remat.manual.checkpoint
+    with stop_passes_through():  # NOTE [ A recompute stopped early ] in remat.manual.contexts
         return mlp(tile)
