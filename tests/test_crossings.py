@@ -147,6 +147,24 @@ class ListedOutputs(nn.Module):
         return self.head(x)
 
 
+class BandSplit(nn.Module):
+    """BS-RoFormer's band split: a norm and a linear map per band, whose outputs (a matmul's, which
+    ``selective`` keeps) the model's code keeps until it joins them after the last, all alive together (NOTE [ What crosses a block boundary, as
+    state ] in remat.plan.crossings, rule 5): 64 handovers asked the search for 2**64 states, and
+    ``solve`` crashed with OverflowError."""
+
+    def __init__(self, d: int = 32, bands: int = 64) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(64, d)
+        self.bands = nn.ModuleList([nn.Sequential(nn.LayerNorm(d), nn.Linear(d, d)) for _ in range(bands)])
+        self.mix, self.head = Mlp(d), nn.Linear(d, 64)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        outs = [band(part) for band, part in zip(self.bands, x.chunk(len(self.bands), dim=1))]
+        return self.head(self.mix(torch.cat(outs, dim=1)))
+
+
 def _loss(out: torch.Tensor | dict[str, torch.Tensor], batch: tuple[torch.Tensor]) -> torch.Tensor:
     """Cross-entropy of the logits, plus the output's ``aux`` loss where it has one."""
     logits, aux = (out["logits"], out.get("aux", 0.0)) if isinstance(out, dict) else (out, 0.0)
@@ -591,3 +609,9 @@ def test_a_block_output_changed_in_place_between_blocks_ends_segments() -> None:
     with pytest.raises(CheckpointError, match=r"changed an output of block layers\.1 in place before block layers\.2"):
         _measured(model, prof, dict.fromkeys(names, "keep"), [["layers.1", "layers.2"]])
     assert remat.applied_plan(model) is None
+
+
+def test_handovers_past_the_states_bits_read_as_held() -> None:
+    model, prof = _profiled(BandSplit)
+    assert len(handovers(prof)) >= 64
+    _plans_fit(model, prof)

@@ -71,6 +71,9 @@ class ChainConstraints:
     kept_delta_bytes: tuple[tuple[int, ...], ...] = ()
     """With handovers that set bits: [block][state] bytes the state adds to the block's kept bytes
     (NOTE [ What crosses a block boundary, as state ] in ``remat.plan.crossings``); else empty."""
+    bound: bool = False
+    """Whether a handover took no bit of the state (rule 5 of NOTE [ What crosses a block boundary,
+    as state ]): the numbers are then upper bounds, and a plan's own estimate may be lower."""
     clears: tuple[int, ...] = ()
     """With handovers that set bits: [block] the bits dropped after it; else empty (none)."""
     runs: tuple[tuple[str, ...], ...] = ()
@@ -199,14 +202,14 @@ def chain_constraints(profile: Profile, options: Sequence[str] | None = None) ->
     if crossings.states == 1:  # no bit: the constants folded in
         kept = tuple(tuple(k + t.kept_delta[i][0] for k in row) for i, row in enumerate(kept))
         return ChainConstraints(options=options, kept_bytes=kept, need_bytes=t.low, extra_ms=extra_ms,
-                                tail_bytes=t.tails[0], fixed_bytes=fixed, runs=runs)
+                                tail_bytes=t.tails[0], fixed_bytes=fixed, runs=runs, bound=crossings.pinned)
     moves = any(any(row) for row in t.kept_delta)  # only handovers move kept bytes and clear bits
     return ChainConstraints(
         options=options, kept_bytes=kept, need_bytes=t.low, extra_ms=extra_ms, tail_bytes=t.tails[0],
         fixed_bytes=fixed, holds=t.holds, fwd_need_bytes=tuple(tuple(r) for r in fwds),
         bwd_need_bytes=tuple(tuple(r) for r in bwds), delta_bytes=t.delta, tail_held_bytes=t.tails,
         fwd_delta_bytes=t.fwd_delta, kept_delta_bytes=t.kept_delta if moves else (),
-        clears=t.clears if any(t.clears) else (), runs=runs,
+        clears=t.clears if any(t.clears) else (), runs=runs, bound=crossings.pinned,
     )  # fmt: skip
 
 

@@ -28,6 +28,12 @@ mask. The rule, for both kinds:
 4. A bit set never lowers a number (a held side input, a saved or offloaded handover only add),
    so the lowest state is a lower bound for every state: the floors, bounds and relaxations of
    the searches rely on it.
+5. Handovers take at most ``HANDOVER_BITS`` bits at a time; one that finds none free takes none,
+   and reads as saved and offloaded wherever an option of its maker does either (``PINNED``): by
+   rule 4 the highest its numbers can be, so a plan the search finds fits is never predicted
+   under its cost (``estimate`` prices the plan itself). BS-RoFormer hands the outputs of its 65
+   band-split MLPs to the code after the last of them, all alive together: the search asked for
+   2**65 states and crashed (OverflowError).
 ``remat.plan.costmodel.estimate`` applies the same rule to one plan (``handed_over``, the side
 groups' methods); tests/test_costmodel.py checks the two forms equal on random chains with both.
 """
@@ -43,7 +49,12 @@ from remat.plan.handovers import OFFLOADS, placed, saved_under
 from remat.plan.sides import SideGroups, side_groups
 from remat.records import OptionCost, Profile
 
-__all__ = ["Crossings", "StateTables"]
+__all__ = ["HANDOVER_BITS", "PINNED", "Crossings", "StateTables"]
+
+HANDOVER_BITS = 10
+"""The most bits handovers take at a time (rule 5): 1,024 states times the side groups'."""
+PINNED = -2
+"""A handover's bit past ``HANDOVER_BITS``: read as set wherever an option sets it (rule 5)."""
 
 Rows: TypeAlias = Sequence[Sequence[int]]
 Table: TypeAlias = tuple[tuple[int, ...], ...]
@@ -65,10 +76,10 @@ class _Handed:
     copy_bit: int = -1
 
     def mine(self, state: int) -> int:
-        return self.saves[0] if self.save_bit < 0 else state >> self.save_bit & 1
+        return _read(self.saves, self.save_bit, state)
 
     def copied(self, state: int) -> int:
-        return self.copies[0] if self.copy_bit < 0 else state >> self.copy_bit & 1
+        return _read(self.copies, self.copy_bit, state)
 
     def sets(self, o: int) -> int:
         """The bits the maker's option ``o`` sets."""
@@ -79,6 +90,13 @@ class _Handed:
     @property
     def bits(self) -> int:
         return (1 << self.save_bit if self.save_bit >= 0 else 0) | (1 << self.copy_bit if self.copy_bit >= 0 else 0)
+
+
+def _read(values: tuple[int, ...], bit: int, state: int) -> int:
+    """A handover's value in ``state``: its bit's, the constant (rule 1), or the highest (rule 5)."""
+    if bit == PINNED:
+        return max(values)
+    return values[0] if bit < 0 else state >> bit & 1
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -117,6 +135,8 @@ class Crossings:
             if len(set(values)) == 1:
                 return -1
             at = next((b for b, last in enumerate(free_after) if last < maker), len(free_after))
+            if at >= HANDOVER_BITS:
+                return PINNED  # rule 5
             free_after[at:at + 1] = [self.n if dies is None else dies]
             return len(self.sides.size_bytes) + at
 
@@ -130,6 +150,8 @@ class Crossings:
                                   copy_bit=bit(copies, maker, dies)))
         self.handed = handed
         self.states = self.sides.masks << len(free_after)
+        self.pinned = any(PINNED in (h.save_bit, h.copy_bit) for h in handed)
+        """Whether a handover took no bit (rule 5)."""
 
     def static(self, columns: Sequence[Sequence[OptionCost]]) -> list[list[OptionCost]]:
         """The option columns with rule 3's part of each block's own option folded in."""
