@@ -930,3 +930,43 @@ def test_a_models_own_checkpointing_is_off_while_remat_plans() -> None:
     assert all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), ref.parameters()))
     remat.remove(model)
     assert model.gradient_checkpointing is True and "_remat_own_checkpointing_off" not in model.__dict__
+
+
+class _LearnsInForward(nn.Module):
+    """titans-pytorch's neural memory: it takes gradients with torch.func inside the forward."""
+
+    def __init__(self, d: int = 32) -> None:
+        super().__init__()
+        self.memory = nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        def surprise(params: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+            return torch.func.functional_call(self.memory, params, (x,)).square().sum()
+
+        grads = torch.func.grad(surprise)(dict(self.memory.named_parameters()), x.detach())
+        return x + grads["bias"]
+
+
+class LearnsInForward(nn.Module):
+    def __init__(self, d: int = 32) -> None:
+        super().__init__()
+        self.embed, self.head = nn.Embedding(64, d), nn.Linear(d, 64)
+        self.layers = nn.ModuleList([Mlp(d) for _ in range(3)])
+        self.memory = _LearnsInForward(d)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(self.memory(x))
+
+
+def test_a_step_that_calls_torch_func_is_refused_with_what_to_do() -> None:
+    # torch raised its own RuntimeError from inside the warm-up step's saved-tensor hooks
+    torch.manual_seed(0)
+    model = LearnsInForward()
+    batch = (torch.randint(0, 64, (4, 32), generator=torch.Generator().manual_seed(1)),)
+    state = copy.deepcopy(model.state_dict())
+    with pytest.raises(ProfileError, match="torch.func's transforms .* remat.checkpoint in the model's code"):
+        remat.profile(model, batch, loss_fn=_loss, repeats=1)
+    assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())

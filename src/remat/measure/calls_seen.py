@@ -13,6 +13,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from remat.errors import ProfileError
 from remat.manual.settle import Calls
 from remat.measure import step as _step
 from remat.measure.sides import first_tensor, storage_key
@@ -149,6 +150,14 @@ def _watched(model: nn.Module, batch: Any, loss_fn: Any, optimizer: Any) -> Call
     try:
         with torch.autograd.graph.saved_tensors_hooks(seen.pack, seen.unpack), _BufferWrites(model, seen.written):
             _step.train_step(model, batch, loss_fn, optimizer)
+    except RuntimeError as e:
+        if "support saved tensor hooks" not in str(e):
+            raise
+        raise ProfileError(
+            f"{type(model).__name__}'s step calls torch.func's transforms (grad, vjp: a memory that learns in "
+            "its forward, as titans-pytorch's), which torch does not run under saved-tensor hooks, and remat "
+            "reads every tensor a step saves through them: it cannot profile this model. Checkpoint its "
+            "modules that do not call torch.func with remat.checkpoint in the model's code") from None
     finally:
         for h in handles:
             h.remove()
