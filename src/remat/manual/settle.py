@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from typing import Literal
 
 from torch import nn
 
@@ -127,6 +128,11 @@ RANDOM_SKIPS = ("step: turn off layerdrop, stochastic depth or other random laye
 
 
 
+HiddenInput = Literal["grad", "batch", "made"]
+"""A call's hidden input: one that requires grad, a tensor of the batch (a stem), or one the model
+made without a gradient (a codebook's entries, a time embedding's sinusoids; rule 3)."""
+
+
 @dataclass(frozen=True)
 class Calls:
     """The module calls of one forward with gradients, by qualified name."""
@@ -140,16 +146,12 @@ class Calls:
     grads: set[str]
     """The modules whose first call returned a tensor that a gradient reached in the step's
     backward (a backward runs through it)."""
-    grad_inputs: set[str]
-    """The modules whose first call's hidden input (first floating-point tensor) requires grad."""
-    fed: set[str]
-    """The modules whose first call's hidden input is a tensor of the batch (a stem, rule 3)."""
+    inputs: dict[str, HiddenInput]
+    """What each module's first call took as its hidden input (first floating-point tensor), for
+    those that took one (rule 3)."""
     made: set[str]
     """The modules whose first call returned a tensor that none of their own modules returned: their
     own code made it (a residual unit's sum, rule 8)."""
-    made_inputs: set[str] = field(default_factory=set)
-    """The modules whose first call's hidden input is neither of those: the model made it without a
-    gradient (a codebook's entries, a time embedding's sinusoids; rule 3)."""
     idle: set[str] = field(default_factory=set)
     """The modules whose first call saved tensors for the backward, none of which the backward read
     (rule 1)."""
@@ -292,8 +294,8 @@ class _Trunk:
 
     def takes(self, name: str) -> bool:
         """Whether the hidden input of ``name``'s first call is one a block of the trunk takes (rule 3)."""
-        calls = self.calls
-        return name in calls.grad_inputs or name in calls.fed or (self.last_resort and name in calls.made_inputs)
+        taken = self.calls.inputs.get(name)
+        return taken in ("grad", "batch") or (self.last_resort and taken == "made")
 
     def holds(self, name: str, module: nn.Module, bare: bool = False) -> bool:
         """Whether ``module``, which no block covers, is a block of the trunk (rule 3); with

@@ -28,8 +28,8 @@ class CallsSeen:
     model: nn.Module
     batch_ids: set[int]
     """The batch's tensors, by id: a module whose first call takes one is fed the batch (rule 3)."""
-    calls: Calls = field(default_factory=lambda: Calls(count={}, start={}, end={}, grads=set(), grad_inputs=set(),
-                                                       fed=set(), made=set(), made_inputs=set()))
+    calls: Calls = field(default_factory=lambda: Calls(count={}, start={}, end={}, grads=set(), inputs={},
+                                                       made=set()))
     late: set[str] = field(default_factory=set)
     """The modules called with gradients only after the model's forward returned (rule 1)."""
     clock: int = 0
@@ -90,12 +90,8 @@ class CallsSeen:
         self.first.append(name)
         if name in self.holding:
             self.inputs[name] = {id(t) for t in _step.tensors_in((args, kwargs))}
-        if x is not None and x.requires_grad:
-            calls.grad_inputs.add(name)
-        elif x is not None and id(x) in self.batch_ids:
-            calls.fed.add(name)
-        elif x is not None:
-            calls.made_inputs.add(name)
+        if x is not None:
+            calls.inputs[name] = "grad" if x.requires_grad else "batch" if id(x) in self.batch_ids else "made"
 
     def post(self, module: nn.Module, args: Any, output: Any) -> None:
         calls, name = self.calls, self.names[id(module)]
