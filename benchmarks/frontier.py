@@ -83,7 +83,7 @@ from _peers import (
 from remat.measure import step as _step
 from remat.measure.preserve import preserved
 from remat.measure.profiler import profile
-from remat.measure.tracer import measure_step
+from remat.measure.step_memory import measure_step
 from remat.plan.costmodel import estimate
 from remat.plan.head import HEAD_KEEP
 from remat.plan.solver import InfeasibleBudget, smallest_any, solve

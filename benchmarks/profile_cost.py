@@ -29,7 +29,7 @@ from remat import models
 from remat.measure import collector
 from remat.measure import step as _step
 from remat.measure.profiler import profile
-from remat.measure.tracer import measure_step
+from remat.measure.step_memory import measure_step
 
 
 def _models() -> dict[str, Callable[[], tuple[Any, Any, Any]]]:

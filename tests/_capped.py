@@ -142,7 +142,7 @@ def main() -> None:
 def _run(scenario: str, model: Any, batch: Any, loss_fn: Any, done: dict[str, Any]) -> dict[str, Any]:
     import remat
     from remat.measure import step as _step
-    from remat.measure.tracer import measure_step
+    from remat.measure.step_memory import measure_step
 
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)  # no state: the controls and plans alike
     if scenario == "plain":  # the control: the plain step does not fit

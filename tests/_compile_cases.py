@@ -52,7 +52,7 @@ def fullgraph_gpt(control: bool) -> None:
 
     import remat
     from remat import models
-    from remat.measure.tracer import measure_step
+    from remat.measure.step_memory import measure_step
 
     torch.manual_seed(0)
     cfg = models.GPTConfig(n_layer=2, n_embd=64, n_head=2, block_size=128, vocab_size=256, dropout=0.0)
@@ -80,7 +80,7 @@ def transformers_gpt2(control: bool) -> None:
     import torch.nn.functional as F
 
     import remat
-    from remat.measure.tracer import measure_step
+    from remat.measure.step_memory import measure_step
     from remat.models import hf
 
     model, batch, _ = hf.build("gpt2", n_layer=2, use_cache=False, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
@@ -140,7 +140,7 @@ def compiled_options(control: bool) -> None:
     import remat
     from remat import models
     from remat.manual.options import option_of
-    from remat.measure.tracer import measure_step
+    from remat.measure.step_memory import measure_step
     from remat.plan.segment_estimate import estimate_segments
     from remat.plan.solver import smallest_any
 
@@ -207,7 +207,7 @@ def _exact_plans(prof: Any, model: Any, batch: Any, loss_fn: Any, opt: Any, coun
     import random
 
     import remat
-    from remat.measure.tracer import measure_step
+    from remat.measure.step_memory import measure_step
     from remat.plan.segment_estimate import estimate_segments
 
     names = [b.name for b in prof.blocks]

@@ -174,7 +174,7 @@ def test_verified_auto_solves_again_until_the_plan_measures_within_budget(
     caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from remat.measure import marked
-    from remat.measure.tracer import measure_step
+    from remat.measure.step_memory import measure_step
 
     # A profile blind to side inputs (as before they were crossings) mispredicts this model.
     monkeypatch.setattr(marked, "read_side_inputs", lambda *args: [])
@@ -208,7 +208,7 @@ class _SavingBlock(_SideBlock):
 @pytest.mark.parametrize("saving", [False, True], ids=["added", "saved"])
 def test_side_input_is_counted_once_and_lives_as_the_plan_makes_it(saving: bool) -> None:
     # NOTE [ Tensors that cross a block boundary ]: the bias enters every block; a checkpoint holds it to its backward.
-    from remat.measure.tracer import measure_step
+    from remat.measure.step_memory import measure_step
 
     torch.manual_seed(0)
     model, batch = SideInput(), (torch.randint(0, 64, (8, 128)),)

@@ -17,7 +17,7 @@ from torch import nn
 import remat
 from remat.errors import ProfileError
 from remat.manual.blocks import find_blocks
-from remat.measure.tracer import measure_step
+from remat.measure.step_memory import measure_step
 
 
 class Mlp(nn.Module):

@@ -257,7 +257,7 @@ def test_checkpoint_sequential_matches_and_checks_segments() -> None:
 
 
 def test_checkpoint_sequential_keeps_only_segment_inputs() -> None:
-    from remat.measure.tracer import measure_step
+    from remat.measure.step_memory import measure_step
 
     torch.manual_seed(0)
     seq = nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.ReLU()) for _ in range(8)])
@@ -322,7 +322,7 @@ def test_module_form_keeps_names_and_round_trips() -> None:
 def test_every_block_checkpointing_on_the_builtin_gpt() -> None:
     # Measured here: kept 32.8 MB -> 2.4 MB (-92.7%), peak 37.2 MB -> 15.6 MB (-58.1%).
     from remat import models
-    from remat.measure.tracer import measure_step
+    from remat.measure.step_memory import measure_step
 
     torch.manual_seed(0)
     cfg = models.GPTConfig(n_layer=4, n_embd=128, n_head=4, block_size=128, vocab_size=256, dropout=0.1)

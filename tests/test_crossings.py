@@ -26,7 +26,7 @@ import remat
 from remat.errors import CheckpointError
 from remat.measure.notes import StepNotes
 from remat.measure.sides import note_output, note_sides, read_side_inputs, storage_key, with_skips
-from remat.measure.tracer import measure_step
+from remat.measure.step_memory import measure_step
 from remat.plan.handovers import handovers
 from remat.plan.segment_estimate import estimate_segments
 from remat.plan.sides import side_inputs

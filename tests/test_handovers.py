@@ -18,7 +18,7 @@ from torch import nn
 import remat
 from remat.manual.options import clear_option, set_option
 from remat.measure.profiler import profile
-from remat.measure.tracer import measure_step
+from remat.measure.step_memory import measure_step
 from remat.plan.costmodel import estimate
 from remat.plan.handovers import handovers
 from remat.plan.segment_estimate import estimate_segments

@@ -12,7 +12,7 @@ from torch import nn
 import remat
 from remat.errors import InfeasibleBudget, InvalidValue, PlanMismatch
 from remat.measure.heads import chunk_sizes
-from remat.measure.tracer import measure_step
+from remat.measure.step_memory import measure_step
 from remat.plan.head import estimate_with_head, head_names, with_head
 from remat.plan.solver import frontier, smallest_any, solve
 from remat.records import Plan, Profile

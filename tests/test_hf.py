@@ -26,7 +26,7 @@ import remat
 from remat.applier import applied_plan
 from remat.manual.blocks import find_blocks
 from remat.manual.options import option_of as mode_of
-from remat.measure.tracer import measure_step
+from remat.measure.step_memory import measure_step
 from remat.models import hf
 from remat.records import Plan
 

@@ -21,7 +21,7 @@ from remat.manual.options import option_of
 from remat.manual.segments import segments_of
 from remat.measure import marked
 from remat.measure.profiler import profile
-from remat.measure.tracer import measure_step
+from remat.measure.step_memory import measure_step
 from remat.plan.head import estimate_with_head
 from remat.plan.solver import smallest_any, solve
 from remat.units import parse_budget

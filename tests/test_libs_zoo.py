@@ -24,7 +24,7 @@ from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
 import remat
 from remat.measure.step import forward_loss, resolve_loss_fn
-from remat.measure.tracer import measure_step
+from remat.measure.step_memory import measure_step
 
 # The libraries' own deprecations (torch.jit.script in litgpt, diffusers' is_gradient_checkpointing).
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::FutureWarning")

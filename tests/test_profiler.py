@@ -18,7 +18,8 @@ from remat import models
 from remat.manual.blocks import BlockError, find_blocks
 from remat.manual.module_form import checkpoint_module, uncheckpoint_module
 from remat.measure.profiler import ProfileError, profile
-from remat.measure.tracer import MemoryTracer, measure_step, sized
+from remat.measure.step_memory import measure_step
+from remat.measure.tracer import MemoryTracer, sized
 from remat.plan.costmodel import estimate
 from remat.records import Profile, RecordError
 

@@ -21,7 +21,7 @@ from torch import nn
 
 import remat
 from remat.manual.module_form import checkpoint_module, uncheckpoint_module
-from remat.measure.tracer import measure_step
+from remat.measure.step_memory import measure_step
 from remat.models import ConvNetConfig, build_model, loss_fn_for, make_batch
 from remat.plan.costmodel import smallest_feasible
 

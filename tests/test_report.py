@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from remat.measure.tracer import StepMemory, TimelinePoint
+from remat.measure.step_memory import StepMemory, TimelinePoint
 from remat.records import BlockProfile, Estimate, OptionCost, Plan, Profile, Segment
 from remat.report import (
     ComparisonRow,

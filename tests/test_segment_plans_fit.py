@@ -15,7 +15,7 @@ from test_stacks import _unet, _unet_loss
 
 import remat
 from remat.measure.profiler import profile
-from remat.measure.tracer import measure_step
+from remat.measure.step_memory import measure_step
 from remat.models import BiasLMConfig, GPTConfig, UNetConfig, build_model, loss_fn_for, make_batch
 from remat.plan.segment_estimate import estimate_segments
 from remat.plan.segments import SegmentModel

@@ -17,7 +17,8 @@ from torch.utils.checkpoint import checkpoint
 
 from remat.errors import CheckpointError
 from remat.manual.segments import apply_segments, remove_segments, segments_of
-from remat.measure.tracer import MemoryTracer, measure_step
+from remat.measure.step_memory import measure_step
+from remat.measure.tracer import MemoryTracer
 from remat.plan.segment_estimate import _replay_ms
 from remat.plan.segments import forest
 

@@ -11,7 +11,7 @@ import torch
 
 import remat
 from remat.measure.profiler import profile
-from remat.measure.tracer import measure_step
+from remat.measure.step_memory import measure_step
 from remat.models import BiasLMConfig, GPTConfig, UNetConfig, build_model, loss_fn_for, make_batch
 from remat.plan.segment_estimate import estimate_segments
 from remat.plan.solver import smallest_any, solve

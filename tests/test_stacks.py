@@ -15,7 +15,7 @@ import remat
 from remat.errors import ProfileError
 from remat.manual.blocks import find_blocks
 from remat.manual.module_form import checkpoint_module, uncheckpoint_module
-from remat.measure.tracer import measure_step
+from remat.measure.step_memory import measure_step
 
 
 class Conv(nn.Module):

@@ -16,7 +16,7 @@ from torch import nn
 import remat
 from remat import models
 from remat.measure.step import resolve_loss_fn, step_clock_ms
-from remat.measure.tracer import measure_step
+from remat.measure.step_memory import measure_step
 from remat.verifier import verify_many
 
 CFG = models.GPTConfig(n_layer=2, n_embd=32, n_head=2, block_size=32, vocab_size=64, dropout=0.0)

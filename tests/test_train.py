@@ -19,7 +19,8 @@ from torch import nn
 from remat import apply, checkpoint_module
 from remat.cli.train import accumulation_table, train_command
 from remat.gradnorm import GradNorm
-from remat.measure.tracer import MemoryTracer, measure_step
+from remat.measure.step_memory import measure_step
+from remat.measure.tracer import MemoryTracer
 from remat.models import GPTConfig, build_model
 from remat.report import render_text
 from remat.train import (

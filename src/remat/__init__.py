@@ -40,7 +40,7 @@ if TYPE_CHECKING:
     from remat.manual.module_form import checkpoint_module, uncheckpoint_module
     from remat.manual.options import option_of
     from remat.measure.profiler import profile
-    from remat.measure.tracer import StepMemory, measure_step
+    from remat.measure.step_memory import StepMemory, measure_step
     from remat.plan.costmodel import estimate
     from remat.plan.solver import solve
     from remat.records import Estimate, Plan, Profile
@@ -64,8 +64,8 @@ _EXPORTS = {
     "checkpoint_module": "remat.manual.module_form",
     "uncheckpoint_module": "remat.manual.module_form",
     "option_of": "remat.manual.options",
-    "measure_step": "remat.measure.tracer",
-    "StepMemory": "remat.measure.tracer",
+    "measure_step": "remat.measure.step_memory",
+    "StepMemory": "remat.measure.step_memory",
     "profile": "remat.measure.profiler",
     "estimate": "remat.plan.costmodel",
     "solve": "remat.plan.solver",

@@ -37,7 +37,7 @@ from remat.measure import step as _step
 from remat.measure.collector import collecting_once
 from remat.measure.estimated import plain_peak
 from remat.measure.lean import lean_spec
-from remat.measure.tracer import StepMemory, measure_step
+from remat.measure.step_memory import StepMemory, measure_step
 from remat.records import Plan
 from remat.verify_steps import compare, loss_and_grads, plan_key, reserved_peak, times_in_turns
 

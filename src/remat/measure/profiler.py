@@ -40,8 +40,9 @@ from remat.measure.marked import base_keys, dtype_name, marked_step, option_runs
 from remat.measure.preserve import preserved
 from remat.measure.runner import StepRunner, every_block
 from remat.measure.sides import with_skips
+from remat.measure.step_memory import base_bytes
 from remat.measure.tiles import add_tiles, measure_tiles
-from remat.measure.tracer import MemoryTracer, base_bytes, host_link_bytes_per_s, sized
+from remat.measure.tracer import MemoryTracer, host_link_bytes_per_s, sized
 from remat.measure.warmup import by_floor, running
 from remat.models.hf import layerdrop_blocks
 from remat.plan.refusals import ran_out_within

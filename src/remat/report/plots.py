@@ -21,7 +21,7 @@ from remat.files import atomic_write
 from remat.units import axis_unit, format_bytes
 
 if TYPE_CHECKING:
-    from remat.measure.tracer import StepMemory
+    from remat.measure.step_memory import StepMemory
 
 __all__ = ["DPI", "FIGSIZE_IN", "FrontierPoint", "plot_frontier", "plot_timeline"]
 
