@@ -73,6 +73,8 @@ def _freed(hooks: StepNotes, i: int, n: int, key: int) -> None:
         del alive[key]
     if (at := death_point(hooks)) is not None:
         hooks.returned_deaths[(i, n)] = at
+    if i in hooks.began:
+        hooks.returned_outlived.add((i, n))
 
 
 def read_handovers(names: list[str], runs: Mapping[str, StepNotes]) -> list[Crossing]:

@@ -68,6 +68,10 @@ class StepNotes:
     skips_in: set[tuple[int, int]] = field(default_factory=set)
     """(block, storage number): a side storage that was another block's first input or output
     when it arrived (a skip)."""
+    side_makers: dict[int, int] = field(default_factory=dict)
+    """Storage number -> the block that returned that side storage besides its first output (nGPT's
+    first attention returns its values, which every later one takes: NOTE [ A skip from a block's
+    output ] in ``remat.measure.sides``)."""
     # --- first inputs and outputs ---
     firsts: set[int] = field(default_factory=set)
     """The numbers of the storages that were some block's first input or output."""
@@ -84,9 +88,6 @@ class StepNotes:
     first input is (NOTE [ A first input made between blocks ] in ``remat.measure.sides``)."""
     began: set[int] = field(default_factory=set)
     """The blocks whose backward has begun."""
-    outlived: set[int] = field(default_factory=set)
-    """The blocks whose output outlived the start of their own backward (NOTE [ A replay's cache
-    holds the block's output ])."""
     # --- handovers (shape 2 of NOTE [ Tensors that cross a block boundary ] in remat.crossing) ---
     returned: dict[int, list[int]] = field(default_factory=dict)
     """[block]: bytes of each storage it returned besides its inputs."""
@@ -97,6 +98,9 @@ class StepNotes:
     """Storage key -> (block, n): returned storage n of that block, while it lives."""
     returned_deaths: dict[tuple[int, int], DeathPoint] = field(default_factory=dict)
     """(block, n) -> where it died, when in the forward."""
+    returned_outlived: set[tuple[int, int]] = field(default_factory=set)
+    """(block, n) that outlived the start of that block's backward: a replay's cache held it (NOTE
+    [ A replay's cache holds the block's output ] in ``remat.measure.saved``)."""
     returned_used: set[tuple[int, int]] = field(default_factory=set)
     """(block, n) that entered a later block (a side input there, not a handover)."""
     input_keys: dict[int, list[int]] = field(default_factory=dict)

@@ -45,7 +45,7 @@ def replay_holds_output(selective: StepNotes, recompute: StepNotes, keep: StepNo
     """The blocks whose output outlived the start of their own backward with every block on
     ``selective`` (a replay's cache held it) but not on ``recompute``, and whose next block, kept,
     let it go in the forward (NOTE [ A replay's cache holds the block's output ])."""
-    held = selective.outlived - recompute.outlived
+    held = {i for i, n in selective.returned_outlived - recompute.returned_outlived if (i, n) in selective.returned_hidden}
     first_of = keep.first_of
     return sorted(i for i in held if any(first_of.get(j) == i and first_death(keep, j) is not None for j in first_of))
 
@@ -98,8 +98,8 @@ def noting_saved(
 
 def cached_skips(sides: list[Crossing], selective: StepNotes, recompute: StepNotes,
                  names: list[str]) -> list[Crossing]:
-    """``sides`` with ``selective`` among the options of each maker whose replay's cache held its
-    output (NOTE [ A skip from a block's output ]); ``names`` by hook index."""
-    cached = {names[i] for i in selective.outlived - recompute.outlived}
-    return [dataclasses.replace(s, saved_by=s.saved_by | {s.made_by: [*s.saved_by.get(s.made_by, []), "selective"]})
-            if s.made_by in cached else s for s in sides]
+    """``sides`` with ``selective`` among the options of each maker whose replay's cache held what
+    it returned of the side's size (NOTE [ A skip from a block's output ]); ``names`` by hook index."""
+    cached = {(names[i], selective.returned[i][n]) for i, n in selective.returned_outlived - recompute.returned_outlived}
+    return [dataclasses.replace(s, saved_by=s.saved_by | {maker: [*s.saved_by.get(maker, []), "selective"]})
+            if (maker := s.made_by) is not None and (maker, s.size_bytes) in cached else s for s in sides]

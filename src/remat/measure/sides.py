@@ -91,6 +91,8 @@ def note_sides(hooks: StepNotes, i: int, x: torch.Tensor | None, inputs: Any) ->
             seen.add(storage_key(t))
             number = storage_number(hooks, t)
             hooks.sides[i].append(Side(storage_key(t), number, t.untyped_storage().nbytes()))
+            if (made := hooks.returned_alive.get(storage_key(t))) is not None:
+                hooks.side_makers.setdefault(number, made[0])
             if number in hooks.first_numbers.values():  # a block's first input (alive: here): a skip
                 hooks.skips_in.add((i, number))
 
@@ -145,7 +147,6 @@ def note_output(hooks: StepNotes, i: int, y: torch.Tensor | None) -> None:
         hooks.firsts.add(number)
         hooks.output_numbers[i] = number
         hooks.output_refs[i] = (weakref.ref(y), y._version)
-        weakref.finalize(y.untyped_storage(), _output_died, hooks, i)
 
 
 # NOTE [ Storage keys are reused ]
@@ -156,11 +157,6 @@ def note_output(hooks: StepNotes, i: int, y: torch.Tensor | None) -> None:
 # So what the hooks note of first inputs, outputs and side inputs is a storage's number in the step
 # (``storage_number``), given while it lives, never another's; a key is only compared with storages
 # alive at the same moment (the base, one call's inputs, what the forward saves).
-
-
-def _output_died(hooks: StepNotes, i: int) -> None:
-    if i in hooks.began:  # NOTE [ A replay's cache holds the block's output ] in remat.measure.saved
-        hooks.outlived.add(i)
 
 
 def _in_order(hooks: StepNotes) -> list[tuple[Side, list[int]]]:
@@ -193,6 +189,13 @@ def _in_order(hooks: StepNotes) -> list[tuple[Side, list[int]]]:
 # skip), every plan holds it at least as long as any consumer would, and every run measured it so:
 # as a crossing, the plans that recomputed its maker measured 262,144 B over. It is none, as one the
 # part before the blocks saves.
+# A storage a block returns besides its first output is made by it the same way: nGPT's attentions
+# return their values (a view of the projection's output, which the kept and selective runs save),
+# and the model's code hands the first one's to every later attention. Read as made by the model's
+# code, no holder kept it under a plan, and its 60% plan measured 132,096 B over its prediction
+# (tests/test_crossings.py: a recomputed last feed-forward, 393,216 B over). The hooks note which
+# block returned a side storage (``StepNotes.side_makers``), and ``selective`` holds it where the
+# selective run's returned storage of its size outlived the start of its maker's backward.
 
 
 def read_side_inputs(
@@ -211,6 +214,8 @@ def read_side_inputs(
         if key in saved.get("pre", set()) or side.number in traced.kept_past_step:
             continue
         maker = output_of(traced, side.number)
+        if maker is None:
+            maker = traced.side_makers.get(side.number)
         if maker is not None and _code_saves(saving, saved, key, users[0]):  # NOTE [ A skip from a block's output ]
             continue
         holders = [*users, *([] if maker is None else [maker])]  # NOTE [ A skip from a block's output ]
