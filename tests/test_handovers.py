@@ -243,7 +243,7 @@ def test_no_phase_of_any_plan_measures_over_its_prediction(hold: str) -> None:
     # (maybe after the head's own peak), and the backward up to each maker's, where every run has
     # let them go (NOTE [ Tensors that cross a block boundary ]).
     from remat.measure import marked as measure
-    from remat.measure.attribution import span
+    from remat.measure.phases import span
     from remat.measure.runner import every_block
     from remat.measure.tracer import MemoryTracer
     from remat.plan import costmodel

@@ -1,4 +1,5 @@
-"""From traced steps to a ``Profile``: each part's bytes and times, read along the step's schedule.
+"""From traced steps to a ``Profile``: each part's bytes, read along the step's schedule (its times:
+``remat.measure.phases``).
 
 # NOTE [ From a trace to a Profile ]
 For each option the profiler replays the cost model's own bookkeeping along the measured marks, so
@@ -58,8 +59,6 @@ that run's measured peak, and side-input frees are not counted twice.
 from __future__ import annotations
 
 import dataclasses
-import statistics
-from collections import defaultdict
 from collections.abc import Mapping
 from typing import Any
 
@@ -72,36 +71,16 @@ from remat.manual.blocks import fingerprint
 from remat.measure import step as _step
 from remat.measure.handovers import read_handovers
 from remat.measure.notes import PartNumbers, StepNotes
+from remat.measure.phases import block_times, span
 from remat.measure.saved import cached_skips, replay_holds_output
 from remat.measure.sides import head_frees_last_input
 from remat.measure.tracer import Trace
 from remat.plan.handovers import saved_under
-from remat.plan.schedule import Phase, step_phases
+from remat.plan.schedule import step_phases
 from remat.plan.sides import SideGroups
 from remat.records import BlockProfile, OptionCost, Profile, Segment
 
-__all__ = ["assemble", "attribute", "attribute_over_keep", "median_times", "phase_times", "run_numbers", "span"]
-
-
-def span(phase: Phase, order: list[int], labels: Any) -> tuple[str, str]:
-    """The marks a phase starts and ends at in a step whose blocks ran in ``order``."""
-    first, last = order[0], order[-1]
-
-    def be(i: int) -> str:
-        # A block whose input needs no gradient (the first, behind a frozen embedding) has no
-        # backward-end hook; its backward ends where the step's backward does.
-        return f"be{i}" if f"be{i}" in labels else "optimizer"
-
-    if phase.part == "optimizer":
-        return "optimizer", "end"
-    if phase.block is not None:  # NOTE [ Blocks of several stacks ]
-        k, i = phase.block, order[phase.block]
-        if phase.stage == "forward":
-            return f"fs{i}", f"fs{order[k + 1]}" if k + 1 < len(order) else f"fe{i}"
-        return f"bs{i}", f"bs{order[k - 1]}" if k > 0 else be(i)
-    if phase.part == "pre":
-        return ("forward", f"fs{first}") if phase.stage == "forward" else (be(first), "optimizer")
-    return (f"fe{last}", "backward") if phase.stage == "forward" else ("backward", f"bs{last}")
+__all__ = ["assemble", "attribute", "attribute_over_keep", "run_numbers"]
 
 
 def attribute(
@@ -189,30 +168,6 @@ def _boundary(key: Any, hooks: StepNotes) -> tuple[int, int]:
     return hooks.in_bytes[key], hooks.in_bytes[order[k + 1]] if k + 1 < len(order) else hooks.out_bytes[key]
 
 
-_TIME_KEYS = {("forward", "pre"): "pre_fwd", ("backward", "pre"): "pre_bwd",
-              ("forward", "post"): "post_fwd", ("backward", "post"): "post_bwd"}  # fmt: skip
-
-
-def phase_times(times: dict[str, float], order: list[int]) -> dict[str, float]:
-    """Milliseconds of each phase between marks of one step: ``step``, ``pre_fwd``, ``fwd{i}``,
-    ``post_fwd``, ``post_bwd``, ``bwd{i}``, ``pre_bwd`` (``i`` a block's index)."""
-    out = {"step": times["end"] - times["forward"]}
-    for phase in step_phases(len(order)):
-        if phase.part == "optimizer":
-            continue
-        start, end = span(phase, order, times)
-        if phase.block is not None:
-            key = f"{'fwd' if phase.stage == 'forward' else 'bwd'}{order[phase.block]}"
-        else:
-            key = _TIME_KEYS[(phase.stage, phase.part)]
-        out[key] = times[end] - times[start]
-    return out
-
-
-def median_times(runs: list[dict[str, float]]) -> dict[str, float]:
-    return {k: statistics.median(r[k] for r in runs) for k in runs[0]}
-
-
 def assemble(
     *,
     model: nn.Module,
@@ -255,13 +210,9 @@ def assemble(
         held += sum(h.size_bytes * (saved_under(h, "keep") - saved_under(h, "recompute"))
                     for h in handed if h.dies_after is None)
     param_bytes = [_step.storage_bytes(list(m.parameters())) for _, m in named]
-    fwd, bwd, sel_extra = _block_times(times, len(named))
-    if smooth:
-        _share_medians(named, [fwd, bwd, sel_extra], param_bytes, hooks_keep.in_bytes, keep_blocks)
-        # Selective is worth the bytes it keeps only when it is clearly cheaper than a full
-        # recompute. Within timing noise of it (10%) it costs what recompute costs, so that a
-        # rerun on a loaded machine does not flip plans between the two.
-        sel_extra = [fwd[i] if sel_extra[i] > 0.9 * fwd[i] else sel_extra[i] for i in range(len(named))]
+    kinds = [(type(m).__name__, param_bytes[i], hooks_keep.in_bytes[i], keep_blocks[i].kept)
+             for i, (_, m) in enumerate(named)]
+    fwd, bwd, sel_extra = block_times(times, len(named), kinds if smooth else None)
     blocks = [
         BlockProfile(
             name=name,
@@ -330,38 +281,6 @@ def _check_every_block_ran(named: list[tuple[str, nn.Module]], order: list[int])
             f"blocks {missing} did not run in the step; remat plans blocks that run once per "
             "step with gradients (check blocks=)"
         )
-
-
-def _block_times(times: dict[str, dict[str, float]], n: int) -> tuple[list[float], ...]:
-    """Each block's forward and backward time with ``keep``, and the extra time of selective."""
-    t_keep = times["keep"]
-    fwd = [t_keep[f"fwd{i}"] for i in range(n)]
-    bwd = [t_keep[f"bwd{i}"] for i in range(n)]
-    sel_extra = [0.0] * n
-    if "selective" in times:
-        t_sel = times["selective"]
-        # A selective recompute re-runs every cheap op of the block: never free. When timing
-        # noise hides it, charge a tenth of the block's forward (the share of time pointwise ops,
-        # norms and softmax take next to the matmuls in a transformer block) rather than zero.
-        sel_extra = [
-            min(max(0.1 * fwd[i], t_sel[f"fwd{i}"] + t_sel[f"bwd{i}"] - fwd[i] - bwd[i]), fwd[i])
-            for i in range(n)
-        ]
-    return fwd, bwd, sel_extra
-
-
-def _share_medians(named: list[tuple[str, nn.Module]], series: list[list[float]],
-                   param_bytes: list[int], in_bytes: dict[int, int],
-                   keep_blocks: list[PartNumbers]) -> None:
-    """Blocks of one kind and size do the same work: give each the median of their times."""
-    groups: dict[tuple[Any, ...], list[int]] = defaultdict(list)
-    for i, (_, m) in enumerate(named):
-        groups[(type(m).__name__, param_bytes[i], in_bytes[i], keep_blocks[i].kept)].append(i)
-    for members in groups.values():
-        for values in series:
-            med = statistics.median(values[i] for i in members)
-            for i in members:
-                values[i] = med
 
 
 def _options(i: int, per_option: dict[str, list[PartNumbers]], fwd_ms: float,

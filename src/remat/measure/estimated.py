@@ -25,7 +25,7 @@ from remat.devices import ROOFLINE_EFFICIENCY, DeviceSpec
 from remat.errors import InvalidType, InvalidValue
 from remat.manual.blocks import find_blocks
 from remat.measure import step as _step
-from remat.measure.attribution import assemble, phase_times
+from remat.measure.attribution import assemble
 from remat.measure.heads import HeadMeasures, add_heads, measure_heads
 from remat.measure.marked import (
     Hooks,
@@ -36,6 +36,7 @@ from remat.measure.marked import (
     sides_of,
 )
 from remat.measure.notes import StepNotes
+from remat.measure.phases import phase_times
 from remat.measure.runner import StepRunner
 from remat.measure.sides import with_skips
 from remat.measure.tiles import add_tiles, measure_tiles

@@ -22,8 +22,8 @@ from torch import nn
 from remat.devices import DeviceSpec
 from remat.manual.options import option_of, set_option
 from remat.measure import step as _step
-from remat.measure.attribution import median_times, phase_times
 from remat.measure.notes import StepNotes
+from remat.measure.phases import median_times, phase_times
 from remat.measure.tracer import MemoryTracer, Trace
 
 __all__ = ["StepRunner", "every_block"]
