@@ -175,6 +175,17 @@ def test_plan_over_transformers_own_checkpointing() -> None:
     assert [dict(vars(layer)) for layer in layers] == before
 
 
+def test_profiling_leaves_transformers_own_checkpointing_as_it_was() -> None:
+    """NOTE [ A module's own checkpointing ] in remat.manual.options: the profiler's runs put back an
+    option where the user had transformers' own checkpointing, and ``profile`` left it off."""
+    model, batch, loss_fn = hf.build("llama")
+    layers = list(model.model.layers)
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    before = [dict(vars(layer)) for layer in layers]
+    remat.profile(model, batch, loss_fn=loss_fn, repeats=1)
+    assert [dict(vars(layer)) for layer in layers] == before
+
+
 # --- the real all-MiniLM-L6-v2 ------------------------------------------------------------------
 
 STEPS = 5

@@ -283,9 +283,69 @@ def test_a_weight_tied_layer_inside_nested_lists_is_no_block() -> None:
             return x
 
     torch.manual_seed(0)
-    with pytest.warns(UserWarning, match=r"\['layers.1.0', 'layers.1.1'\] ran more than once"):
+    with pytest.warns(UserWarning, match=r"\['layers.1.0', 'layers.1.1'\] ran more than once") as warned:
         prof = profile(Tied(), torch.randn(2, 8, 16), repeats=1)
     assert [b.name for b in prof.blocks] == ["layers.0.0", "layers.0.1"]
+    assert "remat.checkpoint_module(model.get_submodule(name))" in str(warned[0].message)
+
+
+class _Shared(nn.Module):
+    def __init__(self, d: int = 32) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(d, 8 * d), nn.Linear(8 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.sin(self.up(x)))
+
+
+class SharedLayer(nn.Module):
+    """ALBERT: one layer the model's loop runs for every depth, after a layer of its own."""
+
+    def __init__(self, d: int = 32, depth: int = 6) -> None:
+        super().__init__()
+        self.first, self.shared, self.depth = _Shared(d), _Shared(d), depth
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.first(x)
+        for _ in range(self.depth):
+            x = self.shared(x)
+        return x
+
+
+def test_a_tied_layer_the_user_checkpoints_stays_checkpointed() -> None:
+    """NOTE [ A module's own checkpointing ] in remat.manual.options: the warning of rule 6 says to
+    checkpoint a weight-tied layer with ``remat.checkpoint_module``; ``auto`` (which runs
+    ``remove`` first) took that off, planned the step without it, and refused a budget the user's
+    checkpoint meets (ALBERT: 5.94 MB with it, 24.24 MB remat's floor without)."""
+    torch.manual_seed(0)
+    model, x = SharedLayer(), torch.randn(8, 256, 32)
+    plain = measure_step(model, x, repeats=0).peak_bytes
+    with pytest.warns(UserWarning, match=r"\['shared'\] ran more than once.*checkpoint_module"):
+        prof = profile(model, x, repeats=1)
+    with pytest.raises(remat.InfeasibleBudget) as refused:
+        remat.solve(prof, 1)
+    assert refused.value.smallest_bytes is not None and refused.value.smallest_bytes > 0.8 * plain
+    checkpoint_module(model.shared)
+    budget = round(0.5 * plain)
+    with pytest.warns(UserWarning, match="ran more than once"):
+        plan = remat.auto(model, x, budget, repeats=1)
+    assert remat.manual.module_form.is_checkpointed(model.shared) == "recompute"
+    assert plan.estimate.peak_bytes <= budget and measure_step(model, x, repeats=0).peak_bytes <= plan.estimate.peak_bytes
+    remat.remove(model)
+    assert remat.manual.module_form.is_checkpointed(model.shared) == "recompute"
+
+
+def test_a_block_the_user_checkpointed_is_theirs_again_after_profiling() -> None:
+    """NOTE [ A module's own checkpointing ]: the profiler's runs set every block's option and put
+    back what it read, an option: the user's policy on a block was lost."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*(_Shared() for _ in range(4)))
+    policy = [torch.ops.aten.mm.default]
+    checkpoint_module(model[1], mode="selective", policy=policy)
+    own = remat.manual.module_form.checkpoint_record(model[1])
+    profile(model, torch.randn(8, 64, 32), repeats=1)
+    assert remat.manual.module_form.checkpoint_record(model[1]) is own
+    assert [remat.manual.module_form.is_checkpointed(m) for m in model] == [None, "selective", None, None]
 
 
 class _Caching(nn.Module):

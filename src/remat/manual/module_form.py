@@ -23,7 +23,16 @@ from remat.manual.checkpoint import check_mode, run
 from remat.manual.torch_options import TorchOptions, torch_options
 from remat.vocabulary import CheckpointOption
 
-__all__ = ["CheckpointedForward", "checkpoint_module", "expect_module", "is_checkpointed", "uncheckpoint_module"]
+__all__ = [
+    "CheckpointedForward",
+    "ModuleCheckpoint",
+    "checkpoint_module",
+    "checkpoint_record",
+    "expect_module",
+    "is_checkpointed",
+    "recheckpoint",
+    "uncheckpoint_module",
+]
 
 _RECORD = "_remat_checkpoint"
 
@@ -137,6 +146,19 @@ def uncheckpoint_module(module: nn.Module) -> nn.Module:
         if record.original is not None:  # an instance-level forward from before remat, put back
             object.__setattr__(module, "forward", record.original)
     return module
+
+
+def checkpoint_record(module: nn.Module) -> ModuleCheckpoint | None:
+    """How ``module`` is checkpointed (``checkpoint_module``'s record), or None."""
+    record = module.__dict__.get(_RECORD)
+    return record if isinstance(record, ModuleCheckpoint) else None
+
+
+def recheckpoint(module: nn.Module, record: ModuleCheckpoint) -> None:
+    """Checkpoint ``module`` as ``record`` says (one ``checkpoint_record`` read), in place."""
+    uncheckpoint_module(module)
+    object.__setattr__(module, _RECORD, record)
+    object.__setattr__(module, "forward", CheckpointedForward(module))
 
 
 def is_checkpointed(module: nn.Module) -> str | None:

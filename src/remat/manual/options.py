@@ -25,7 +25,7 @@ from remat.manual.compiled import (
 from remat.manual.tiled import is_tiled, tile_block, untile_block
 from remat.vocabulary import CheckpointOption
 
-__all__ = ["clear_option", "is_hf_layer", "option_of", "set_option"]
+__all__ = ["clear_option", "is_hf_layer", "option_of", "set_option", "touched"]
 
 
 def set_option(module: nn.Module, option: str) -> None:
@@ -43,10 +43,30 @@ def set_option(module: nn.Module, option: str) -> None:
     if is_hf_layer(module):
         _set_hf(module, option)
         return
+    if _OWN not in module.__dict__:  # NOTE [ A module's own checkpointing ]
+        object.__setattr__(module, _OWN, module_form.checkpoint_record(module))
     if option == "keep":
         module_form.uncheckpoint_module(module)
     else:
         module_form.checkpoint_module(module, mode=cast(CheckpointOption, option))  # it checks
+
+
+# NOTE [ A module's own checkpointing ]
+# The user may have checkpointed a module before remat sets an option on it: transformers'
+# ``gradient_checkpointing_enable()``, or ``remat.checkpoint_module`` on a weight-tied layer that
+# runs more than once per step and is no block (rule 6 of NOTE [ Blocks by what runs ] in
+# remat.manual.settle: ALBERT's shared layer, which the warning there names). ``set_option``
+# remembers it on first touch, ``clear_option`` puts it back, and a module remat never set an option
+# on is left as it is: ``remat.remove`` (which ``auto`` runs first) once took every module's
+# checkpoint off, the user's too, and the profiler's runs put back an option where the user had
+# their own (a policy lost, transformers' checkpointing turned off).
+_OWN = "_remat_own_checkpoint"
+
+
+def touched(module: nn.Module) -> bool:
+    """Whether remat has set an option on ``module`` since it remembered the module's own
+    checkpointing (NOTE [ A module's own checkpointing ])."""
+    return _OWN in module.__dict__ or "_remat_hf_state" in module.__dict__
 
 
 # NOTE [ transformers layers ]
@@ -123,5 +143,8 @@ def clear_option(module: nn.Module) -> None:
     uncompile_block(module)
     if is_hf_layer(module):
         _restore_hf(module)  # transformers' own settings back, as they were before apply
-    else:
+    elif _OWN in module.__dict__:  # NOTE [ A module's own checkpointing ]
+        own = module.__dict__.pop(_OWN)
         module_form.uncheckpoint_module(module)
+        if own is not None:
+            module_form.recheckpoint(module, own)

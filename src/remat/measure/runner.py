@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from remat.devices import DeviceSpec
-from remat.manual.options import option_of, set_option
+from remat.manual.options import clear_option, option_of, set_option, touched
 from remat.measure import step as _step
 from remat.measure.notes import StepNotes
 from remat.measure.phases import median_times, phase_times
@@ -104,11 +104,14 @@ class _Clock:
 def every_block(named: Sequence[tuple[str, nn.Module]], option: str | Sequence[str]) -> Iterator[None]:
     """Every block of ``named`` with ``option`` (or one option each) while the block runs."""
     options = [option] * len(named) if isinstance(option, str) else list(option)
-    previous = [option_of(m) for _, m in named]
+    previous = [option_of(m) if touched(m) else None for _, m in named]  # None: the module's own
     try:
         for (_, m), o in zip(named, options):
             set_option(m, o)
         yield
     finally:
         for (_, m), mode in zip(named, previous):
-            set_option(m, mode)
+            if mode is None:  # NOTE [ A module's own checkpointing ] in remat.manual.options
+                clear_option(m)
+            else:
+                set_option(m, mode)

@@ -60,8 +60,10 @@ def running(model: nn.Module, named: Blocks, explicit: bool, batch: Any, loss_fn
         warnings.warn(
             f"{repeated[:4]}{' ...' if len(repeated) > 4 else ''} ran more than once in one training step "
             "(weight-tied layers); remat plans modules that run once per step, so these keep their "
-            "activations as in the plain step. To checkpoint them, wrap each call in the model's code with "
-            "remat.checkpoint (NOTE [ Blocks by what runs ] in remat.manual.settle, rule 6)",
+            "activations as in the plain step. To checkpoint every call of them, run "
+            "remat.checkpoint_module(model.get_submodule(name)) on each before profiling: remat then plans "
+            "around them, and leaves them checkpointed (NOTE [ Blocks by what runs ] in remat.manual.settle, "
+            "rule 6)",
             stacklevel=outside_remat())
     if not kept:
         if inside := [b for b, _ in named if b in late] or sorted(
@@ -74,7 +76,7 @@ def running(model: nn.Module, named: Blocks, explicit: bool, batch: Any, loss_fn
                 "a contrastive pair) or one layer run for every depth. remat plans modules that run once "
                 "per step: plan the shared module on one call's batch (remat.auto(encoder, one_batch, "
                 "budget) with the budget split between its calls; the plan then holds for every call), or "
-                "wrap each call in your code with remat.checkpoint")
+                "checkpoint every call of it with remat.checkpoint_module(model.get_submodule(name))")
         if cut := [n for n, m in named if n in calls.count and n not in calls.grads and any(True for _ in m.parameters())]:
             raise _cut_off(cut)
         raise no_blocks(model)
