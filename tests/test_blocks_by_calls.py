@@ -567,6 +567,24 @@ class EmaLists(ListsOfLists):
         self.layers[0] = nn.ModuleList([Ema(d), Ema(d)])
 
 
+class TrunkTwice(nn.Module):
+    """enformer-pytorch's Enformer: its stem, tower and transformer are attributes, and again the
+    items of the ``Sequential`` its forward runs; the tower and the transformer are ``Sequential``s
+    of layers. remat named the trunk's items by position, which is no module's name (KeyError),
+    and took the transformer whole (NOTE [ Blocks by what runs ], rules 5 and 7)."""
+
+    def __init__(self, d: int = 32) -> None:
+        super().__init__()
+        self.embed, self.head = nn.Embedding(64, d), nn.Linear(d, 64)
+        self.stem = nn.Sequential(nn.Linear(d, d), Mlp(d))
+        self.tower = nn.Sequential(Mlp(d), Mlp(d))
+        self.transformer = nn.Sequential(Attn(d), Mlp(d), Attn(d), Mlp(d))
+        self.trunk = nn.Sequential(self.stem, self.tower, self.transformer)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.trunk(self.embed(ids)))
+
+
 def _loss(out: torch.Tensor, batch: tuple[torch.Tensor]) -> torch.Tensor:
     return torch.nn.functional.cross_entropy(out.flatten(0, 1), batch[-1].flatten())
 
@@ -588,6 +606,7 @@ CASES = {
     "ema-between": (EmaBetween, [f"layers.{i}" for i in range(4)]),
     "shared-rotary": (SharedRotary, [f"layers.{i}" for i in range(4)]),
     "ema-lists": (EmaLists, [f"layers.{i}.{j}" for i in range(1, 6) for j in range(2)]),
+    "trunk-twice": (TrunkTwice, ["stem", "tower.0", "tower.1", *(f"transformer.{i}" for i in range(4))]),
     "vnet-stages": (VStages, [f"{s}.{p}" for s, n in (("one", 2), ("two", 3)) for p in ["down", "norm", *(f"ops.{i}" for i in range(n))]]),
 }
 

@@ -233,8 +233,12 @@ def _plans_fit(model: nn.Module, prof: remat.Profile) -> list[remat.Plan]:
         m.zero_grad(set_to_none=True)
         _loss(m(*BATCH), BATCH).backward()
     remat.remove(model)
+    exact = "tiled" not in plans[-1].choices.values()  # NOTE [ The tiled MLP ]: its sums in another order
     for (n, p), q in zip(model.named_parameters(), ref.parameters()):
-        assert (p.grad is None and q.grad is None) or torch.equal(p.grad, q.grad), n
+        if exact or p.grad is None or q.grad is None:
+            assert (p.grad is None and q.grad is None) or torch.equal(p.grad, q.grad), n
+        else:
+            torch.testing.assert_close(p.grad, q.grad, msg=n)
     return plans
 
 
@@ -502,6 +506,56 @@ def test_a_side_input_a_block_returns_besides_its_output_is_made_by_it() -> None
                     off.append((name, option, estimate_segments(prof, choices, []).peak_phase))
     assert not over, over
     assert all(phase == "forward of the head" for _, _, phase in off), off
+    _plans_fit(model, prof)
+
+
+class _Shifted(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.mlp = Mlp(d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mlp(torch.nn.functional.pad(x, (0, 0, 1, -1)))  # saves nothing of x
+
+
+class _Merge(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(2 * d, d)
+
+    def forward(self, streams: list[torch.Tensor]) -> torch.Tensor:
+        return self.lin(torch.cat(streams, -1))  # saves the concatenation, nothing of either stream
+
+
+class TwoStreams(nn.Module):
+    """simple-hierarchical-transformer's layer loop: a fine stream's block, then a merge that takes
+    both streams; the fine stream's output enters the merge besides its hidden input, and then the
+    next fine block as its hidden input."""
+
+    def __init__(self, d: int = 32, depth: int = 3) -> None:
+        super().__init__()
+        self.embed, self.head = nn.Embedding(64, d), nn.Linear(d, 64)
+        self.fine = nn.ModuleList(_Shifted(d) for _ in range(depth))
+        self.merges = nn.ModuleList(_Merge(d) for _ in range(depth))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        a = self.embed(ids)
+        b = a * 2.0
+        for fine, merge in zip(self.fine, self.merges):
+            b = fine(b)
+            a = a + merge([a, b])
+        return self.head(a)
+
+
+def test_a_side_input_that_becomes_a_later_blocks_first_input_is_held_by_it() -> None:
+    """NOTE [ A side input that becomes a first input ] in remat.measure.sides: read as a side input
+    of the merge alone, dying in the next fine block's forward, a plan that recomputed that block
+    (whose checkpoint holds it) measured a hidden state over (simple-hierarchical-transformer:
+    131,072 B, in the plans ``solve`` chose from 95% to 65% of the plain peak)."""
+    model, prof = _profiled(TwoStreams)
+    (held,) = [c for c in side_inputs(prof) if c.made_by == "fine.0"]
+    assert held.consumers == ["merges.0", "fine.1"] and held.size_bytes == HIDDEN
+    _every_flip_exact(model, prof)
     _plans_fit(model, prof)
 
 

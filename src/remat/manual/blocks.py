@@ -93,6 +93,12 @@ def is_block_stack(container: nn.Module) -> bool:
     return all(any(True for _ in c.children()) and param_count(c) > 0 for c in repeated)
 
 
+def _holds(outer: nn.Module, inner: nn.Module) -> bool:
+    """Whether ``inner`` is ``outer`` or one of its modules, under whatever names (rule 5 of NOTE
+    [ Blocks by what runs ] in remat.manual.settle)."""
+    return any(m is inner for m in outer.modules())
+
+
 def _stacks(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """The stacks of ``model`` in definition order (NOTE [ Every stack ])."""
     candidates = [c for c in stack_candidates(model) if c[0] != "" or isinstance(model, nn.Sequential)]
@@ -103,7 +109,7 @@ def _stacks(model: nn.Module) -> list[tuple[str, nn.Module]]:
     for name, container, params in by_size[1:]:
         if params == 0 or not is_block_stack(container):
             continue
-        if any(inside(name, t) or inside(t, name) for t, _ in taken):
+        if any(inside(name, t) or inside(t, name) or _holds(c, container) or _holds(container, c) for t, c in taken):
             continue
         taken.append((name, container))
     order = {n: i for i, (n, _) in enumerate(model.named_modules())}
@@ -111,15 +117,16 @@ def _stacks(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 
 def _auto(model: nn.Module, *, required: bool = True) -> list[tuple[str, nn.Module]]:
+    # A module held under two names is named by its first (NOTE [ Blocks by what runs ] in
+    # remat.manual.settle, rule 5): enformer-pytorch holds its stem, tower and transformer as
+    # attributes and again in the Sequential its forward runs, whose children named by position
+    # were no module's name (KeyError).
+    canonical = {id(m): n for n, m in model.named_modules()}
     stacks = _stacks(model)
     if stacks:
-        return [
-            (f"{name}.{child_name}" if name else child_name, child)
-            for name, container in stacks
-            for child_name, child in container.named_children()
-        ]
+        return [(canonical[id(child)], child) for _, container in stacks for child in container.children()]
     if isinstance(model, nn.Sequential) and len(model) >= 2:
-        return list(model.named_children())
+        return [(canonical[id(child)], child) for child in model.children()]
     if not required:
         return []
     raise no_blocks(model)

@@ -76,7 +76,9 @@ RANDOM_SKIPS = ("step: turn off layerdrop, stochastic depth or other random laye
 #    Whole, MONAI UNETR's decoders take an encoder's output besides their hidden input (NOTE [ A
 #    skip from a block's output ] in remat.measure.sides).
 # 5. A block inside another by object is left to it: a module held under two names (reformer's
-#    reversible and plain paths share their layers) is counted under its first name only, which
+#    reversible and plain paths share their layers; enformer-pytorch's stem, tower and transformer,
+#    attributes and again the items of the ``Sequential`` its forward runs) is counted under its
+#    first name only, in a stack found under its second name too, which
 #    may be in a path that never runs as a whole (a shared layer's name under the reversible
 #    blocks, while the plain blocks that hold it run). A module that holds blocks under other
 #    names (DynUNet's recursive ``skip_layers``, fed the batch) is no block itself.
@@ -88,7 +90,9 @@ RANDOM_SKIPS = ("step: turn off layerdrop, stochastic depth or other random laye
 #    checkpointing ] in remat.manual.options): ALBERT's floor 24.24 MB without it, 5.94 with.
 # 7. A found block that keeps layers of its own in a stack (a UNet stage of several resnets and
 #    attentions, a Swin stage of several layers; not a stack inside one of its modules, an MoE's
-#    experts) is a stage, not a layer: it gives way to its outermost modules that pass rule 3's
+#    experts), or is one (enformer's tower and transformer, ``Sequential``s of layers in the ``Sequential``
+#    its forward runs: whole, they floored 4% above torch's checkpoint on their layers), is a
+#    stage, not a layer: it gives way to its outermost modules that pass rule 3's
 #    test, each whole (a layer's attention and MLP stay together: split, the code between them is
 #    kept at every budget), bare layers included (SegFormer's closing norm, ConvNeXt's downsampler,
 #    which left to the model's code are kept at every budget) and a stem fed the batch (the first
@@ -362,7 +366,7 @@ def _keeps_a_stack(stage: nn.Module) -> bool:
         path = name.split(".")
         return all(isinstance(modules[".".join(path[:k])], CONTAINERS) for k in range(1, len(path)))
 
-    return any(n and own(n) and is_block_stack(c) and not all(_one_weight(m) for m in c.children())
+    return any((not n or own(n)) and is_block_stack(c) and not all(_one_weight(m) for m in c.children())
                for n, c, _ in stack_candidates(stage))
 
 
