@@ -161,14 +161,17 @@ class _KeepsATensor(torch.nn.Module):
     def __init__(self, d: int) -> None:
         super().__init__()
         self.lin, self.att_mat, self.heads = torch.nn.Linear(d, d), torch.Tensor(), [torch.rand(1)] * 2
+        self.act = staticmethod(torch.relu)  # rotary-embedding-torch's xpos: no copy.deepcopy takes it
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + torch.relu(self.lin(x))
+        return x + self.act(self.lin(x))
 
 
 def test_a_model_that_keeps_plain_tensors_is_planned_where_the_plain_step_does_not_fit() -> None:
-    """Its fake copy failed (a real tensor's copy under the fake mode takes no storage), and
-    ``auto`` below the plain step told the user to make the model copyable (MONAI's UNETR, DynUNet)."""
+    """Its fake copy failed (a real tensor's copy under the fake mode takes no storage; a
+    ``staticmethod`` object held on an instance cannot be deep-copied), and ``auto`` below the plain
+    step told the user to make the model copyable (MONAI's UNETR, DynUNet; rotary-embedding-torch's
+    ``RotaryEmbedding(use_xpos=True)`` in simple-hierarchical-transformer)."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[_KeepsATensor(32) for _ in range(4)], torch.nn.Linear(32, 4))
     batch = (torch.randn(64, 128, 32),)

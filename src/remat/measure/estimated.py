@@ -227,7 +227,8 @@ def fake_copy(model: nn.Module, fake_mode: Any) -> nn.Module:
     dtypes, devices and ``requires_grad`` (tied ones stay tied): the user's own modules, at no
     memory. So are the tensors a module holds as plain attributes, alone or in lists, tuples and
     dicts: ``deepcopy`` under the fake mode cannot give a real tensor a storage (MONAI's attention
-    keeps ``att_mat = torch.Tensor()``, its DynUNet a list of its deep supervision's heads)."""
+    keeps ``att_mat = torch.Tensor()``, its DynUNet a list of its deep supervision's heads). A
+    ``staticmethod`` held on an instance (rotary-embedding-torch's) is shared: no deepcopy takes it."""
     memo: dict[int, Any] = {}
     for t in (*model.parameters(), *model.buffers()):
         fake = fake_mode.from_tensor(t)
@@ -236,6 +237,9 @@ def fake_copy(model: nn.Module, fake_mode: Any) -> nn.Module:
         for value in _step.tensors_in(list(vars(module).values())):
             if id(value) not in memo:
                 memo[id(value)] = fake_mode.from_tensor(value)
+        for value in vars(module).values():  # a function held on an instance: shared, as functions are
+            if isinstance(value, (staticmethod, classmethod)):
+                memo[id(value)] = value
     try:
         return copy.deepcopy(model, memo)
     except Exception as e:
