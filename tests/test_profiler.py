@@ -182,10 +182,11 @@ def test_profile_json_round_trip_and_old_schema(tmp_path: object) -> None:
     # 1: before side inputs; 2: before head options; 3: before stop peaks; 4: before handovers;
     # 5: before both were crossings (NOTE [ Tensors that cross a block boundary ]); 6: before
     # replay starts (BlockProfile.unpack_bytes); 7: before BlockProfile.saves and stats_bytes; 8:
-    # before a skip from a block's output was a side input
-    for old in (0, 1, 2, 3, 4, 5, 6, 7, 8):
+    # before a skip from a block's output was a side input; 9: before a side input's maker was any
+    # block that returned it and the head could save it
+    for old in range(10):
         data["schema_version"] = old
-        with pytest.raises(RecordError, match=f"schema version {old}, but this remat reads version 9"):
+        with pytest.raises(RecordError, match=f"schema version {old}, but this remat reads version 10"):
             Profile.from_json(json.dumps(data))
     with pytest.raises(RecordError, match="expected a remat profile record"):
         Profile.from_json(json.dumps({"kind": "plan"}))
@@ -333,6 +334,20 @@ def test_a_tied_layer_the_user_checkpoints_stays_checkpointed() -> None:
     assert plan.estimate.peak_bytes <= budget and measure_step(model, x, repeats=0).peak_bytes <= plan.estimate.peak_bytes
     remat.remove(model)
     assert remat.manual.module_form.is_checkpointed(model.shared) == "recompute"
+
+
+def test_a_users_checkpoint_over_blocks_is_refused_with_what_to_do() -> None:
+    """NOTE [ A module's own checkpointing ]: ``auto`` took a user's checkpoint over the blocks off
+    (``remove``); left in place, its replay ran the blocks again in the backward, and the profiler
+    blamed the model's own checkpointing. The model is left as it was."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Sequential(*(_Shared() for _ in range(4))), nn.Linear(32, 4))
+    checkpoint_module(model[0])
+    own = remat.manual.module_form.checkpoint_record(model[0])
+    with pytest.raises(ProfileError, match=r"'0' is checkpointed with remat.checkpoint_module and holds blocks "
+                                           r"\['0.0', '0.1', '0.2', '0.3'\].*uncheckpoint_module\(model.get_submodule\('0'\)\)"):
+        remat.auto(model, torch.randn(8, 64, 32), "60%", repeats=1)
+    assert remat.manual.module_form.checkpoint_record(model[0]) is own
 
 
 def test_a_block_the_user_checkpointed_is_theirs_again_after_profiling() -> None:

@@ -141,7 +141,8 @@ def apply(model: nn.Module, plan: Plan, *, strict: bool = True) -> nn.Module:
 
 
 def remove(model: nn.Module) -> nn.Module:
-    """Undo ``apply``: every block runs its own forward again. A no-op on a plain model."""
+    """Undo ``apply``: every block runs as it did before (its own forward, or the user's own
+    checkpointing: NOTE [ A module's own checkpointing ]). A no-op on a plain model."""
     expect_module(model, "remat.remove")
     remove_segments(list(model.modules()))  # segments sit over the options: off first
     for module in model.modules():

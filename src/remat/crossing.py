@@ -59,6 +59,11 @@ class Crossing:
     saved_by: dict[str, list[str]] = field(default_factory=dict)
     """Per block, the options measured under which that block's forward saves it for the backward:
     a consumer's kept forward (``["keep"]``), the maker's runs that saved it (BLOOM's: ``keep``)."""
+    saved_after: str | None = None
+    """The first block after which the model's code (between the blocks, or the head after the
+    last) saves it for its backward: every plan holds it through that code's backward, which runs
+    in the next block's backward phase, or the head's (NOTE [ A side input the model's code saves ]
+    in ``remat.plan.sides``); None: no code saves it."""
     dies_after: str | None = None
     """The block in whose forward phase the plain step (for one that enters no block: a run whose
     maker does not save it) frees it, when that comes before the head: T5's position bias dies
@@ -83,7 +88,7 @@ class Crossing:
 
     def misplaced(self, blocks: list[str]) -> str | None:
         """What is wrong with where it says it goes among ``blocks`` (in forward order), or None."""
-        named = [*self.consumers, *self.saved_by, *filter(None, (self.made_by, self.dies_after))]
+        named = [*self.consumers, *self.saved_by, *filter(None, (self.made_by, self.dies_after, self.saved_after))]
         if unknown := [n for n in named if n not in blocks]:
             return f"names {unknown}, which are not among the profile's blocks (expected names such as {blocks[:2]})"
         if not self.consumers and self.made_by is None:

@@ -40,10 +40,12 @@ __all__ = [
     "load_record",
 ]
 
-PROFILE_SCHEMA = 9  # 2: side inputs; 3: head options (NOTE [ The head's options ]); 4: where a replay
+PROFILE_SCHEMA = 10  # 2: side inputs; 3: head options (NOTE [ The head's options ]); 4: where a replay
 # stops (BlockProfile.stop_peak_bytes); 5: handovers; 6: both as crossings (NOTE [ Tensors that cross a
 # block boundary ]); 7: where a replay starts (BlockProfile.unpack_bytes); 8: BlockProfile.saves, stats_bytes, Profile.layerdrop;
 # 9: a skip from a block's output is a side input (NOTE [ A skip from a block's output ] in remat.measure.sides)
+# 10: a side input is made by any block that returned it, enters a later block it is the first input of,
+# and may be saved by the model's code (NOTE [ A side input the model's code saves ] in remat.plan.sides)
 PLAN_SCHEMA = 2  # 2: the head's option, segments (NOTE [ A segment is one recompute frame over several calls ])
 
 # NOTE [ The head's options ]

@@ -60,13 +60,13 @@ def set_option(module: nn.Module, option: str) -> None:
 # on is left as it is: ``remat.remove`` (which ``auto`` runs first) once took every module's
 # checkpoint off, the user's too, and the profiler's runs put back an option where the user had
 # their own (a policy lost, transformers' checkpointing turned off).
-_OWN = "_remat_own_checkpoint"
+_OWN = "_remat_users_checkpoint"
 
 
 def touched(module: nn.Module) -> bool:
     """Whether remat has set an option on ``module`` since it remembered the module's own
     checkpointing (NOTE [ A module's own checkpointing ])."""
-    return _OWN in module.__dict__ or "_remat_hf_state" in module.__dict__
+    return _OWN in module.__dict__ or _HF_STATE in module.__dict__
 
 
 # NOTE [ transformers layers ]
@@ -83,14 +83,16 @@ def is_hf_layer(module: nn.Module) -> bool:
 
 
 _HF_ATTRS = ("gradient_checkpointing", "_gradient_checkpointing_func")
+_HF_STATE = "_remat_hf_state"
+"""Where a transformers layer keeps its own settings while remat sets its option."""
 
 
 def _set_hf(module: nn.Module, option: str) -> None:
     state = module.__dict__
-    if "_remat_hf_state" not in state:
+    if _HF_STATE not in state:
         # First touch: remember transformers' own settings (activation_checkpointing_enable()) for
         # remove(); from here on the plan alone decides, so a "keep" layer keeps.
-        object.__setattr__(module, "_remat_hf_state", {k: state[k] for k in _HF_ATTRS if k in state})
+        object.__setattr__(module, _HF_STATE, {k: state[k] for k in _HF_ATTRS if k in state})
     if option == "keep":
         object.__setattr__(module, "gradient_checkpointing", False)
         state.pop("_gradient_checkpointing_func", None)
@@ -102,7 +104,7 @@ def _set_hf(module: nn.Module, option: str) -> None:
 
 
 def _restore_hf(module: nn.Module) -> None:
-    saved = module.__dict__.pop("_remat_hf_state", None)
+    saved = module.__dict__.pop(_HF_STATE, None)
     if saved is None:
         return
     for key in (*_HF_ATTRS, "_remat_mode"):
@@ -138,7 +140,8 @@ def option_of(module: nn.Module) -> str:
 
 
 def clear_option(module: nn.Module) -> None:
-    """Undo ``set_option`` on ``module``: its own forward again (transformers' settings as before)."""
+    """Undo ``set_option`` on ``module``: its own forward again, or its own checkpointing as it was
+    before remat set an option (transformers' settings, a ``checkpoint_module`` of the user's)."""
     untile_block(module)
     uncompile_block(module)
     if is_hf_layer(module):

@@ -78,9 +78,9 @@ RANDOM_SKIPS = ("step: turn off layerdrop, stochastic depth or other random laye
 # 5. A block inside another by object is left to it: a module held under two names (reformer's
 #    reversible and plain paths share their layers; enformer-pytorch's stem, tower and transformer,
 #    attributes and again the items of the ``Sequential`` its forward runs) is counted under its
-#    first name only, in a stack found under its second name too, which
-#    may be in a path that never runs as a whole (a shared layer's name under the reversible
-#    blocks, while the plain blocks that hold it run). A module that holds blocks under other
+#    first name only, in a stack found under its second name too. That name may be in a path
+#    that never runs as a whole (a shared layer's name under the reversible blocks, while the
+#    plain blocks that hold it run). A module that holds blocks under other
 #    names (DynUNet's recursive ``skip_layers``, fed the batch) is no block itself.
 # 6. A module that runs more than once (a weight-tied layer the model calls in every iteration of its
 #    loop: perceiver-pytorch's ``weight_tie_layers``, ALBERT's shared layer) is no block, nor is

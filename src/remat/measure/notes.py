@@ -69,7 +69,7 @@ class StepNotes:
     """(block, storage number): a side storage that was another block's first input or output
     when it arrived (a skip)."""
     side_makers: dict[int, int] = field(default_factory=dict)
-    """Storage number -> the block that returned that side storage besides its first output (nGPT's
+    """Storage number -> the block that returned that side storage, as any of its outputs (nGPT's
     first attention returns its values, which every later one takes: NOTE [ A skip from a block's
     output ] in ``remat.measure.sides``)."""
     # --- first inputs and outputs ---

@@ -25,7 +25,7 @@ def span(phase: Phase, order: list[int], labels: Any) -> tuple[str, str]:
 
     if phase.part == "optimizer":
         return "optimizer", "end"
-    if phase.block is not None:  # NOTE [ Blocks of several stacks ]
+    if phase.block is not None:  # NOTE [ Blocks of several stacks ] in remat.measure.attribution
         k, i = phase.block, order[phase.block]
         if phase.stage == "forward":
             return f"fs{i}", f"fs{order[k + 1]}" if k + 1 < len(order) else f"fe{i}"

@@ -239,10 +239,23 @@ def read_side_inputs(
                 consumers=[names[i] for i in users],
                 made_by=None if maker is None else names[maker],
                 saved_by={names[i]: ["keep"] for i in holders if key in saved.get(i, set())},
+                saved_after=_code_saves_after(saving, saved, again_side, names),
                 dies_after=_dies_after(traced, side.number, names),
             )
         )
     return records
+
+
+def _code_saves_after(saving: StepNotes, saved: dict[Any, set[int]], side: Side, names: list[str]) -> str | None:
+    """The first block (in forward order) after which the model's code saves ``side`` (in the step
+    ``saving``), or None (NOTE [ A side input the model's code saves ] in remat.plan.sides). A
+    storage saved outlives the forward: the key of one that died there is another's (NOTE [ Storage
+    keys are reused ])."""
+    if side.number in saving.deaths:
+        return None
+    position = {i: k for k, i in enumerate(saving.order)}
+    after = [who[1] for who, keys in saved.items() if isinstance(who, tuple) and side.key in keys]
+    return names[min(after, key=position.__getitem__)] if after else None
 
 
 def _code_saves(saving: StepNotes, saved: dict[Any, set[int]], key: int, consumer: int) -> bool:
@@ -298,6 +311,8 @@ def read_held_firsts(traced: StepNotes, names: list[str]) -> list[Crossing]:
         if number is None or number in seen or died is None or died[0] <= position[i] or not traced.in_bytes.get(i):
             continue
         seen.add(number)
+        if any(side.number == number for j in traced.order[:position[i]] for side in traced.sides.get(j, [])):
+            continue  # a side input first: its record holds it (NOTE [ A side input that becomes a first input ])
         enters = [j for j in traced.order if position[j] > position[i]
                   and (traced.first_numbers.get(j) == number or any(s.number == number for s in traced.sides.get(j, [])))]
         records.append(Crossing(size_bytes=traced.in_bytes[i], consumers=[names[j] for j in [i, *enters]],

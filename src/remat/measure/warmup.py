@@ -13,7 +13,9 @@ from typing import Any
 from torch import nn
 
 from remat.errors import ProfileError
-from remat.manual.blocks import no_blocks
+from remat.manual.blocks import inside, no_blocks
+from remat.manual.module_form import checkpoint_record
+from remat.manual.options import touched
 from remat.manual.settle import by_calls, coarser
 from remat.measure.calls_seen import seen_calls
 from remat.measure.marked import outside_remat
@@ -39,6 +41,7 @@ def running(model: nn.Module, named: Blocks, explicit: bool, batch: Any, loss_fn
     """The blocks, settled by what runs in a warm-up step on ``batch``: named ones must run; found
     ones are settled by the module calls (NOTE [ Blocks by what runs ] in remat.manual.settle),
     with the other candidate list of rule 9 (``coarser``), or None."""
+    _refuse_users_checkpoints_over(model, named)
     seen = seen_calls(model, batch, loss_fn, optimizer)
     calls, late = seen.calls, seen.late
     if explicit:
@@ -82,7 +85,24 @@ def running(model: nn.Module, named: Blocks, explicit: bool, batch: Any, loss_fn
         raise no_blocks(model)
     if left := sorted({n for n, _ in named} - {n for n, _ in kept}):
         log.info("blocks found by the model's containers that do not run as blocks in a training step: %s", left)
+    _refuse_users_checkpoints_over(model, kept)
     return kept, coarser(model, kept, calls)
+
+
+def _refuse_users_checkpoints_over(model: nn.Module, blocks: Blocks) -> None:
+    """Refuse a module the user checkpointed (``remat.checkpoint_module``) that holds ``blocks``:
+    its replay would run them again in the backward, and remat leaves it in place (NOTE [ A
+    module's own checkpointing ] in remat.manual.options)."""
+    for name, module in model.named_modules():
+        if checkpoint_record(module) is None or touched(module):
+            continue
+        if inner := [n for n, _ in blocks if n != name and inside(n, name)]:
+            where = f"model.get_submodule({name!r})" if name else "model"
+            raise ProfileError(
+                f"{repr(name) if name else 'the model'} is checkpointed with remat.checkpoint_module and holds blocks "
+                f"{inner[:4]}{' ...' if len(inner) > 4 else ''}: its replay would run them again in the "
+                f"backward, and remat plans what they recompute. Take it off first "
+                f"(remat.uncheckpoint_module({where})), or name blocks outside it with blocks=")
 
 
 NEAR_TIE = 0.01

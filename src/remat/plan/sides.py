@@ -28,6 +28,16 @@ every block checkpointed hold it instead: ``remat.measure.attribution`` takes it
 kept bytes). Held by a plan, it then adds its bytes to the forward of every block after that one
 and to the head's forward, as well as to the backward phases as above. Its consumers all run by
 then, so whether it is held is known from the state before the block.
+
+# NOTE [ A side input the model's code saves ]
+The model's code between the blocks, or the head after them, may save a side input for its own
+backward: simple-hierarchical-transformer's loss compares the latent dynamics' predictions with
+the tokens they took. Every plan then holds it through that code's backward (in the backward
+phase of the block after it, or the head's), and a consumer that holds it longer adds it only to
+the backward phases before its own. Read as freed in the head's forward, every plan that
+recomputed such a consumer was predicted its bytes high there (on that model 393,216 B at the
+head's backward, its floor 3.4% above torch's checkpoint on the same blocks; tests/test_crossings.py).
+``Crossing.saved_after`` says after which block the code saves it, noted by the saving step.
 """
 
 from __future__ import annotations
@@ -70,6 +80,9 @@ class SideGroups:
     cachers: tuple[frozenset[int], ...] = ()
     """[group]: the blocks whose ``selective`` forward saves them (``Crossing.cachers``); empty:
     none for every group."""
+    saved_after: tuple[int | None, ...] = ()
+    """[group]: the block (forward position) after which the model's code saves them, or None
+    (NOTE [ A side input the model's code saves ]); empty: None for every group."""
 
     def _dies(self, g: int) -> int | None:
         return self.dies_after[g] if self.dies_after else None
@@ -101,9 +114,18 @@ class SideGroups:
                 mask |= 1 << g
         return mask
 
+    def code_held(self, block: int | None) -> int:
+        """The groups the model's code holds at ``block``'s backward (None: the head's), under every
+        plan (NOTE [ A side input the model's code saves ])."""
+        mask = 0
+        for g, after in enumerate(self.saved_after):
+            if after is not None and (block is None or block > after):
+                mask |= 1 << g
+        return mask
+
     def plain_held(self, block: int | None) -> int:
         """The groups the plain step holds at ``block``'s backward (None: the head's backward)."""
-        mask = 0
+        mask = self.code_held(block)
         for g, savers in enumerate(self.savers):
             if savers and (block is None or block >= min(savers)):
                 mask |= 1 << g
@@ -112,6 +134,7 @@ class SideGroups:
     def delta_bytes(self, held: int, block: int | None) -> int:
         """Bytes live at the start of ``block``'s backward (None: the head's) with ``held`` held,
         over what the plain step has live there."""
+        held |= self.code_held(block)
         plain = self.plain_held(block)
         return sum(b for g, b in enumerate(self.size_bytes) if held >> g & 1) - sum(
             b for g, b in enumerate(self.size_bytes) if plain >> g & 1
@@ -123,7 +146,7 @@ class SideGroups:
             b
             for g, b in enumerate(self.size_bytes)
             # the plain step frees these in the head
-            if held >> g & 1 and not self.savers[g] and self._dies(g) is None
+            if held >> g & 1 and not self.savers[g] and not self.code_held(None) >> g & 1 and self._dies(g) is None
         )
         return min(self.post_held_extra_bytes, longer) + self.fwd_delta_bytes(held, None)
 
@@ -131,16 +154,17 @@ class SideGroups:
 def side_groups(profile: Profile) -> SideGroups:
     """The side inputs of ``profile`` grouped by consumers, savers and death, in first-seen order."""
     index = {b.name: i for i, b in enumerate(profile.blocks)}
-    groups: dict[tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...], str | None], int] = {}
-    for side in side_inputs(profile):
-        together = (tuple(side.consumers), side.savers, side.cachers, side.dies_after)  # they live and die together
+    groups: dict[tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...], str | None, str | None], int] = {}
+    for side in side_inputs(profile):  # they live and die together
+        together = (tuple(side.consumers), side.savers, side.cachers, side.dies_after, side.saved_after)
         groups[together] = groups.get(together, 0) + side.size_bytes
     return SideGroups(
         size_bytes=tuple(groups.values()),
-        consumers=tuple(frozenset(index[n] for n in users if n in index) for users, _, _, _ in groups),
-        savers=tuple(frozenset(index[n] for n in savers if n in index) for _, savers, _, _ in groups),
-        cachers=tuple(frozenset(index[n] for n in cachers if n in index) for _, _, cachers, _ in groups),
-        dies_after=tuple(index.get(d) if d is not None else None for _, _, _, d in groups),
+        consumers=tuple(frozenset(index[n] for n in users if n in index) for users, *_ in groups),
+        savers=tuple(frozenset(index[n] for n in savers if n in index) for _, savers, *_ in groups),
+        cachers=tuple(frozenset(index[n] for n in cachers if n in index) for _, _, cachers, *_ in groups),
+        dies_after=tuple(index.get(d) if d is not None else None for _, _, _, d, _ in groups),
+        saved_after=tuple(index.get(a) if a is not None else None for *_, a in groups),
         unsaving=frozenset(i for i, b in enumerate(profile.blocks) if not b.saves),
         post_held_extra_bytes=max(0, profile.post_fwd_peak_held_bytes - profile.post.fwd_peak_bytes)
         if side_inputs(profile)
