@@ -59,9 +59,10 @@ def running(model: nn.Module, named: Blocks, explicit: bool, batch: Any, loss_fn
                 "values; remat plans blocks that can be replayed: leave them out of blocks=")
         return named, None
     kept, repeated = by_calls(model, named, calls)
-    if repeated:
+    modules = dict(model.named_modules())
+    if unchecked := [n for n in repeated if checkpoint_record(modules[n]) is None]:  # the advice taken: quiet
         warnings.warn(
-            f"{repeated[:4]}{' ...' if len(repeated) > 4 else ''} ran more than once in one training step "
+            f"{unchecked[:4]}{' ...' if len(unchecked) > 4 else ''} ran more than once in one training step "
             "(weight-tied layers); remat plans modules that run once per step, so these keep their "
             "activations as in the plain step. To checkpoint every call of them, run "
             "remat.checkpoint_module(model.get_submodule(name)) on each before profiling: remat then plans "
