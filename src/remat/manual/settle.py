@@ -14,7 +14,7 @@ from torch import nn
 from remat.errors import ProfileError
 from remat.manual.blocks import CONTAINERS, inside, is_block_stack, param_count, stack_candidates
 
-__all__ = ["RANDOM_SKIPS", "Calls", "by_calls", "coarser"]
+__all__ = ["RANDOM_SKIPS", "Calls", "by_calls"]
 
 RANDOM_SKIPS = ("step: turn off layerdrop, stochastic depth or other random layer skips while remat profiles (a "
                 "plan made with every layer holds when layers are skipped after), or name blocks that run in every "
@@ -122,12 +122,11 @@ RANDOM_SKIPS = ("step: turn off layerdrop, stochastic depth or other random laye
 #    indices and output its split plan kept at every budget, and the concatenation of its up path's
 #    skip, whose output ended segments) is one block in the other candidate list (``coarser``:
 #    each such stage whole, the innermost where they nest, one holding at most half of the
-#    blocks). The profiler takes the list with the lower floor, from the steps on fake tensors,
-#    the finer one when they tie within 1% (a diffusers UNet's up stages whole floored 1 KiB lower,
-#    where split ones are planned per part above the floor) or cannot run there
-#    (``remat.measure.warmup.by_floor``).
-#    BasicUNet floored at 47.63 MB split, 37.80 as stages, torch's checkpoint on its stages
-#    (``test_libs_zoo``'s ``monai-basicunet``).
+#    blocks; ``remat.manual.stages``). The profiler takes the list with the lower floor, from the
+#    steps on fake tensors, the finer one when they tie within 1% (a diffusers UNet's up stages
+#    whole floored 1 KiB lower, where split ones are planned per part above the floor) or cannot run
+#    there (``remat.measure.warmup.by_floor``). BasicUNet floored at 47.63 MB split, 37.80 as
+#    stages, torch's checkpoint on its stages (``test_libs_zoo``'s ``monai-basicunet``).
 # So every block remat chooses has run once in that forward: a block that does not run is never the
 # user's error. One that runs with gradients only after the forward (in the model's own backward: a
 # reversible network) has nothing to checkpoint, and is refused with that reason.
@@ -368,27 +367,3 @@ def _keeps_a_stack(stage: nn.Module) -> bool:
 
     return any((not n or own(n)) and is_block_stack(c) and not all(_one_weight(m) for m in c.children())
                for n, c, _ in stack_candidates(stage))
-
-
-def coarser(model: nn.Module, blocks: list[tuple[str, nn.Module]], calls: Calls) -> list[tuple[str, nn.Module]] | None:
-    """``blocks`` with each stage that does work between its blocks whole (rule 9), or None when
-    no stage does."""
-    names = [n for n, _ in blocks]
-    stages: list[str] = []
-    for stage, module in model.named_modules():
-        if (not stage or calls.count.get(stage) != 1 or not calls.replays(stage)
-                or param_count(module) == 0 or any(inside(stage, n) for n in names)):
-            continue
-        inner = [n for n in names if inside(n, stage)]
-        if len(inner) < 2 or 2 * len(inner) > len(names):
-            continue
-        own = [w for w in calls.work if inside(w, stage) and not any(inside(w, n) for n in inner)]
-        if any(calls.start[stage] < at <= calls.end[stage] for w in own for at in calls.work[w]):
-            stages.append(stage)
-    stages = [s for s in stages if not any(o != s and inside(o, s) for o in stages)]  # the innermost
-    if not stages:
-        return None
-    modules = dict(model.named_modules())
-    kept = [(n, m) for n, m in blocks if not any(inside(n, s) for s in stages)] + [(s, modules[s]) for s in stages]
-    order = {n: i for i, n in enumerate(modules)}
-    return sorted(kept, key=lambda b: order[b[0]])

@@ -220,6 +220,7 @@ def read_side_inputs(
             "remat plans steps that repeat (check for randomness in the model's forward)"
         )
     records = []
+    position = {i: k for k, i in enumerate(traced.order)}
     for (side, users), (again_side, _) in zip(seen, again):
         key = again_side.key  # the key ``saved`` knows it by, in the run that noted it
         if key in saved.get("pre", set()) or side.number in traced.kept_past_step:
@@ -227,11 +228,12 @@ def read_side_inputs(
         maker = output_of(traced, side.number)
         if maker is None:
             maker = traced.side_makers.get(side.number)
-        if maker is not None and _code_saves(saving, saved, key, users[0]):  # NOTE [ A skip from a block's output ]
-            continue
-        position = {i: k for k, i in enumerate(traced.order)}  # NOTE [ A side input that becomes a first input ]
-        users = sorted({*users, *(j for j in traced.order if position[j] > position[users[0]]
-                                  and traced.first_numbers.get(j) == side.number)}, key=position.__getitem__)
+        code_saved = _code_saved_after(saving, saved, again_side)
+        if maker is not None and code_saved is not None and position[code_saved] < position[users[0]]:
+            continue  # NOTE [ A skip from a block's output ]: the part before its consumers saves it
+        later_firsts = [j for j in traced.order  # NOTE [ A side input that becomes a first input ]
+                        if position[j] > position[users[0]] and traced.first_numbers.get(j) == side.number]
+        users = sorted({*users, *later_firsts}, key=position.__getitem__)
         holders = [*users, *([] if maker is None else [maker])]  # NOTE [ A skip from a block's output ]
         records.append(
             Crossing(
@@ -239,31 +241,23 @@ def read_side_inputs(
                 consumers=[names[i] for i in users],
                 made_by=None if maker is None else names[maker],
                 saved_by={names[i]: ["keep"] for i in holders if key in saved.get(i, set())},
-                saved_after=_code_saves_after(saving, saved, again_side, names),
+                saved_after=None if code_saved is None else names[code_saved],
                 dies_after=_dies_after(traced, side.number, names),
             )
         )
     return records
 
 
-def _code_saves_after(saving: StepNotes, saved: dict[Any, set[int]], side: Side, names: list[str]) -> str | None:
-    """The first block (in forward order) after which the model's code saves ``side`` (in the step
-    ``saving``), or None (NOTE [ A side input the model's code saves ] in remat.plan.sides). A
-    storage saved outlives the forward: the key of one that died there is another's (NOTE [ Storage
-    keys are reused ])."""
+def _code_saved_after(saving: StepNotes, saved: dict[Any, set[int]], side: Side) -> int | None:
+    """The first block (hook index, in forward order) after which the model's code saves ``side``
+    in the step ``saving``, or None (NOTE [ A side input the model's code saves ] in
+    remat.plan.sides). A storage saved outlives the forward: the key of one that died there is
+    another's (NOTE [ Storage keys are reused ])."""
     if side.number in saving.deaths:
         return None
     position = {i: k for k, i in enumerate(saving.order)}
     after = [who[1] for who, keys in saved.items() if isinstance(who, tuple) and side.key in keys]
-    return names[min(after, key=position.__getitem__)] if after else None
-
-
-def _code_saves(saving: StepNotes, saved: dict[Any, set[int]], key: int, consumer: int) -> bool:
-    """Whether the model's code between the blocks saves storage ``key`` before block ``consumer``
-    runs (in the step ``saving``)."""
-    position = {i: k for k, i in enumerate(saving.order)}
-    return any(isinstance(who, tuple) and position[who[1]] < position[consumer] and key in keys
-               for who, keys in saved.items())
+    return min(after, key=position.__getitem__) if after else None
 
 
 # NOTE [ A side input the model keeps past the step ]

@@ -16,7 +16,8 @@ from remat.errors import ProfileError
 from remat.manual.blocks import inside, no_blocks
 from remat.manual.module_form import checkpoint_record
 from remat.manual.options import touched
-from remat.manual.settle import by_calls, coarser
+from remat.manual.settle import by_calls
+from remat.manual.stages import coarser
 from remat.measure.calls_seen import seen_calls
 from remat.measure.marked import outside_remat
 
