@@ -50,7 +50,7 @@ class _Steps:
         def spy(model: Any, named: Any, batch: Any, *args: Any, **kwargs: Any) -> Any:
             from torch._subclasses.fake_tensor import FakeTensor
 
-            if not any(isinstance(t, FakeTensor) for t in (batch if isinstance(batch, tuple) else [])):
+            if not any(isinstance(p, FakeTensor) for p in model.parameters()):  # the batch is real in both
                 segmented = any(segments_of(m) is not None for _, m in named)
                 self.real.append({name: option_of(m) or "keep" for name, m in named} | ({"": "segments"} if segmented else {}))
             return inner(model, named, batch, *args, **kwargs)
@@ -184,6 +184,54 @@ def test_a_model_that_keeps_plain_tensors_is_planned_where_the_plain_step_does_n
     remat.remove(model)
     assert not plan.plain_ran and report.plain_peak_bytes == plain
     assert report.fits and report.grads_equal
+
+
+class _ReadsItsBatch(torch.nn.Module):
+    """ESM-2's shape: the padding mask dropped when no token is padding (``if not pad.any()``), a
+    count of tokens from the batch, and noise drawn like the batch (a diffusion loss's)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(33, 32)
+        self.layers = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.LayerNorm(32), torch.nn.Linear(32, 128),
+                                                              torch.nn.GELU(), torch.nn.Linear(128, 32))
+                                          for _ in range(4))
+        self.out = torch.nn.Linear(32, 33)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        pad: torch.Tensor | None = ids.eq(0)
+        if not pad.any():  # reads the batch's values
+            pad = None
+        x = self.emb(ids) if pad is None else self.emb(ids) * (~pad)[..., None]
+        x = x + torch.randn_like(ids, dtype=x.dtype)[..., None] / int(ids.ne(0).sum())
+        for layer in self.layers:
+            x = x + layer(x)
+        return self.out(x)
+
+
+def test_a_model_that_reads_its_batch_is_planned_without_its_plain_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """NOTE [ The batch's values ]: on a fake batch the plain step could not be predicted, and the
+    profile below it ran the plain step (out of memory where it does not fit)."""
+    torch.manual_seed(0)
+    model, ids = _ReadsItsBatch(), torch.randint(1, 33, (8, 128))
+    batch, before = (ids,), ids.clone()
+
+    def loss_fn(out: torch.Tensor, b: Any) -> torch.Tensor:
+        return torch.nn.functional.cross_entropy(out.transpose(1, 2), b[0])
+
+    plain = measure_step(model, batch, loss_fn=loss_fn, repeats=0).peak_bytes
+    steps = _Steps(monkeypatch)
+    rng = torch.get_rng_state()
+    prof = profile(model, batch, loss_fn=loss_fn, repeats=1, budget=int(0.6 * plain))
+    assert not prof.plain_ran and prof.plain_peak_bytes == plain  # predicted from fake tensors, to the byte
+    assert {"": "segments"} not in steps.real and all(set(s.values()) != {"keep"} for s in steps.real)
+    assert torch.equal(ids, before) and torch.equal(torch.get_rng_state(), rng)
+    plan = solve(prof, int(0.6 * plain))
+    remat.apply(model, plan)
+    try:
+        assert measure_step(model, batch, loss_fn=loss_fn, repeats=0).peak_bytes <= plan.estimate.peak_bytes
+    finally:
+        remat.remove(model)
 
 
 def test_a_plain_step_predicted_to_fit_that_runs_out_is_profiled_lean(monkeypatch: pytest.MonkeyPatch,

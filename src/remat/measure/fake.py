@@ -39,7 +39,7 @@ from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sd
 from remat.devices import ROOFLINE_EFFICIENCY, DeviceSpec
 from remat.measure.tracer import Mark, Trace
 
-__all__ = ["FakeMeter", "FakeSteps", "convertible_parameters", "storage_key", "to_fake"]
+__all__ = ["FakeMeter", "FakeSteps", "convertible_parameters", "storage_key"]
 
 aten = torch.ops.aten
 
@@ -267,15 +267,33 @@ class FakeMeter(TorchDispatchMode):
         return max(compute_s, memory_s) * 1e3 + spec.kernel_overhead_us * 1e-3
 
 
-def to_fake(mode: Any, batch: Any) -> Any:
-    """``batch`` with every tensor in it (nested in dicts, tuples and lists) made fake in ``mode``."""
-    if isinstance(batch, torch.Tensor):
-        return mode.from_tensor(batch)
-    if isinstance(batch, dict):
-        return {k: to_fake(mode, v) for k, v in batch.items()}
-    if isinstance(batch, (tuple, list)):
-        return type(batch)(to_fake(mode, v) for v in batch)
-    return batch
+# NOTE [ The batch's values ]
+# A forward may read the values of its batch: ESM-2 drops its padding mask when no token is padding
+# (``if not padding_mask.any()``), transformers' models check whether an attention mask masks
+# anything. On a fake batch that raises (``DataDependentOutputException``), the plain step cannot be
+# predicted, and a profile below it ran the plain step for real: out of memory in a process that
+# cannot hold it, where torch's checkpoint on every layer fits (tests/test_lean.py). So the fake
+# steps take the user's batch as it is, real, and an op whose tensors are all real (the batch's, and
+# what the model makes of them alone: a mask, a count) runs for real, as in the real step: the
+# meter counts what it makes. Every op that meets a fake tensor (a weight) is fake. Not an op that
+# writes into a real tensor (the batch is the user's), nor one that makes a tensor from nothing.
+# A read of what the weights made still raises, and the profile falls back as before. The RNG state
+# a real op draws from is put back when the fake steps end.
+
+
+class _BatchValues(TorchDispatchMode):
+    """Runs an op whose tensors are all real for real, under the fake mode (NOTE [ The batch's values ])."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
+
+        kwargs = kwargs or {}
+        tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        writes = any(a.alias_info is not None and a.alias_info.is_write for a in func._schema.arguments)
+        if tensors and not writes and not any(isinstance(t, FakeTensor) for t in tensors):
+            with unset_fake_temporarily():
+                return func(*args, **kwargs)
+        return func(*args, **kwargs)
 
 
 # NOTE [ A cache the fake steps fill ]
@@ -302,13 +320,20 @@ class FakeSteps:
             self.misses.setdefault(id(cache), (cache, cache.cache_info().misses))
 
     def __enter__(self) -> FakeSteps:
+        self._rng = torch.get_rng_state(), torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
         self.mode.__enter__()
+        self._values = _BatchValues()
+        self._values.__enter__()
         return self
 
     def __exit__(self, *exc: Any) -> None:
         try:
+            self._values.__exit__(*exc)
             self.mode.__exit__(*exc)
         finally:
+            torch.set_rng_state(self._rng[0])  # NOTE [ The batch's values ]
+            if self._rng[1] is not None:
+                torch.cuda.set_rng_state_all(self._rng[1])
             for cache, misses in self.misses.values():
                 if cache.cache_info().misses != misses:
                     cache.cache_clear()
