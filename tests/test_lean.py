@@ -209,15 +209,24 @@ class _ReadsItsBatch(torch.nn.Module):
         return self.out(x)
 
 
-def test_a_model_that_reads_its_batch_is_planned_without_its_plain_step(monkeypatch: pytest.MonkeyPatch) -> None:
+def _every_token(out: torch.Tensor, b: Any) -> torch.Tensor:
+    return torch.nn.functional.cross_entropy(out.transpose(1, 2), b[0])
+
+
+def _masked_tokens(out: torch.Tensor, b: Any) -> torch.Tensor:
+    mask = b[0] % 7 == 0  # a masked language model's loss: the shape of ``out[mask]`` is the batch's
+    return torch.nn.functional.cross_entropy(out[mask], b[0][mask])
+
+
+@pytest.mark.parametrize("loss_fn", [_every_token, _masked_tokens], ids=["every-token", "masked-tokens"])
+def test_a_model_that_reads_its_batch_is_planned_without_its_plain_step(monkeypatch: pytest.MonkeyPatch,
+                                                                          loss_fn: Any) -> None:
     """NOTE [ The batch's values ]: on a fake batch the plain step could not be predicted, and the
-    profile below it ran the plain step (out of memory where it does not fit)."""
+    profile below it ran the plain step (out of memory where it does not fit): ESM-2's padding mask,
+    its masked language model's loss."""
     torch.manual_seed(0)
     model, ids = _ReadsItsBatch(), torch.randint(1, 33, (8, 128))
     batch, before = (ids,), ids.clone()
-
-    def loss_fn(out: torch.Tensor, b: Any) -> torch.Tensor:
-        return torch.nn.functional.cross_entropy(out.transpose(1, 2), b[0])
 
     plain = measure_step(model, batch, loss_fn=loss_fn, repeats=0).peak_bytes
     steps = _Steps(monkeypatch)
@@ -232,6 +241,22 @@ def test_a_model_that_reads_its_batch_is_planned_without_its_plain_step(monkeypa
         assert measure_step(model, batch, loss_fn=loss_fn, repeats=0).peak_bytes <= plan.estimate.peak_bytes
     finally:
         remat.remove(model)
+
+
+def test_a_fake_step_that_runs_out_of_host_memory_runs_no_real_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fake step that runs out of the host's memory is no forward that reads tensor values: the
+    profile once fell back to running the plain step for real (19 real steps before refusing, in a
+    capped process where that step cannot fit)."""
+    model, batch, loss_fn = _gpt()
+
+    def out_of_host_memory(*args: Any, **kwargs: Any) -> int:
+        raise MemoryError("std::bad_alloc")
+
+    monkeypatch.setattr("remat.measure.lean.plain_peak", out_of_host_memory)
+    steps = _Steps(monkeypatch)
+    with pytest.raises(MemoryError):
+        profile(model, batch, loss_fn=loss_fn, repeats=1, budget=1_000_000)
+    assert steps.real == []
 
 
 def test_a_plain_step_predicted_to_fit_that_runs_out_is_profiled_lean(monkeypatch: pytest.MonkeyPatch,

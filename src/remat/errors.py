@@ -154,5 +154,6 @@ def did_you_mean(word: str, choices: Iterable[str], *, n: int = 1) -> str:
 
 def out_of_memory(e: BaseException) -> bool:
     """Whether ``e`` is the device running out of memory: CUDA's ``OutOfMemoryError``, or the CPU
-    allocator's refusal (under an address-space cap)."""
-    return type(e).__name__ == "OutOfMemoryError" or "can't allocate memory" in str(e)
+    allocator's refusal (under an address-space cap), or the host's (``MemoryError``: a C++
+    ``std::bad_alloc``, numpy's refusal)."""
+    return type(e).__name__ == "OutOfMemoryError" or isinstance(e, MemoryError) or "can't allocate memory" in str(e)

@@ -277,8 +277,11 @@ class FakeMeter(TorchDispatchMode):
 # what the model makes of them alone: a mask, a count) runs for real, as in the real step: the
 # meter counts what it makes. Every op that meets a fake tensor (a weight) is fake. Not an op that
 # writes into a real tensor (the batch is the user's), nor one that makes a tensor from nothing.
-# A read of what the weights made still raises, and the profile falls back as before. The RNG state
-# a real op draws from is put back when the fake steps end.
+# A boolean mask from the batch that selects from what the weights made (a masked language model's
+# loss, ``logits[mask]``) gives way to the positions it selects, which fix the output's shape; the
+# conversion is a transient of the real kernel too, which the lean steps measure as what no tensor
+# holds. A read of what the weights made still raises, and the profile falls back as before. The
+# RNG state a real op draws from is put back when the fake steps end.
 
 
 class _BatchValues(TorchDispatchMode):
@@ -293,7 +296,25 @@ class _BatchValues(TorchDispatchMode):
         if tensors and not writes and not any(isinstance(t, FakeTensor) for t in tensors):
             with unset_fake_temporarily():
                 return func(*args, **kwargs)
+        if func in _MASKED and any(_real_mask(i) for i in args[1]):  # ``logits[mask]``: a shape from the mask
+            with unset_fake_temporarily():
+                indices = [j for i in args[1] for j in (i.nonzero(as_tuple=True) if _real_mask(i) else [i])]
+            return func(args[0], indices, *args[2:], **kwargs)
         return func(*args, **kwargs)
+
+
+_MASKED = frozenset({aten.index.Tensor, aten.index_put.default, aten.index_put_.default,
+                     aten._index_put_impl_.default})
+"""Ops that take a list of indices, which may be boolean masks: one that is real (made from the
+batch) gives way to the positions it selects, which fix the output's shape (NOTE [ The batch's
+values ])."""
+
+
+def _real_mask(index: Any) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return (isinstance(index, torch.Tensor) and not isinstance(index, FakeTensor)
+            and index.dtype in (torch.bool, torch.uint8))
 
 
 # NOTE [ A cache the fake steps fill ]

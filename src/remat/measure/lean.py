@@ -50,7 +50,7 @@ import torch
 from torch import nn
 
 from remat.devices import DeviceSpec, get_device
-from remat.errors import InfeasibleBudget, RematError
+from remat.errors import InfeasibleBudget, RematError, out_of_memory
 from remat.manual.blocks import find_blocks
 from remat.measure import step as _step
 from remat.measure.estimated import (
@@ -104,6 +104,8 @@ def resolve_budget(model: nn.Module, batch: Any, loss_fn: Any, optimizer: torch.
     except RematError:  # what the user can act on (a model that cannot be copied, ...)
         raise
     except Exception as e:  # a forward that reads tensor values, an op fake tensors cannot run
+        if out_of_memory(e):  # the host's memory, not the model's code: never run the plain step instead
+            raise
         why = "its forward reads tensor values" if isinstance(e, FAKE_LIMITS) else str(e).split("\n")[0][:200]
         log.warning("remat: %s runs no step on fake tensors (%s: %s), so the plain step cannot be "
                     "predicted: it is profiled by running it, which needs it to fit the device",

@@ -118,7 +118,7 @@ def profile(
             if lean is None or lean.fits:
                 try:
                     result = _measured(model, batch, loss_fn, optimizer, blocks, repeats, compiled)
-                except (torch.OutOfMemoryError, RuntimeError) as e:
+                except (torch.OutOfMemoryError, RuntimeError, MemoryError) as e:
                     if lean is None or not out_of_memory(e):
                         raise
                     log.warning("remat: the plain step, predicted at %d bytes within the budget of %d, ran "
@@ -134,7 +134,7 @@ def profile(
                                 "compiled, a step not known to fit the budget of %d bytes", lean.budget_bytes)
                 try:
                     result = lean_profile(model, batch, loss_fn, optimizer, blocks, repeats, lean)
-                except (torch.OutOfMemoryError, RuntimeError) as e:
+                except (torch.OutOfMemoryError, RuntimeError, MemoryError) as e:
                     if not out_of_memory(e):
                         raise
                     raise ran_out_within(lean.budget_bytes, f"{type(e).__name__}: {str(e)[:300]}") from e
