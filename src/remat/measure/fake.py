@@ -276,7 +276,13 @@ class FakeMeter(TorchDispatchMode):
 # steps take the user's batch as it is, real, and an op whose tensors are all real (the batch's, and
 # what the model makes of them alone: a mask, a count) runs for real, as in the real step: the
 # meter counts what it makes. Every op that meets a fake tensor (a weight) is fake. Not an op that
-# writes into a real tensor (the batch is the user's), nor one that makes a tensor from nothing.
+# writes into a real tensor (the batch is the user's), nor one that makes a tensor from nothing
+# or from Python data (``torch.tensor``: an optimizer's step counter stayed real, and its steps were
+# timed as kernels), but ``arange``: positions the model makes from a length. transformers' Llama
+# without its cache makes its ``position_ids`` so, and its mask code asks whether they are packed
+# sequences; on a fake ``arange`` it cannot tell (``is_tracing``), builds the causal mask, and SDPA
+# repeats K and V: the plain step predicted 3 x [B, S, D] per layer above the real one (helpers 23
+# and 25: a peft LoRA Llama's floor named 11% high, and budgets torch's checkpoint meets refused).
 # A boolean mask from the batch that selects from what the weights made (a masked language model's
 # loss, ``logits[mask]``) gives way to the positions it selects, which fix the output's shape; the
 # conversion is a transient of the real kernel too, which the lean steps measure as what no tensor
@@ -293,7 +299,8 @@ class _BatchValues(TorchDispatchMode):
         kwargs = kwargs or {}
         tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         writes = any(a.alias_info is not None and a.alias_info.is_write for a in func._schema.arguments)
-        if tensors and not writes and not any(isinstance(t, FakeTensor) for t in tensors):
+        made = bool(tensors) or func._overloadpacket is aten.arange  # positions from a length, too
+        if made and not writes and func not in _LIFTS and not any(isinstance(t, FakeTensor) for t in tensors):
             with unset_fake_temporarily():
                 return func(*args, **kwargs)
         if func in _MASKED and any(_real_mask(i) for i in args[1]):  # ``logits[mask]``: a shape from the mask
@@ -302,6 +309,10 @@ class _BatchValues(TorchDispatchMode):
             return func(args[0], indices, *args[2:], **kwargs)
         return func(*args, **kwargs)
 
+
+_LIFTS = frozenset({aten.lift_fresh.default, aten.lift_fresh_copy.default, aten.lift.default})
+"""What ``torch.tensor(data)`` dispatches, its tensor made from Python data: a fake one, as before
+(an optimizer's step counters, a model's constants)."""
 
 _MASKED = frozenset({aten.index.Tensor, aten.index_put.default, aten.index_put_.default,
                      aten._index_put_impl_.default})

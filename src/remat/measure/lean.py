@@ -28,8 +28,8 @@ Why no step exceeds the budget: every real step is a configuration whose peak th
 predicts from bytes that are the step's own, and it runs only when that prediction is within the
 budget. What can still differ is what no tensor holds (a CPU kernel's scratch space, the caching
 allocator's reserve on CUDA): ``verify`` measures it, and ``auto(verify=True)`` re-solves for it.
-When not even the lean step fits (only nested segments do), the times stay the roofline's, and a
-warning says so.
+When not even the lean step fits (the plans that do keep some blocks, or nest segments), the times
+stay the roofline's, and a warning says so.
 6. Predicted within the budget, the plain step may still run out of memory by what no tensor holds:
    a MONAI 3-D UNet's convolutions take 50 MB of scratch on the CPU beside a plain step of 73 MB on
    fake tensors (123 MB measured). Then the profile is made lean as if it were predicted over, with

@@ -46,7 +46,7 @@ class Measured:
     """The tiled options, with their measured extra times."""
     scratch: Scratch
     roofline: bool = False
-    """Whether the times are the roofline's (only nested segments fit: no lean step ran)."""
+    """Whether the times are the roofline's (the lean step is predicted over the budget: none ran)."""
 
 
 _Parts = dict[str, int]
@@ -167,9 +167,9 @@ class LeanSteps:
     def run_steps(self) -> Measured:
         self._first()
         if not self.fits(self.lean, self.head):
-            log.warning("remat: not even every block recomputed fits the budget of %s (only nested "
-                        "segments do): the profile's times are the roofline's, not measured",
-                        format_bytes(self.budget))
+            log.warning("remat: the step with every block recomputed is predicted over the budget of %s, so "
+                        "no step times the options (the plans that fit keep some blocks, or nest segments): "
+                        "the profile's times are the roofline's, not measured", format_bytes(self.budget))
             return Measured(times={o: t for o, t in self.run.times.items() if o in ("keep", "selective")}, heads=self.run.heads,
                             tiles=self.run.tiles, scratch=self.scratch, roofline=True)
         lean_blocks, lean_parts = self._measure(self.lean, self.head)
