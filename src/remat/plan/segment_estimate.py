@@ -19,6 +19,18 @@ one segment and random options around it measured their prediction to the byte, 
 plans of nested and several segments on six blocks, 74 did and none measured over. Read as kept in
 the forward too (before), 0 of 48 and 15 of 87 were exact; read as recomputed in the replay too, 19
 of 24 measured over it (up to 72 KiB).
+
+# NOTE [ A segment over where a handover dies ]
+A segment's replay reads its blocks' ``keep`` numbers, which carry the model's code dropping a
+handover made before (the loop's previous attention weights, which ``keep`` does not save), where
+the forward's count has let it go already, or the replay's own calls hold it otherwise: ESM-2's
+layers return their head-averaged attention weights, and one-block segments measured 263,736 B over
+their prediction per pair of adjacent ones, a two-block segment 1,048,576 B (the weights' size),
+nested ones starting before such a block up to 67,272 B (tests/test_segment_plans_fit.py). Read
+term by term it came out exact for flat segments, but not for nested ones nor a Swin stage whose
+stash the code's frees outweigh (helper 24). So no segment holds a block in whose forward the
+model's code drops a handover ``keep`` does not save (``SegmentModel.reach``); those blocks are
+planned per block, and a segment that only makes such a handover stays (``gone``).
 """
 
 from __future__ import annotations

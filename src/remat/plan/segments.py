@@ -174,6 +174,10 @@ class SegmentModel:
         self.reach = [0] * n  # [s]: the last block a segment from s may end at (no skip inside)
         for s in range(n - 1, -1, -1):
             self.reach[s] = s if s + 1 >= n or skip[s + 1] else self.reach[s + 1]
+        for h in handed:  # NOTE [ A segment over where a handover dies ] in remat.plan.segment_estimate
+            if h.dies is not None and h.maker < h.dies and not saved_under(h.record, "keep"):
+                for s in range(h.dies + 1):
+                    self.reach[s] = min(self.reach[s], h.dies - 1)  # no segment holds that block
         self.lead = profile.base_bytes + profile.pre.kept_bytes
         self.gather = profile.gather_bytes
         after = [0] * n  # gradients live at block j's backward start, beyond the parameters'
