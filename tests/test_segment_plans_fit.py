@@ -239,7 +239,7 @@ class _WeightsLoop(torch.nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         x = self.emb(ids)
         for layer in self.layers:
-            x, weights = layer(x)  # the last layer's weights dropped here, the others when the next returns
+            x, _weights = layer(x)  # held: the last layer's weights dropped here, the others when the next returns
         return self.head(x)
 
 
