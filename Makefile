@@ -5,7 +5,7 @@ BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 LIBS_ZOO := diffusers x-transformers vit-pytorch litgpt peft einops einx loguru torch-einops-utils \
 	requests urllib3 certifi charset-normalizer frozendict \
-	performer-pytorch local-attention axial-positional-embedding hyper-connections perceiver-pytorch x-unet monai
+	performer-pytorch local-attention axial-positional-embedding hyper-connections perceiver-pytorch x-unet monai fair-esm
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
 .PHONY: demo test lint typecheck bench install clean

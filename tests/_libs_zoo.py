@@ -19,7 +19,9 @@ than once per step); x-unet's UNet keeps each down stage's output in a list for 
 that output is the first input of the stage's downsampler too, which saves nothing of it;
 x-transformers' attention with a mask calls einx, which wraps every error in its own (a recompute's
 early stop too); transformers' DETR caches its position embedding from one step to the next;
-MONAI's UNet nests its up path in skip connections, all of it after the down path's last block.
+MONAI's UNet nests its up path in skip connections, all of it after the down path's last block;
+fair-esm's ESM-2 reads its batch's values (token dropout counts the masked tokens), returns each
+layer's attention weights for the loop to drop, and trains on ``logits[mask]``.
 """
 
 from __future__ import annotations
@@ -357,6 +359,26 @@ def monai_basicunet() -> Built:
     return model.train(), (torch.randn(BATCH, 1, 64, 64, generator=_gen()),), lambda out, b: out.square().mean()
 
 
+def fair_esm2() -> Built:
+    """fair-esm's ESM-2, trained as a masked language model: its forward counts the masked tokens of
+    its batch (token dropout), its layers return their head-averaged attention weights besides their
+    output (a handover its kept forward does not save), and the loss takes ``logits[mask]``."""
+    from esm.model.esm2 import ESM2
+
+    torch.manual_seed(0)
+    model = ESM2(num_layers=4, embed_dim=64, attention_heads=4, alphabet="ESM-1b", token_dropout=True)
+    gen = _gen()
+    target = torch.randint(4, 24, (BATCH, 128), generator=gen)
+    target[:, 0], target[:, -1] = model.cls_idx, model.eos_idx
+    mask = torch.rand(BATCH, 128, generator=gen) < 0.15
+    mask[:, 0] = mask[:, -1] = False
+
+    def loss(output: Any, batch: Any) -> torch.Tensor:
+        return F.cross_entropy(output["logits"][mask], target[mask])
+
+    return model.train(), (target.masked_fill(mask, model.mask_idx),), loss
+
+
 LIBS: dict[str, Callable[[], Built]] = {
     "diffusers-unet": diffusers_unet,
     "diffusers-cond-unet": diffusers_cond_unet,
@@ -381,6 +403,7 @@ LIBS: dict[str, Callable[[], Built]] = {
     "monai-vnet": monai_vnet,
     "monai-segresnet-ds": monai_segresnet_ds,
     "monai-basicunet": monai_basicunet,
+    "fair-esm2": fair_esm2,
 }
 
 # Modules a user might checkpoint by hand (torch's checkpoint on each): remat's floor is at or below
@@ -404,10 +427,12 @@ SENSIBLE: dict[str, list[str]] = {
                     *(f"decoder{i}" for i in range(2, 6))],
     "monai-basicunet": ["conv_0", *(f"down_{i}" for i in range(1, 5)), *(f"upcat_{i}" for i in range(1, 5))],
     "monai-vnet": ["in_tr", "down_tr32", "down_tr64", "down_tr128", "down_tr256", "up_tr256", "up_tr128", "up_tr64"],
+    "fair-esm2": [f"layers.{i}" for i in range(4)],
     "monai-dynunet": ["input_block", "downsamples.0", "downsamples.1", "bottleneck", "upsamples.0", "upsamples.1",
                       "upsamples.2"],
 }
 
 # What profiling a model warns of (a match for pytest.warns): the tests expect it.
 WARNS: dict[str, str] = {"perceiver-tied": "ran more than once in one training step",
-                         "monai-segresnet-ds": "changes in place the output of an op"}
+                         "monai-segresnet-ds": "changes in place the output of an op",
+                         "fair-esm2": "changes in place the output of an op"}  # q *= self.scaling
