@@ -147,7 +147,7 @@ def test_every_plan_fits_without_verifying(case: dict[str, Any], budget: str) ->
 def test_auto_below_the_plain_step_plans_near_the_measured_floor(name: str) -> None:
     """The user's situation: ``auto`` 2% above the floor the measured profile names, below the plain
     step, plans from fake tensors without running it (NOTE [ The batch's values ] in
-    remat.measure.fake: ESM-2 reads its batch and takes ``logits[mask]``, which fake tensors could
+    remat.measure.fake_steps: ESM-2 reads its batch and takes ``logits[mask]``, which fake tensors could
     not, so the plain step ran; transformers' Llama built its causal mask on a fake ``arange``, and
     the lean floor of the LoRA Llama was named 11% high, refusing this budget)."""
     model, batch, loss_fn = _build(name)

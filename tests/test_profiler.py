@@ -449,7 +449,7 @@ _optional = _Unimported()
 
 
 def test_fake_steps_leave_no_fake_tensor_in_the_models_caches() -> None:
-    # NOTE [ A cache the fake steps fill ] in remat.measure.fake: after remat.auto on a fresh BEiT,
+    # NOTE [ A cache the fake steps fill ] in remat.measure.fake_steps: after remat.auto on a fresh BEiT,
     # the user's own step failed on the fake index the fake steps had cached
     _grid.cache_clear()
     model, batch = _GridModel(), torch.randn(4, 256, 32)

@@ -111,14 +111,15 @@ def fake_run(make_model: Callable[[Any], nn.Module], batch: Any, loss_fn: Any,
     factory called inside the mode."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from remat.measure.fake import FakeMeter, FakeSteps
+    from remat.measure.fake import FakeMeter
+    from remat.measure.fake_steps import FakeSteps
 
     steps = FakeSteps(FakeTensorMode(allow_non_fake_inputs=True))
     fake_mode = steps.mode
     with steps:
         model = make_model(fake_mode)
         steps.watch(model)
-        fake_batch = batch() if callable(batch) else batch  # real: NOTE [ The batch's values ] in remat.measure.fake
+        fake_batch = batch() if callable(batch) else batch  # real: NOTE [ The batch's values ] in remat.measure.fake_steps
         opt = make_optimizer(model) if make_optimizer is not None else None
         named = find_blocks(model, blocks, required=False)
         skipped = layerdrop_blocks(model)  # Profile.layerdrop
@@ -185,14 +186,15 @@ def plain_peak(model: nn.Module, batch: Any, loss_fn: Any, optimizer: torch.opti
     called on the copy first (to apply a plan to it), for that step's peak instead."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from remat.measure.fake import FakeMeter, FakeSteps
+    from remat.measure.fake import FakeMeter
+    from remat.measure.fake_steps import FakeSteps
 
     steps = FakeSteps(FakeTensorMode(allow_non_fake_inputs=True))
     fake_mode = steps.mode
     steps.watch(model)
     with steps:
         fake = fake_copy(model, fake_mode)
-        fake_batch = batch  # real: NOTE [ The batch's values ] in remat.measure.fake
+        fake_batch = batch  # real: NOTE [ The batch's values ] in remat.measure.fake_steps
         opt = fake_optimizer(optimizer, model)(fake) if optimizer is not None else None
         cache_off(fake)
         layerdrop_off(fake)  # a fake copy, thrown away after: nothing to put back

@@ -1,0 +1,151 @@
+"""Where fake steps run: the fake mode with the user's batch real in it (NOTE [ The batch's
+values ]), and the model's caches emptied of what the steps put there (NOTE [ A cache the fake steps
+fill ]). ``remat.measure.fake`` meters the steps."""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+__all__ = ["FakeSteps"]
+
+aten = torch.ops.aten
+
+
+# NOTE [ The batch's values ]
+# A forward may read the values of its batch: ESM-2 drops its padding mask when no token is padding
+# (``if not padding_mask.any()``), transformers' models check whether an attention mask masks
+# anything. On a fake batch that raises (``DataDependentOutputException``), the plain step cannot be
+# predicted, and a profile below it ran the plain step for real: out of memory in a process that
+# cannot hold it, where torch's checkpoint on every layer fits (tests/test_lean.py). So the fake
+# steps take the user's batch as it is, real, and an op whose tensors are all real (the batch's, and
+# what the model makes of them alone: a mask, a count) runs for real, as in the real step: the
+# meter counts what it makes. Every op that meets a fake tensor (a weight) is fake. Not an op that
+# writes into a real tensor (the batch is the user's), nor one that makes a tensor from nothing
+# or from Python data (``torch.tensor``: an optimizer's step counter stayed real, and its steps were
+# timed as kernels), but ``arange``: positions the model makes from a length. transformers' Llama
+# without its cache makes its ``position_ids`` so, and its mask code asks whether they are packed
+# sequences; on a fake ``arange`` it cannot tell (``is_tracing``), builds the causal mask, and SDPA
+# repeats K and V: the plain step predicted 3 x [B, S, D] per layer above the real one (helpers 23
+# and 25: a peft LoRA Llama's floor named 11% high, and budgets torch's checkpoint meets refused).
+# A boolean mask from the batch that selects from what the weights made (a masked language model's
+# loss, ``logits[mask]``) gives way to the positions it selects, which fix the output's shape; the
+# conversion is a transient of the real kernel too, which the lean steps measure as what no tensor
+# holds. A read of what the weights made still raises, and the profile falls back as before. The
+# RNG state a real op draws from is put back when the fake steps end.
+
+
+class _BatchValues(TorchDispatchMode):
+    """Runs an op whose tensors are all real for real, under the fake mode (NOTE [ The batch's values ])."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
+
+        kwargs = kwargs or {}
+        tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        writes = any(a.alias_info is not None and a.alias_info.is_write for a in func._schema.arguments)
+        made = bool(tensors) or func._overloadpacket is aten.arange  # positions from a length, too
+        if made and not writes and func not in _LIFTS and not any(isinstance(t, FakeTensor) for t in tensors):
+            with unset_fake_temporarily():
+                return func(*args, **kwargs)
+        if func in _MASKED and any(_real_mask(i) for i in args[1]):  # ``logits[mask]``: a shape from the mask
+            with unset_fake_temporarily():
+                indices = [j for i in args[1] for j in (i.nonzero(as_tuple=True) if _real_mask(i) else [i])]
+            return func(args[0], indices, *args[2:], **kwargs)
+        return func(*args, **kwargs)
+
+
+_LIFTS = frozenset({aten.lift_fresh.default, aten.lift_fresh_copy.default, aten.lift.default})
+"""What ``torch.tensor(data)`` dispatches, its tensor made from Python data: a fake one, as before
+(an optimizer's step counters, a model's constants)."""
+
+_MASKED = frozenset({aten.index.Tensor, aten.index_put.default, aten.index_put_.default,
+                     aten._index_put_impl_.default})
+"""Ops that take a list of indices, which may be boolean masks: one that is real (made from the
+batch) gives way to the positions it selects, which fix the output's shape (NOTE [ The batch's
+values ])."""
+
+
+def _real_mask(index: Any) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return (isinstance(index, torch.Tensor) and not isinstance(index, FakeTensor)
+            and index.dtype in (torch.bool, torch.uint8))
+
+
+# NOTE [ A cache the fake steps fill ]
+# Model code may keep what it builds in a process-wide cache (``functools.lru_cache``: transformers'
+# BEiT relative position index, DETR's position embedding). A fake step fills it with fake tensors,
+# and the next real step reads one back: after ``remat.auto`` on a fresh BEiT the user's own step
+# failed (``DataDependentOutputException``), and so did remat's verify. Fake steps run in
+# ``FakeSteps``, which afterwards empties every LRU cache the model's code reaches (its
+# classes' methods and modules, one closure deep: transformers' ``compile_compatible_method_lru_cache``)
+# that they added to; a cache holds nothing its function cannot make again.
+
+
+class FakeSteps:
+    """A fake mode to run steps in: entered, the mode is on; left, the LRU caches the model's code
+    reaches that the steps added to are emptied (``watch`` notes them first)."""
+
+    def __init__(self, mode: Any) -> None:
+        self.mode = mode
+        self.misses: dict[int, tuple[Any, int]] = {}
+
+    def watch(self, model: torch.nn.Module) -> None:
+        """Note the caches ``model``'s code reaches, as they are now."""
+        for cache in _lru_caches(model):
+            self.misses.setdefault(id(cache), (cache, cache.cache_info().misses))
+
+    def __enter__(self) -> FakeSteps:
+        self._rng = torch.get_rng_state(), torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+        self.mode.__enter__()
+        self._values = _BatchValues()
+        self._values.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            self._values.__exit__(*exc)
+            self.mode.__exit__(*exc)
+        finally:
+            torch.set_rng_state(self._rng[0])  # NOTE [ The batch's values ]
+            if self._rng[1] is not None:
+                torch.cuda.set_rng_state_all(self._rng[1])
+            for cache, misses in self.misses.values():
+                if cache.cache_info().misses != misses:
+                    cache.cache_clear()
+                    self.misses[id(cache)] = (cache, cache.cache_info().misses)
+
+
+def _lru_caches(model: torch.nn.Module) -> list[Any]:
+    found: dict[int, Any] = {}
+
+    def add(obj: Any, depth: int = 0) -> None:
+        try:  # a module's global may raise anything on access (MONAI's placeholder for an optional import)
+            obj = getattr(obj, "__func__", obj)  # a staticmethod's or classmethod's function
+            cache = hasattr(obj, "cache_info") and hasattr(obj, "cache_clear")
+        except Exception:
+            return
+        if cache:
+            found[id(obj)] = obj
+        elif depth < 2 and callable(obj):
+            for cell in getattr(obj, "__closure__", None) or ():
+                with contextlib.suppress(ValueError):  # an empty cell
+                    add(cell.cell_contents, depth + 1)
+
+    modules = set()
+    for cls in {c for m in model.modules() for c in type(m).__mro__}:
+        if cls.__module__.split(".")[0] in ("torch", "builtins"):
+            continue
+        for value in vars(cls).values():
+            add(value)
+        modules.add(cls.__module__)
+    for name in modules:
+        for value in vars(sys.modules[name]).values() if name in sys.modules else ():
+            add(value)
+    return list(found.values())
