@@ -243,6 +243,46 @@ def test_a_model_that_reads_its_batch_is_planned_without_its_plain_step(monkeypa
         remat.remove(model)
 
 
+class _GuardsOverflow(torch.nn.Module):
+    """DETR's layer (``if not torch.isfinite(x).all()``) and BART's float16 guard (``isinf(x).any()
+    or isnan(x).any()``): a training forward that reads what its weights made."""
+
+    def __init__(self, bart: bool) -> None:
+        super().__init__()
+        self.bart = bart
+        self.layers = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(32, 128), torch.nn.GELU(),
+                                                              torch.nn.Linear(128, 32)) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = x + layer(x)
+            overflowed = bool(torch.isinf(x).any() or torch.isnan(x).any()) if self.bart else not torch.isfinite(x).all()
+            if overflowed:
+                x = torch.clamp(x, min=-1e4, max=1e4)
+        return x
+
+
+@pytest.mark.parametrize("bart", [False, True], ids=["isfinite-all", "isinf-or-isnan"])
+def test_a_forward_that_guards_against_overflow_is_predicted_as_finite(bart: bool) -> None:
+    """NOTE [ Every value finite ] in remat.measure.fake_steps: transformers' DETR ran no step on
+    fake tensors, and a profile below its plain step ran that step."""
+    torch.manual_seed(0)
+    model, batch = _GuardsOverflow(bart), (torch.randn(16, 256, 32),)
+
+    def loss_fn(out: torch.Tensor, b: Any) -> torch.Tensor:
+        return out.square().mean()
+
+    plain = measure_step(model, batch, loss_fn=loss_fn, repeats=0).peak_bytes
+    prof = profile(model, batch, loss_fn=loss_fn, repeats=1, budget=int(0.6 * plain))
+    assert not prof.plain_ran and prof.plain_peak_bytes == plain
+    plan = solve(prof, int(0.6 * plain))
+    remat.apply(model, plan)
+    try:
+        assert measure_step(model, batch, loss_fn=loss_fn, repeats=0).peak_bytes <= plan.estimate.peak_bytes
+    finally:
+        remat.remove(model)
+
+
 def test_a_fake_step_that_runs_out_of_host_memory_runs_no_real_step(monkeypatch: pytest.MonkeyPatch) -> None:
     """A fake step that runs out of the host's memory is no forward that reads tensor values: the
     profile once fell back to running the plain step for real (19 real steps before refusing, in a

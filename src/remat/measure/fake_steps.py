@@ -5,7 +5,9 @@ fill ]). ``remat.measure.fake`` meters the steps."""
 from __future__ import annotations
 
 import contextlib
+import math
 import sys
+import weakref
 from typing import Any
 
 import torch
@@ -57,7 +59,59 @@ class _BatchValues(TorchDispatchMode):
             with unset_fake_temporarily():
                 indices = [j for i in args[1] for j in (i.nonzero(as_tuple=True) if _real_mask(i) else [i])]
             return func(args[0], indices, *args[2:], **kwargs)
-        return func(*args, **kwargs)
+        if func in _READS and (read := self._known(args[0])) is not None:  # NOTE [ Every value finite ]
+            return read
+        out = func(*args, **kwargs)
+        if isinstance(out, FakeTensor) and out.dtype == torch.bool and (known := self._finite(func, args)) is not None:
+            self.finite[id(out)] = (weakref.ref(out), known)
+        return out
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.finite: dict[int, tuple[weakref.ref[torch.Tensor], bool]] = {}
+        """Fake boolean tensors (by id, while they live) whose every element is known where every
+        value is finite."""
+
+    def _known(self, t: Any) -> bool | None:
+        entry = self.finite.get(id(t)) if isinstance(t, torch.Tensor) else None
+        return entry[1] if entry is not None and entry[0]() is t else None
+
+    def _finite(self, func: Any, args: Any) -> bool | None:
+        """What every element of ``func(*args)`` is where every value is finite, or None (NOTE
+        [ Every value finite ])."""
+        known = [self._known(a) for a in args[:2]]
+        if func in _NEVER:
+            return False
+        if func in (aten.eq.Tensor, aten.ne.Tensor) and args[0] is args[1]:  # NaN alone differs from itself
+            return func is aten.eq.Tensor
+        if func in (aten.eq.Scalar, aten.ne.Scalar) and isinstance(args[1], float) and math.isinf(args[1]):
+            return func is aten.ne.Scalar
+        if func in _NOT and known[0] is not None:
+            return not known[0]
+        if func in _ALL_OR_ANY and known[0] is not None:
+            return known[0]
+        if func in _AND_OR and len(known) == 2 and known[0] is not None and known[1] is not None:
+            both = func in (aten.mul.Tensor, aten.bitwise_and.Tensor, aten.logical_and.default)
+            return (known[0] and known[1]) if both else (known[0] or known[1])
+        return None
+
+
+# NOTE [ Every value finite ]
+# A training forward may guard against values that overflowed: DETR's layers clamp their output
+# ``if not torch.isfinite(hidden_states).all()``, BART's family in float16 checks ``isinf(...).any()
+# or isnan(...).any()``. That reads what the weights made, which fake tensors cannot, and the plain
+# step of transformers' DETR could not be predicted (profiled by running it). The fake steps answer
+# such a read as a step whose values are all finite does (the step remat plans; a step that
+# overflows is broken anyway): the ops run on fake tensors as they are, counted, and the answer
+# follows them (``isinf``, ``isnan``: none; ``x == x``: all; ``|x| != inf``: all; and, or, not,
+# ``all`` and ``any`` of those), for ``item()`` to read. Any other read still raises.
+
+_READS = frozenset({aten._local_scalar_dense.default, aten.is_nonzero.default})
+_NEVER = frozenset({aten.isinf.default, aten.isnan.default, aten.isposinf.default, aten.isneginf.default})
+_NOT = frozenset({aten.logical_not.default, aten.bitwise_not.default})
+_ALL_OR_ANY = frozenset({aten.all.default, aten.any.default, aten.all.dim, aten.any.dim, aten.all.dims, aten.any.dims})
+_AND_OR = frozenset({aten.mul.Tensor, aten.bitwise_and.Tensor, aten.logical_and.default, aten.bitwise_or.Tensor,
+                     aten.logical_or.default})
 
 
 _LIFTS = frozenset({aten.lift_fresh.default, aten.lift_fresh_copy.default, aten.lift.default})
