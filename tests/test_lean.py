@@ -186,6 +186,15 @@ def test_a_model_that_keeps_plain_tensors_is_planned_where_the_plain_step_does_n
     assert report.fits and report.grads_equal
 
 
+def _within_prediction(model: Any, batch: Any, loss_fn: Any, plan: Any) -> None:
+    """The plan's step, applied, measures its prediction or less."""
+    remat.apply(model, plan)
+    try:
+        assert measure_step(model, batch, loss_fn=loss_fn, repeats=0).peak_bytes <= plan.estimate.peak_bytes
+    finally:
+        remat.remove(model)
+
+
 class _ReadsItsBatch(torch.nn.Module):
     """ESM-2's shape: the padding mask dropped when no token is padding (``if not pad.any()``), a
     count of tokens from the batch, and noise drawn like the batch (a diffusion loss's)."""
@@ -235,12 +244,7 @@ def test_a_model_that_reads_its_batch_is_planned_without_its_plain_step(monkeypa
     assert not prof.plain_ran and prof.plain_peak_bytes == plain  # predicted from fake tensors, to the byte
     assert {"": "segments"} not in steps.real and all(set(s.values()) != {"keep"} for s in steps.real)
     assert torch.equal(ids, before) and torch.equal(torch.get_rng_state(), rng)
-    plan = solve(prof, int(0.6 * plain))
-    remat.apply(model, plan)
-    try:
-        assert measure_step(model, batch, loss_fn=loss_fn, repeats=0).peak_bytes <= plan.estimate.peak_bytes
-    finally:
-        remat.remove(model)
+    _within_prediction(model, batch, loss_fn, solve(prof, int(0.6 * plain)))
 
 
 class _GuardsOverflow(torch.nn.Module):
@@ -275,12 +279,7 @@ def test_a_forward_that_guards_against_overflow_is_predicted_as_finite(bart: boo
     plain = measure_step(model, batch, loss_fn=loss_fn, repeats=0).peak_bytes
     prof = profile(model, batch, loss_fn=loss_fn, repeats=1, budget=int(0.6 * plain))
     assert not prof.plain_ran and prof.plain_peak_bytes == plain
-    plan = solve(prof, int(0.6 * plain))
-    remat.apply(model, plan)
-    try:
-        assert measure_step(model, batch, loss_fn=loss_fn, repeats=0).peak_bytes <= plan.estimate.peak_bytes
-    finally:
-        remat.remove(model)
+    _within_prediction(model, batch, loss_fn, solve(prof, int(0.6 * plain)))
 
 
 def test_a_fake_step_that_runs_out_of_host_memory_runs_no_real_step(monkeypatch: pytest.MonkeyPatch) -> None:
