@@ -45,6 +45,12 @@ aten = torch.ops.aten
 class _BatchValues(TorchDispatchMode):
     """Runs an op whose tensors are all real for real, under the fake mode (NOTE [ The batch's values ])."""
 
+    def __init__(self) -> None:
+        super().__init__()
+        self.finite: dict[int, tuple[weakref.ref[torch.Tensor], bool]] = {}
+        """Fake boolean tensors (by id, while they live) whose every element is known where every
+        value is finite."""
+
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 
@@ -65,12 +71,6 @@ class _BatchValues(TorchDispatchMode):
         if isinstance(out, FakeTensor) and out.dtype == torch.bool and (known := self._finite(func, args)) is not None:
             self.finite[id(out)] = (weakref.ref(out), known)
         return out
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.finite: dict[int, tuple[weakref.ref[torch.Tensor], bool]] = {}
-        """Fake boolean tensors (by id, while they live) whose every element is known where every
-        value is finite."""
 
     def _known(self, t: Any) -> bool | None:
         entry = self.finite.get(id(t)) if isinstance(t, torch.Tensor) else None
@@ -156,20 +156,17 @@ class FakeSteps:
             self.misses.setdefault(id(cache), (cache, cache.cache_info().misses))
 
     def __enter__(self) -> FakeSteps:
-        self._rng = torch.get_rng_state(), torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
-        self.mode.__enter__()
-        self._values = _BatchValues()
-        self._values.__enter__()
+        self._stack = contextlib.ExitStack()
+        devices = range(torch.cuda.device_count()) if torch.cuda.is_initialized() else []
+        self._stack.enter_context(torch.random.fork_rng(devices=devices))  # NOTE [ The batch's values ]
+        self._stack.enter_context(self.mode)
+        self._stack.enter_context(_BatchValues())
         return self
 
     def __exit__(self, *exc: Any) -> None:
         try:
-            self._values.__exit__(*exc)
-            self.mode.__exit__(*exc)
+            self._stack.__exit__(*exc)
         finally:
-            torch.set_rng_state(self._rng[0])  # NOTE [ The batch's values ]
-            if self._rng[1] is not None:
-                torch.cuda.set_rng_state_all(self._rng[1])
             for cache, misses in self.misses.values():
                 if cache.cache_info().misses != misses:
                     cache.cache_clear()
