@@ -457,6 +457,75 @@ def test_fake_tensors_count_the_python_numbers_autograd_keeps() -> None:
     assert plain_peak(model, (x,), loss, None, lean_spec(torch.device("cpu"))) == real  # 16 B short before
 
 
+class _Gathers(torch.nn.Module):
+    """A graph convolution as torch_geometric's GIN runs it: each node gathers its neighbours
+    (``index_select``, summed back by ``index_add``) beside ``(1 + eps) * x``."""
+
+    def __init__(self, d: int = 64) -> None:
+        super().__init__()
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(d, d), torch.nn.ReLU(), torch.nn.Linear(d, d))
+        self.eps = torch.nn.Parameter(torch.zeros(1))
+
+    def forward(self, x: torch.Tensor, edges: torch.Tensor) -> torch.Tensor:
+        messages = x.index_select(0, edges[0])
+        summed = messages.new_zeros(x.shape).scatter_add_(0, edges[1].view(-1, 1).expand_as(messages), messages)
+        return self.mlp(summed + (1 + self.eps) * x).relu()
+
+
+class _Graph(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.convs = torch.nn.ModuleList(_Gathers() for _ in range(4))
+
+    def forward(self, x: torch.Tensor, edges: torch.Tensor) -> torch.Tensor:
+        for conv in self.convs:
+            x = conv(x, edges)
+        return x
+
+
+def _graph_batch(requires_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    torch.manual_seed(0)
+    return torch.randn(1000, 64, requires_grad=requires_grad), torch.randint(0, 1000, (2, 8000))
+
+
+def _graph() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return _Graph()
+
+
+def test_gradients_the_real_step_sums_in_place_are_summed_in_place_on_fake_tensors() -> None:
+    """NOTE [ Gradients summed in place ] in remat.measure.fake: on fake tensors the kept backward
+    of each block after the first peaked one gradient of its input (256,000 B) above the real
+    step's; on torch_geometric's GIN, auto below the plain step refused torch's every-block peak."""
+    batch = _graph_batch(requires_grad=False)
+    loss = lambda out, b: out.square().mean()  # noqa: E731
+    measured = profile(_graph(), batch, loss_fn=loss, repeats=1)
+    estimated = profile(_graph, batch, loss_fn=loss, device="cpu")
+    assert estimated.mode == "estimated" and estimated.plain_peak_bytes == measured.plain_peak_bytes
+    for e, m in zip(estimated.blocks, measured.blocks, strict=True):
+        for option in ("keep", "recompute"):
+            assert e.options[option].bwd_peak_bytes == m.options[option].bwd_peak_bytes, (e.name, option)
+
+
+def test_a_batch_that_requires_grad_is_profiled_and_left_as_it_was() -> None:
+    """A physics-informed loss's coordinates: the profiler's hook on the first block's input stayed
+    on the user's tensor and marked the next step's trace (IndexError); the fake steps left a fake
+    tensor in its ``.grad``; a step's gradient of it, accumulated into the last one's, put each
+    measured step 256,000 B off the next."""
+    model, batch = _graph(), _graph_batch(requires_grad=True)
+    user_grad = torch.ones_like(batch[0])
+    batch[0].grad = user_grad
+    loss = lambda out, b: out.square().mean()  # noqa: E731
+    real = measure_step(model, batch, loss_fn=loss, repeats=0).peak_bytes
+    measured = profile(model, batch, loss_fn=loss, repeats=1)
+    estimated = profile(_graph, batch, loss_fn=loss, device="cpu")
+    assert measured.plain_peak_bytes == estimated.plain_peak_bytes == real
+    lean = profile(model, batch, loss_fn=loss, repeats=1, budget=smallest_any(measured)[0])
+    assert not lean.plain_ran
+    _within_prediction(model, batch, loss, solve(lean, smallest_any(measured)[0]))
+    assert batch[0].grad is user_grad and bool((user_grad == 1).all())
+    assert not batch[0]._backward_hooks
+
 def test_blocks_in_the_floor_plans_segments_are_charged_what_they_measured_there() -> None:
     """NOTE [ What no tensor holds ]: transformers' SegFormer (its floor plan segments its first
     stages; its upsampling's scratch, the largest, is no block's inside them). Charged that

@@ -23,7 +23,7 @@ def reserved_peak(model: nn.Module, batch: Any, loss_fn: Any, optimizer: Any) ->
     device = _step.batch_device(model, batch)
     if device.type != "cuda":
         return None
-    with preserved(model, optimizer):
+    with preserved(model, optimizer, batch):
         torch.cuda.reset_peak_memory_stats(device)
         _step.train_step(model, batch, loss_fn, optimizer)
         return int(torch.cuda.max_memory_reserved(device))
@@ -56,7 +56,7 @@ def compare(plain: list[torch.Tensor], planned: list[torch.Tensor], *, exact: bo
 def loss_and_grads(model: nn.Module, batch: Any, loss_fn: Any, optimizer: Any, seed: int) -> list[torch.Tensor]:
     """The loss and every gradient of one forward+backward from a fixed RNG state, copied to the
     host: kept on the device, they would take room from the steps verify runs after."""
-    with preserved(model, optimizer):
+    with preserved(model, optimizer, batch):
         torch.manual_seed(seed)
         model.zero_grad(set_to_none=True)
         loss = _step.forward_loss(model, batch, loss_fn)
@@ -92,7 +92,7 @@ def times_in_turns(
         finally:
             remove(model)
 
-    with preserved(model, optimizer):
+    with preserved(model, optimizer, batch):
         for i in range(n):  # one untimed step of each: lazy state, the allocator's caches
             run(i, timed=False)
         for r in range(repeats):

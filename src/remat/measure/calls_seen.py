@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.hooks import RemovableHandle
 
 from remat.errors import ProfileError
 from remat.manual.settle import Calls
@@ -48,6 +49,9 @@ class CallsSeen:
     """What modules holding parameters returned, by id (rule 9)."""
     inputs: dict[str, set[int]] = field(default_factory=dict)
     """What modules holding parameters were called with, by id, while they run (rule 9)."""
+    handles: list[RemovableHandle] = field(default_factory=list)
+    """The hooks on modules and on the tensors they returned, removed after the step (a tensor of
+    the batch a module returns as it is outlives the step)."""
 
     def __post_init__(self) -> None:
         self.names = {id(m): n for n, m in self.model.named_modules()}
@@ -109,7 +113,7 @@ class CallsSeen:
                 self.returned.setdefault(parent, []).append(weakref.ref(y))
             for t in _step.tensors_in(output):
                 if t.requires_grad:  # a backward runs through it only where a gradient reaches it
-                    t.register_hook(lambda _, name=name: calls.grads.add(name))
+                    self.handles.append(t.register_hook(lambda _, name=name: calls.grads.add(name)))
         self.done = self.done or module is self.model
 
     def pack(self, t: torch.Tensor) -> tuple[tuple[str, ...], torch.Tensor]:
@@ -141,8 +145,8 @@ def seen_calls(model: nn.Module, batch: Any, loss_fn: Any, optimizer: Any) -> Ca
 
 def _watched(model: nn.Module, batch: Any, loss_fn: Any, optimizer: Any) -> CallsSeen:
     seen = CallsSeen(model, batch_ids={id(t) for t in _step.tensors_in(batch)})
-    handles = [h for m in model.modules()
-               for h in (m.register_forward_pre_hook(seen.pre, with_kwargs=True), m.register_forward_hook(seen.post))]
+    seen.handles += [h for m in model.modules()
+                     for h in (m.register_forward_pre_hook(seen.pre, with_kwargs=True), m.register_forward_hook(seen.post))]
     try:
         with torch.autograd.graph.saved_tensors_hooks(seen.pack, seen.unpack), _BufferWrites(model, seen.written):
             _step.train_step(model, batch, loss_fn, optimizer)
@@ -155,7 +159,7 @@ def _watched(model: nn.Module, batch: Any, loss_fn: Any, optimizer: Any) -> Call
             "reads every tensor a step saves through them: it cannot profile this model. Checkpoint its "
             "modules that do not call torch.func with remat.checkpoint in the model's code") from None
     finally:
-        for h in handles:
+        for h in seen.handles:
             h.remove()
     seen.calls.idle.update(seen.saved - seen.read)
     return seen

@@ -114,7 +114,7 @@ def fake_run(make_model: Callable[[Any], nn.Module], batch: Any, loss_fn: Any,
     from remat.measure.fake import FakeMeter
     from remat.measure.fake_steps import FakeSteps
 
-    steps = FakeSteps(FakeTensorMode(allow_non_fake_inputs=True))
+    steps = FakeSteps(FakeTensorMode(allow_non_fake_inputs=True), None if callable(batch) else batch)
     fake_mode = steps.mode
     with steps:
         model = make_model(fake_mode)
@@ -189,7 +189,7 @@ def plain_peak(model: nn.Module, batch: Any, loss_fn: Any, optimizer: torch.opti
     from remat.measure.fake import FakeMeter
     from remat.measure.fake_steps import FakeSteps
 
-    steps = FakeSteps(FakeTensorMode(allow_non_fake_inputs=True))
+    steps = FakeSteps(FakeTensorMode(allow_non_fake_inputs=True), batch)
     fake_mode = steps.mode
     steps.watch(model)
     with steps:

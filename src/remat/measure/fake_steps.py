@@ -7,12 +7,15 @@ from __future__ import annotations
 import contextlib
 import math
 import sys
+import warnings
 import weakref
 from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
+
+from remat.measure.preserve import batch_grads
 
 __all__ = ["FakeSteps"]
 
@@ -39,7 +42,10 @@ aten = torch.ops.aten
 # loss, ``logits[mask]``) gives way to the positions it selects, which fix the output's shape; the
 # conversion is a transient of the real kernel too, which the lean steps measure as what no tensor
 # holds. A read of what the weights made still raises, and the profile falls back as before. The
-# RNG state a real op draws from is put back when the fake steps end.
+# RNG state a real op draws from is put back when the fake steps end. A tensor of the batch that
+# requires grad (a physics-informed loss's coordinates) gets a fake gradient in the fake step, and
+# ``remat.measure.preserve``'s ``batch_grads`` puts back the one it had; torch's warning that the
+# fake mode read ``.grad`` of a real tensor made from it is the fake mode's, not the user's.
 
 
 class _BatchValues(TorchDispatchMode):
@@ -142,12 +148,19 @@ def _real_mask(index: Any) -> bool:
 # that they added to; a cache holds nothing its function cannot make again.
 
 
+_NON_LEAF_GRAD = "The .grad attribute of a Tensor that is not a leaf Tensor is being accessed"
+"""What torch warns when its fake mode converts a real tensor made from one that requires grad."""
+
+
 class FakeSteps:
     """A fake mode to run steps in: entered, the mode is on; left, the LRU caches the model's code
-    reaches that the steps added to are emptied (``watch`` notes them first)."""
+    reaches that the steps added to are emptied (``watch`` notes them first), and the batch's
+    gradients are as they were."""
 
-    def __init__(self, mode: Any) -> None:
+    def __init__(self, mode: Any, batch: Any = None) -> None:
         self.mode = mode
+        self.batch = batch
+        """The user's batch, whose tensors' gradients are put back when the steps end."""
         self.misses: dict[int, tuple[Any, int]] = {}
 
     def watch(self, model: torch.nn.Module) -> None:
@@ -159,6 +172,9 @@ class FakeSteps:
         self._stack = contextlib.ExitStack()
         devices = range(torch.cuda.device_count()) if torch.cuda.is_initialized() else []
         self._stack.enter_context(torch.random.fork_rng(devices=devices))  # NOTE [ The batch's values ]
+        self._stack.enter_context(batch_grads(self.batch))
+        self._stack.enter_context(warnings.catch_warnings())
+        warnings.filterwarnings("ignore", message=_NON_LEAF_GRAD, category=UserWarning)
         self._stack.enter_context(self.mode)
         self._stack.enter_context(_BatchValues())
         return self

@@ -150,7 +150,7 @@ def lean_profile(model: nn.Module, batch: Any, loss_fn: Any, optimizer: torch.op
         raise infeasible(fake, e.budget_bytes, e.smallest_bytes, e.dominant, estimated=True) from None
     modules = dict(model.named_modules())
     named = [(name, modules[name]) for name, _ in run.named]
-    with preserved(model, optimizer):
+    with preserved(model, optimizer, batch):
         keys = base_keys(model, optimizer, batch)
         marked = functools.partial(marked_step, model, named, batch, loss_fn, optimizer, base_keys=keys)
         runner = StepRunner(marked, model, device=device, repeats=repeats)

@@ -96,8 +96,8 @@ class Hooks(StepNotes):
             if x is not None:
                 if _storage_key(x) not in self.base_keys:
                     self.in_bytes[i] = x.untyped_storage().nbytes()
-                if x.requires_grad:
-                    x.register_hook(lambda g: self.mark(f"be{i}"))
+                if x.requires_grad:  # removed with the rest: a tensor of the batch outlives the step
+                    self.handles.append(x.register_hook(lambda g: self.mark(f"be{i}")))
 
         return hook
 
@@ -114,7 +114,7 @@ class Hooks(StepNotes):
             began = backward_mark(self, i, self.mark)  # at the first gradient any output receives
             for t in _step.tensors_in(output):  # the first may get none (Flux's last single block)
                 if t.requires_grad:
-                    t.register_hook(began)
+                    self.handles.append(t.register_hook(began))
 
         return hook
 

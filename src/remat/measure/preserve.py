@@ -11,12 +11,28 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["preserved"]
+from remat.measure.step import tensors_in
+
+__all__ = ["batch_grads", "preserved"]
 
 
 @contextlib.contextmanager
-def preserved(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> Iterator[None]:
-    """Run measuring steps, then put back weights, buffers, grads, optimizer state and RNG state."""
+def batch_grads(batch: Any) -> Iterator[None]:
+    """Put back the gradients of the batch's tensors that require grad (a step sets them; on fake
+    tensors, to a fake tensor)."""
+    leaves = [t for t in tensors_in(batch) if t.requires_grad and t.is_leaf]
+    grads = [t.grad for t in leaves]
+    try:
+        yield
+    finally:
+        for t, g in zip(leaves, grads):
+            t.grad = g
+
+
+@contextlib.contextmanager
+def preserved(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, batch: Any = None) -> Iterator[None]:
+    """Run measuring steps, then put back weights, buffers, grads (the batch's too), optimizer
+    state and RNG state."""
     tensors = {name: t for name, t in _named_state(model)}
     saved = {name: t.detach().to("cpu", copy=True) for name, t in tensors.items()}
     grads = {
@@ -28,7 +44,8 @@ def preserved(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) 
     cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
     training = {m: m.training for m in model.modules()}
     try:
-        yield
+        with batch_grads(batch):
+            yield
     finally:
         with torch.no_grad():
             for name, t in tensors.items():

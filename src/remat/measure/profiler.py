@@ -167,7 +167,7 @@ def _measured(
     named = find_blocks(model, blocks, required=False)
     device = _step.batch_device(model, batch)
     cuda = device.type == "cuda"
-    with preserved(model, optimizer):
+    with preserved(model, optimizer, batch):
         # warm-up: lazy state, allocator, and which blocks run
         with sized(device):  # NOTE [ A free the CPU trace cannot size ] in remat.measure.tracer
             named, coarse = running(model, named, blocks is not None, batch, loss_fn, optimizer)

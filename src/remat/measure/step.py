@@ -217,6 +217,7 @@ def train_step(
         optimizer.zero_grad(set_to_none=True)
     else:
         model.zero_grad(set_to_none=True)
+    _drop_batch_grads(batch)
     mark("forward")
     loss = forward_loss(model, batch, loss_fn)
     mark("backward")
@@ -227,7 +228,17 @@ def train_step(
     if optimizer is not None:
         optimizer.step()
     mark("end")
+    _drop_batch_grads(batch)
     return value
+
+
+def _drop_batch_grads(batch: Batch) -> None:
+    """The gradients of the batch's tensors that require grad (a physics-informed loss's
+    coordinates), set to none: a measuring step makes its own and drops it when it ends, as a loop
+    that takes a fresh batch each step does (``remat.measure.preserve`` puts back the user's)."""
+    for t in tensors_in(batch):
+        if t.requires_grad and t.is_leaf:
+            t.grad = None
 
 
 def sync(device: torch.device | str) -> None:

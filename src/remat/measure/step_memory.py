@@ -90,7 +90,7 @@ def measure_step(
         raise InvalidValue(f"repeats and warmup must be >= 0, got repeats={repeats}, warmup={warmup}")
     loss_fn = _step.resolve_loss_fn(loss_fn)
     device = _step.batch_device(model, batch)
-    with preserved(model, optimizer):
+    with preserved(model, optimizer, batch):
         with sized(device):
             for _ in range(warmup):
                 _step.train_step(model, batch, loss_fn, optimizer)
