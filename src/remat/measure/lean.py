@@ -55,6 +55,7 @@ from remat.manual.blocks import find_blocks
 from remat.measure import step as _step
 from remat.measure.estimated import (
     FAKE_LIMITS,
+    FakeRun,
     fake_copy,
     fake_optimizer,
     fake_run,
@@ -64,7 +65,7 @@ from remat.measure.lean_steps import LeanSteps
 from remat.measure.marked import base_keys, marked_step
 from remat.measure.preserve import preserved
 from remat.measure.runner import StepRunner
-from remat.measure.tracer import host_link_bytes_per_s
+from remat.measure.tracer import KernelKey, host_link_bytes_per_s
 from remat.plan.costmodel import estimate
 from remat.plan.refusals import infeasible
 from remat.plan.solver import solve
@@ -137,13 +138,18 @@ def lean_profile(model: nn.Module, batch: Any, loss_fn: Any, optimizer: torch.op
     make_opt = fake_optimizer(optimizer, model) if optimizer is not None else None
     if blocks is not None:  # by name: the fake copy's modules are not the user's
         blocks = [name for name, _ in find_blocks(model, blocks)]
-    run = fake_run(functools.partial(fake_copy, model), batch, loss_fn, make_opt, blocks, lean.spec)
     cuda = device.type == "cuda"
-    if cuda:
-        run.host_link_bytes_per_s = host_link_bytes_per_s(device)
     fixed: dict[str, Any] = dict(device=str(device), mode="measured", plain_ran=False,
                                  device_memory_bytes=lean.spec.memory_bytes if cuda else None)
-    fake = run.profile(**fixed)
+
+    def fake_profile(kernels: dict[KernelKey, int]) -> tuple[FakeRun, Profile]:
+        spec = dataclasses.replace(lean.spec, kernel_scratch=kernels)
+        run = fake_run(functools.partial(fake_copy, model), batch, loss_fn, make_opt, blocks, spec)
+        if cuda:
+            run.host_link_bytes_per_s = host_link_bytes_per_s(device)
+        return run, run.profile(**fixed)
+
+    run, fake = fake_profile({})
     try:
         solve(fake, lean.budget_bytes)  # InfeasibleBudget before any real step (rule 3)
     except InfeasibleBudget as e:
@@ -154,7 +160,9 @@ def lean_profile(model: nn.Module, batch: Any, loss_fn: Any, optimizer: torch.op
         keys = base_keys(model, optimizer, batch)
         marked = functools.partial(marked_step, model, named, batch, loss_fn, optimizer, base_keys=keys)
         runner = StepRunner(marked, model, device=device, repeats=repeats)
-        measured = LeanSteps(runner, named, fake, run, lean.budget_bytes).run_steps()
+        steps = LeanSteps(runner, named, fake, run, lean.budget_bytes, fake_profile)
+        measured = steps.run_steps()
+    run = steps.run  # with the kernels' scratch (NOTE [ What each kernel allocates ] in remat.measure.tracer)
     if measured.roofline:
         fixed["mode"] = "estimated"
     prof = run.profile(measured.times, smooth=not measured.roofline, heads=measured.heads, tiles=measured.tiles,

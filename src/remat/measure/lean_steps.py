@@ -23,6 +23,7 @@ from remat.measure.heads import HeadMeasures, head_option
 from remat.measure.notes import PartNumbers
 from remat.measure.runner import StepRunner, every_block
 from remat.measure.scratch import Scratch
+from remat.measure.tracer import KernelKey
 from remat.plan.head import estimate_with_head
 from remat.plan.solver import smallest_any, solve
 from remat.records import OptionCost, Profile
@@ -58,8 +59,11 @@ class LeanSteps:
     what no tensor holds (NOTE [ What no tensor holds ])."""
 
     def __init__(self, runner: StepRunner, named: list[tuple[str, nn.Module]], fake: Profile,
-                 run: FakeRun, budget_bytes: int) -> None:
+                 run: FakeRun, budget_bytes: int, remake: Callable[[dict[KernelKey, int]], tuple[FakeRun, Profile]]) -> None:
         self.runner, self.named, self.fake, self.run, self.budget = runner, named, fake, run, budget_bytes
+        self.remake = remake
+        """The fake steps again, with the kernel scratch a real step measured (NOTE [ What each
+        kernel allocates ] in remat.measure.tracer): ``run`` and ``fake`` become theirs."""
         self.names = [n for n, _ in named]
         self.lean = ["recompute"] * len(named)
         self.scratch = Scratch()
@@ -117,15 +121,21 @@ class LeanSteps:
     def _real(self, options: Sequence[str], head: str) -> Callable[[], contextlib.AbstractContextManager[Any]]:
         return functools.partial(self._config, self.runner.model, self.named, options, head)
 
-    def _measure(self, options: Sequence[str], head: str,
-                 segments: Sequence[Sequence[str]] = ()) -> tuple[list[PartNumbers], _Parts]:
+    def _measure(self, options: Sequence[str], head: str, segments: Sequence[Sequence[str]] = (),
+                 kernels: bool = False) -> tuple[list[PartNumbers], _Parts]:
         """Per block, and for the parts around them, what the real step of this configuration
         peaked above its fake twin (NOTE [ What no tensor holds ]); marks at every save, for the
-        peak before a kept block's last save (``stop_peak``)."""
-        n, runner, twin = len(self.names), self.runner, self.run.runner
+        peak before a kept block's last save (``stop_peak``). ``kernels``: the fake steps are made
+        again with the kernel scratch the real step measured, before its twin runs."""
+        n, runner = len(self.names), self.runner
         with self._config(runner.model, self.named, options, head, segments):
-            real = attribute(*StepRunner(functools.partial(runner.marked, saves=True), runner.model,
-                                         device=runner.device).traced()[:2], n)
+            trace, hooks, _ = StepRunner(functools.partial(runner.marked, saves=True), runner.model,
+                                         device=runner.device).traced(kernels)
+            real = attribute(trace, hooks, n)
+        if trace.kernel_scratch:
+            self.run, self.fake = self.remake(trace.kernel_scratch)
+            self.corrected = self.fake
+        twin = self.run.runner
         with self.run.steps, self._config(self.run.model, self.run.named, options, head, segments):
             fake = attribute(*StepRunner(functools.partial(twin.marked, saves=True), twin.model,
                                          spec=twin.spec).traced()[:2], n)
@@ -149,7 +159,7 @@ class LeanSteps:
         warm = ["recompute" if plan.choices[n] == "selective" else plan.choices[n] for n in self.names]
         with self._config(self.runner.model, self.named, warm, plan.head, plan.segments):
             self.runner.marked(lambda _: None)
-        blocks, parts = self._measure([plan.choices[n] for n in self.names], plan.head, plan.segments)
+        blocks, parts = self._measure([plan.choices[n] for n in self.names], plan.head, plan.segments, kernels=True)
         s = self.scratch
         s.margin = max(0, *(v for b in blocks for v in (b.fwd_peak, b.bwd_peak, b.stop_peak) if v is not None))
         order = [b.name for b in self.fake.blocks]

@@ -48,10 +48,11 @@ class StepRunner:
     def estimated(self) -> bool:
         return self.spec is not None
 
-    def traced(self) -> tuple[Trace, StepNotes, dict[str, float]]:
+    def traced(self, kernels: bool = False) -> tuple[Trace, StepNotes, dict[str, float]]:
         """One step under the memory tracer: its trace, hooks, and (estimated mode) phase times.
         The step starts without gradients, as the profiler's traced steps do (a step that starts
-        with them frees them first, and every level of its trace would be off by their bytes)."""
+        with them frees them first, and every level of its trace would be off by their bytes).
+        ``kernels``: the trace measures each kernel's scratch too (a real step on the CPU)."""
         self.model.zero_grad(set_to_none=True)
         if self.spec is not None:
             from remat.measure.fake import FakeMeter
@@ -62,7 +63,7 @@ class StepRunner:
             stamps = {m.label: m.t_ms for m in meter.marks}
             return meter.trace, hooks, phase_times(stamps, hooks.order)
         assert self.device is not None
-        with MemoryTracer(self.device) as tracer:
+        with MemoryTracer(self.device, kernels) as tracer:
             hooks = self.marked(tracer.mark)
         return tracer.trace, hooks, {}
 

@@ -50,7 +50,9 @@ class Scratch:
         whatever runs around it, so it is added to the profile's peaks (and a block of one kind
         and size stands for the others). A block's option no step ran is charged the largest scratch of any block's phase in the first step (over, never
         under: a kept up.4 of that UNet is 267,072 bytes in its backward, its recompute 0; a
-        transformer's blocks have none, and lose nothing), and every real step after the first
+        transformer's blocks have none, and lose nothing; on the CPU, where the fake steps run
+        again with each kernel's scratch from the first step, NOTE [ What each kernel allocates ]
+        in remat.measure.tracer, the margin is what remains beyond it), and every real step after the first
         runs only when this corrected profile predicts it within the budget. A block inside one
         of the floor plan's segments ran its forward without gradients, then its replay and its
         backward: those phases stand for its kept ones, and for its recomputed ones (whose

@@ -25,20 +25,21 @@ steps run ``sized``: under a memory profiler whose record is dropped (tests/test
 
 from __future__ import annotations
 
+import bisect
 import gc
 import logging
 import statistics
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from remat.errors import InvalidState, InvalidValue, UnknownKey
 
-__all__ = ["Mark", "MemoryTracer", "Trace", "host_link_bytes_per_s", "sized"]
+__all__ = ["KernelKey", "Mark", "MemoryTracer", "Trace", "host_link_bytes_per_s", "kernel_key", "sized"]
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +60,31 @@ class Mark:
     """Milliseconds since the trace began (profiling time: slower than a real step)."""
 
 
+KernelKey = tuple[str, tuple[tuple[int, ...], ...]]
+"""An op and the shapes of its tensor inputs of one dimension or more, in order."""
+
+
+def kernel_key(op: str, shapes: Iterable[Any]) -> KernelKey:
+    """``op`` (``"aten::convolution_backward"``) with the shapes of its tensor inputs, as the
+    profiler records them (a non-tensor argument, a 0-dim tensor: an empty list, left out)."""
+    return op, tuple(tuple(s) for s in shapes if isinstance(s, (list, tuple, torch.Size)) and s
+                     and all(isinstance(d, int) for d in s))
+
+
+# NOTE [ What each kernel allocates ]
+# A kernel's scratch (a CPU convolution's im2col buffers, the contiguous copy of an expanded
+# gradient inside ``convolution_backward``) is no tensor: fake tensors never see it (NOTE [ What no
+# tensor holds ] in remat.measure.scratch). A traced step with ``kernels=True`` also records each
+# op's input shapes, and ``Trace.kernel_scratch`` is, per op and shapes, the most it peaked above the
+# larger of the live bytes where it began and where it ended. The same kernel on the same shapes
+# allocates the same scratch whatever runs around it, so a fake step whose device spec carries that
+# table (``DeviceSpec.kernel_scratch``) peaks at each op by as much more: a step no real step ran (a
+# block kept that the first step recomputed) is predicted with its kernels' scratch, not charged the
+# largest any phase showed. Measured: diffusers' UNet2D below its plain step, lean; torch's
+# checkpoint on every block (7,325,808 B) was refused at 7,443,544, and is planned at 7,250,176
+# (measured 7,250,160; ``test_libs_zoo``).
+
+
 @dataclass(frozen=True, kw_only=True)
 class Trace:
     """What a ``MemoryTracer`` saw: marks and the live-bytes curve, relative to its start."""
@@ -70,6 +96,9 @@ class Trace:
     (CUDA)."""
     peak_bytes: int
     """The highest live bytes seen."""
+    kernel_scratch: dict[KernelKey, int] = field(default_factory=dict)
+    """Per op and input shapes, the most it allocated beyond what it began and ended with (NOTE [
+    What each kernel allocates ]); traced with ``kernels=True`` on the CPU, else empty."""
 
     def mark(self, label: str) -> Mark:
         for m in self.marks:
@@ -101,9 +130,11 @@ def sized(device: torch.device | str) -> Iterator[None]:
         yield
 
 
-def _memory_profiler() -> Any:
-    """torch's profiler recording the CPU allocator's events (NOTE [ How bytes are measured ])."""
-    return torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True)
+def _memory_profiler(shapes: bool = False) -> Any:
+    """torch's profiler recording the CPU allocator's events (NOTE [ How bytes are measured ]), and
+    with ``shapes`` each op's input shapes."""
+    return torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True,
+                                  record_shapes=shapes)
 
 
 class MemoryTracer:
@@ -115,9 +146,11 @@ class MemoryTracer:
     4096
     """
 
-    def __init__(self, device: torch.device | str) -> None:
+    def __init__(self, device: torch.device | str, kernels: bool = False) -> None:
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
+        self.kernels = kernels and not self.cuda
+        """Whether the trace measures each kernel's scratch (NOTE [ What each kernel allocates ])."""
         self._labels: list[str] = []
         self._cuda_marks: list[Mark] = []
         self._prof: Any = None
@@ -136,7 +169,7 @@ class MemoryTracer:
             self._t0 = torch.cuda.Event(enable_timing=True)
             self._t0.record()
         else:
-            self._prof = _memory_profiler()
+            self._prof = _memory_profiler(self.kernels)
             self._prof.__enter__()
             self.mark("__start__")
         return self
@@ -181,6 +214,7 @@ class MemoryTracer:
     def _read_profile(self) -> Trace:
         events = self._prof.profiler.kineto_results.events()
         timeline: list[tuple[int, int, int]] = []  # (ns, order, delta or -(mark index + 1))
+        ops: list[tuple[int, int, KernelKey]] = []  # (start ns, end ns, key)
         for e in events:
             name = e.name()
             if name == "[memory]":
@@ -188,6 +222,8 @@ class MemoryTracer:
                     timeline.append((e.start_ns(), 1, int(e.nbytes())))
             elif name.startswith(_MARK):
                 timeline.append((e.start_ns(), 0, -(int(name[len(_MARK) :]) + 1)))
+            elif self.kernels and name.startswith("aten::"):
+                ops.append((e.start_ns(), e.start_ns() + e.duration_ns(), kernel_key(name, e.shapes())))
         timeline.sort(key=lambda x: (x[0], x[1]))
         t0 = timeline[0][0] if timeline else 0
         live = peak_since = peak = 0
@@ -205,13 +241,35 @@ class MemoryTracer:
                     Mark(label=self._labels[-value - 1], live_bytes=live, peak_bytes=peak_since, t_ms=t_ms)
                 )
                 peak_since = live
-        return Trace(marks=marks, points=points, peak_bytes=peak)
+        return Trace(marks=marks, points=points, peak_bytes=peak, kernel_scratch=_kernel_scratch(timeline, ops))
 
     @property
     def trace(self) -> Trace:
         if self._trace is None:
             raise InvalidState("the tracer has not finished: read .trace after the with block")
         return self._trace
+
+
+def _kernel_scratch(timeline: list[tuple[int, int, int]], ops: list[tuple[int, int, KernelKey]]) -> dict[KernelKey, int]:
+    """Per op and shapes, the most it peaked above the larger of its live bytes at start and end
+    (NOTE [ What each kernel allocates ]); ``timeline`` sorted, its memory events of order 1."""
+    if not ops:
+        return {}
+    times, levels, live = [], [], 0
+    for ns, kind, value in timeline:
+        if kind == 1:
+            live += value
+            times.append(ns)
+            levels.append(live)
+    scratch: dict[KernelKey, int] = {}
+    for start, end, key in ops:
+        i, j = bisect.bisect_left(times, start), bisect.bisect_right(times, end)
+        before = levels[i - 1] if i else 0
+        after = levels[j - 1] if j else 0
+        extra = max(levels[i:j], default=before) - max(before, after)
+        if extra > scratch.get(key, 0):
+            scratch[key] = extra
+    return scratch
 
 
 def host_link_bytes_per_s(device: torch.device) -> float:
