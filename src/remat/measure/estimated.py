@@ -107,8 +107,8 @@ def fake_run(make_model: Callable[[Any], nn.Module], batch: Any, loss_fn: Any,
              make_optimizer: Callable[[nn.Module], torch.optim.Optimizer] | None, blocks: Any,
              spec: DeviceSpec) -> FakeRun:
     """The profiler's steps on fake tensors. ``make_model(fake_mode)`` makes the model inside the
-    fake mode; ``make_optimizer(model)`` its optimizer; ``batch`` real (made fake here) or a
-    factory called inside the mode."""
+    fake mode; ``make_optimizer(model)`` its optimizer; ``batch`` the user's, taken as it is (NOTE
+    [ The batch's values ] in remat.measure.fake_steps), or a factory called inside the mode."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from remat.measure.fake import FakeMeter
@@ -119,31 +119,31 @@ def fake_run(make_model: Callable[[Any], nn.Module], batch: Any, loss_fn: Any,
     with steps:
         model = make_model(fake_mode)
         steps.watch(model)
-        fake_batch = batch() if callable(batch) else batch  # real: NOTE [ The batch's values ] in remat.measure.fake_steps
+        step_batch = batch() if callable(batch) else batch  # the user's, real: NOTE [ The batch's values ] in remat.measure.fake_steps
         opt = make_optimizer(model) if make_optimizer is not None else None
         named = find_blocks(model, blocks, required=False)
         skipped = layerdrop_blocks(model)  # Profile.layerdrop
         layerdrop_off(model)  # a fake model, thrown away after: nothing to put back
         cache_off(model)  # on a fake model, thrown away after: nothing to remove
         _create_state(model, opt)
-        named, coarse = running(model, named, blocks is not None, fake_batch, loss_fn, opt)
+        named, coarse = running(model, named, blocks is not None, step_batch, loss_fn, opt)
     if coarse is not None:  # rule 9, outside the fake mode, whose tensors another one's steps cannot take
         floors = FakeFloors(make_model, batch, loss_fn, make_optimizer, spec)
         named = by_floor(named, coarse, floors)
         if (chosen := floors.runs.get(tuple(n for n, _ in named))) is not None:
             return chosen
     with steps:
-        keys = base_keys(model, opt, fake_batch)
-        runs = option_runs(model, named, fake_batch, loss_fn, opt, keys, lambda: FakeMeter(spec))
+        keys = base_keys(model, opt, step_batch)
+        runs = option_runs(model, named, step_batch, loss_fn, opt, keys, lambda: FakeMeter(spec))
         traces = {option: (meter.trace, hooks) for option, (meter, hooks) in runs.items()}
         times = {option: phase_times({m.label: m.t_ms for m in meter.marks}, hooks.order)
                  for option, (meter, hooks) in runs.items()}
-        sides, unsaved = sides_of(model, named, fake_batch, loss_fn, opt, keys, traces["keep"][1])
+        sides, unsaved = sides_of(model, named, step_batch, loss_fn, opt, keys, traces["keep"][1])
         param_bytes = _step.param_bytes(model)
         opt_bytes = _step.optimizer_bytes(opt)
-        data = _step.batch_bytes(fake_batch)
+        data = _step.batch_bytes(step_batch)
         buffers = _step.storage_bytes(list(model.buffers()))
-        marked = functools.partial(marked_step, model, named, fake_batch, loss_fn, opt, base_keys=keys)
+        marked = functools.partial(marked_step, model, named, step_batch, loss_fn, opt, base_keys=keys)
         runner = StepRunner(marked, model, spec=spec)
         heads, tiles = measure_heads(model, named, runner), measure_tiles(named, runner, times["keep"])
     return FakeRun(
@@ -152,7 +152,7 @@ def fake_run(make_model: Callable[[Any], nn.Module], batch: Any, loss_fn: Any,
         host_link_bytes_per_s=spec.host_link_bytes_per_s * ROOFLINE_EFFICIENCY["host_link"]
         if spec.name != "cpu" else None,
         fixed=dict(
-            device=spec.name, mode="estimated", dtype=dtype_name(model), batch_shape=_step.batch_shape(fake_batch),
+            device=spec.name, mode="estimated", dtype=dtype_name(model), batch_shape=_step.batch_shape(step_batch),
             base_bytes=param_bytes + buffers + opt_bytes + data, param_bytes=param_bytes,
             optimizer_bytes=opt_bytes, batch_bytes=data, device_memory_bytes=spec.memory_bytes,
             layerdrop=[n for n, _ in named if n in skipped],
@@ -194,7 +194,6 @@ def plain_peak(model: nn.Module, batch: Any, loss_fn: Any, optimizer: torch.opti
     steps.watch(model)
     with steps:
         fake = fake_copy(model, fake_mode)
-        fake_batch = batch  # real: NOTE [ The batch's values ] in remat.measure.fake_steps
         opt = fake_optimizer(optimizer, model)(fake) if optimizer is not None else None
         cache_off(fake)
         layerdrop_off(fake)  # a fake copy, thrown away after: nothing to put back
@@ -202,13 +201,13 @@ def plain_peak(model: nn.Module, batch: Any, loss_fn: Any, optimizer: torch.opti
             configure(fake)
         _create_state(fake, opt)
         fake.zero_grad(set_to_none=True)
-        _step.train_step(fake, fake_batch, loss_fn, opt)  # lazy state, as the profiler's warm-up
+        _step.train_step(fake, batch, loss_fn, opt)  # lazy state, as the profiler's warm-up
         fake.zero_grad(set_to_none=True)
         meter = FakeMeter(spec)
         with meter:
-            _step.train_step(fake, fake_batch, loss_fn, opt)
+            _step.train_step(fake, batch, loss_fn, opt)
         base = (_step.param_bytes(fake) + _step.storage_bytes(list(fake.buffers()))
-                + _step.optimizer_bytes(opt) + _step.batch_bytes(fake_batch))
+                + _step.optimizer_bytes(opt) + _step.batch_bytes(batch))
     return base + meter.peak
 
 
