@@ -90,8 +90,8 @@ def test_a_lean_profile_predicts_its_plans_to_the_byte(build: Any, shares: tuple
 
 def test_each_kernels_scratch_from_one_step_predicts_a_step_no_real_step_ran() -> None:
     """NOTE [ What each kernel allocates ] in remat.measure.tracer: the scratch a step with every
-    block recomputed measured, by op and shapes, predicts the plain step on fake tensors to the
-    byte (without it: 9,886,232 B for 10,187,480, the convolutions' scratch)."""
+    block recomputed measured, by op and the bytes it made, predicts the plain step on fake tensors
+    to the byte (without it: 9,886,232 B for 10,187,480, the convolutions' scratch)."""
     from remat.measure import step as _step
     from remat.measure.estimated import plain_peak
     from remat.measure.lean import lean_spec

@@ -34,9 +34,8 @@ class DeviceSpec:
     """Host link bandwidth in one direction (PCIe or NVLink-C2C), bytes/s."""
     kernel_overhead_us: float = 4.0
     """Launch overhead per kernel, microseconds."""
-    kernel_scratch: dict[tuple[str, tuple[tuple[int, ...], ...]], int] = field(default_factory=dict, compare=False,
-                                                                              repr=False)
-    """What the device's kernels allocate beyond their tensors, per op and input shapes, as a real
+    kernel_scratch: dict[tuple[str, int], int] = field(default_factory=dict, compare=False, repr=False)
+    """What the device's kernels allocate beyond their tensors, per op and the bytes it made, as a real
     step measured it (NOTE [ What each kernel allocates ] in remat.measure.tracer); empty where no
     real step ran. Fake steps under this spec peak by as much more at each such op."""
 

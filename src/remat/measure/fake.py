@@ -37,7 +37,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
 from remat.devices import ROOFLINE_EFFICIENCY, DeviceSpec
-from remat.measure.tracer import Mark, Trace, kernel_key
+from remat.measure.tracer import Mark, Trace
 
 __all__ = ["FakeMeter", "convertible_parameters", "storage_key"]
 
@@ -274,8 +274,7 @@ class FakeMeter(TorchDispatchMode):
         if summed is not None:
             self._summed = (summed, self.live)
         elif self.spec.kernel_scratch:  # NOTE [ What each kernel allocates ] in remat.measure.tracer
-            shapes = [a.shape for a in args if isinstance(a, torch.Tensor)]
-            self._at_least(self.live + self.spec.kernel_scratch.get(kernel_key(func._schema.name, shapes), 0))
+            self._at_least(self.live + self.spec.kernel_scratch.get((func._schema.name, written), 0))
         if written or func in _EXTRA_FLOPS or func._overloadpacket in flop_registry:
             self.clock_ms += self._kernel_ms(func, args, kwargs, out, inputs, written)
         return out

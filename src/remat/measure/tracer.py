@@ -30,7 +30,7 @@ import gc
 import logging
 import statistics
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,7 +39,7 @@ import torch
 
 from remat.errors import InvalidState, InvalidValue, UnknownKey
 
-__all__ = ["KernelKey", "Mark", "MemoryTracer", "Trace", "host_link_bytes_per_s", "kernel_key", "sized"]
+__all__ = ["KernelKey", "Mark", "MemoryTracer", "Trace", "host_link_bytes_per_s", "sized"]
 
 log = logging.getLogger(__name__)
 
@@ -60,28 +60,24 @@ class Mark:
     """Milliseconds since the trace began (profiling time: slower than a real step)."""
 
 
-KernelKey = tuple[str, tuple[tuple[int, ...], ...]]
-"""An op and the shapes of its tensor inputs of one dimension or more, in order."""
-
-
-def kernel_key(op: str, shapes: Iterable[Any]) -> KernelKey:
-    """``op`` (``"aten::convolution_backward"``) with the shapes of its tensor inputs, as the
-    profiler records them (a non-tensor argument, a 0-dim tensor: an empty list, left out)."""
-    return op, tuple(tuple(s) for s in shapes if isinstance(s, (list, tuple, torch.Size)) and s
-                     and all(isinstance(d, int) for d in s))
+KernelKey = tuple[str, int]
+"""An op (``"aten::convolution_backward"``) and the bytes of the tensors it made: on the CPU's
+profiler, what it allocated and had not freed when it returned."""
 
 
 # NOTE [ What each kernel allocates ]
 # A kernel's scratch (a CPU convolution's im2col buffers, the contiguous copy of an expanded
 # gradient inside ``convolution_backward``) is no tensor: fake tensors never see it (NOTE [ What no
-# tensor holds ] in remat.measure.scratch). A traced step with ``kernels=True`` also records each
-# op's input shapes, and ``Trace.kernel_scratch`` is, per op and shapes, the most it peaked above the
-# larger of the live bytes where it began and where it ended. The same kernel on the same shapes
-# allocates the same scratch whatever runs around it, so a fake step whose device spec carries that
-# table (``DeviceSpec.kernel_scratch``) peaks at each op by as much more: a step no real step ran (a
-# block kept that the first step recomputed) is predicted with its kernels' scratch, not charged the
-# largest any phase showed. Measured: diffusers' UNet2D below its plain step, lean; torch's
-# checkpoint on every block (7,325,808 B) was refused at 7,443,544, and is planned at 7,250,176
+# tensor holds ] in remat.measure.scratch). A traced step with ``kernels=True`` reads it off the
+# profiler's records: per op and the bytes it made (what it allocated and had not freed when it
+# returned: its outputs), the most it peaked above the larger of the live bytes where it began and
+# where it ended. The same kernel making as much allocates as much scratch whatever runs around it,
+# so a fake step whose device spec carries that table (``DeviceSpec.kernel_scratch``) peaks at each
+# op by as much more: a step no real step ran (a block kept that the first step recomputed) is
+# predicted with its kernels' scratch, not charged the largest any phase showed. Keyed by the
+# shapes the profiler can record, the first lean step of a tab-transformer took 100 MB more host
+# memory than without them. Measured: diffusers' UNet2D below its plain step, lean; torch's
+# checkpoint on every block (7,325,808 B) was refused at 7,443,544, and is planned at 7,250,168
 # (measured 7,250,160; ``test_libs_zoo``).
 
 
@@ -97,8 +93,8 @@ class Trace:
     peak_bytes: int
     """The highest live bytes seen."""
     kernel_scratch: dict[KernelKey, int] = field(default_factory=dict)
-    """Per op and input shapes, the most it allocated beyond what it began and ended with (NOTE [
-    What each kernel allocates ]); traced with ``kernels=True`` on the CPU, else empty."""
+    """Per op and the bytes it made, the most it allocated beyond what it began and ended with (NOTE
+    [ What each kernel allocates ]); traced with ``kernels=True`` on the CPU, else empty."""
 
     def mark(self, label: str) -> Mark:
         for m in self.marks:
@@ -130,11 +126,9 @@ def sized(device: torch.device | str) -> Iterator[None]:
         yield
 
 
-def _memory_profiler(shapes: bool = False) -> Any:
-    """torch's profiler recording the CPU allocator's events (NOTE [ How bytes are measured ]), and
-    with ``shapes`` each op's input shapes."""
-    return torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True,
-                                  record_shapes=shapes)
+def _memory_profiler() -> Any:
+    """torch's profiler recording the CPU allocator's events (NOTE [ How bytes are measured ])."""
+    return torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True)
 
 
 class MemoryTracer:
@@ -169,7 +163,7 @@ class MemoryTracer:
             self._t0 = torch.cuda.Event(enable_timing=True)
             self._t0.record()
         else:
-            self._prof = _memory_profiler(self.kernels)
+            self._prof = _memory_profiler()
             self._prof.__enter__()
             self.mark("__start__")
         return self
@@ -214,7 +208,7 @@ class MemoryTracer:
     def _read_profile(self) -> Trace:
         events = self._prof.profiler.kineto_results.events()
         timeline: list[tuple[int, int, int]] = []  # (ns, order, delta or -(mark index + 1))
-        ops: list[tuple[int, int, KernelKey]] = []  # (start ns, end ns, key)
+        ops: list[tuple[int, int, str]] = []  # (start ns, end ns, op)
         for e in events:
             name = e.name()
             if name == "[memory]":
@@ -223,7 +217,7 @@ class MemoryTracer:
             elif name.startswith(_MARK):
                 timeline.append((e.start_ns(), 0, -(int(name[len(_MARK) :]) + 1)))
             elif self.kernels and name.startswith("aten::"):
-                ops.append((e.start_ns(), e.start_ns() + e.duration_ns(), kernel_key(name, e.shapes())))
+                ops.append((e.start_ns(), e.start_ns() + e.duration_ns(), name))
         timeline.sort(key=lambda x: (x[0], x[1]))
         t0 = timeline[0][0] if timeline else 0
         live = peak_since = peak = 0
@@ -250,9 +244,9 @@ class MemoryTracer:
         return self._trace
 
 
-def _kernel_scratch(timeline: list[tuple[int, int, int]], ops: list[tuple[int, int, KernelKey]]) -> dict[KernelKey, int]:
-    """Per op and shapes, the most it peaked above the larger of its live bytes at start and end
-    (NOTE [ What each kernel allocates ]); ``timeline`` sorted, its memory events of order 1."""
+def _kernel_scratch(timeline: list[tuple[int, int, int]], ops: list[tuple[int, int, str]]) -> dict[KernelKey, int]:
+    """Per op and the bytes it made, the most it peaked above the larger of its live bytes at start
+    and end (NOTE [ What each kernel allocates ]); ``timeline`` sorted, its memory events of order 1."""
     if not ops:
         return {}
     times, levels, live = [], [], 0
@@ -262,11 +256,12 @@ def _kernel_scratch(timeline: list[tuple[int, int, int]], ops: list[tuple[int, i
             times.append(ns)
             levels.append(live)
     scratch: dict[KernelKey, int] = {}
-    for start, end, key in ops:
+    for start, end, op in ops:
         i, j = bisect.bisect_left(times, start), bisect.bisect_right(times, end)
         before = levels[i - 1] if i else 0
         after = levels[j - 1] if j else 0
         extra = max(levels[i:j], default=before) - max(before, after)
+        key = (op, after - before)
         if extra > scratch.get(key, 0):
             scratch[key] = extra
     return scratch
