@@ -137,7 +137,8 @@ def profile(
                 except (torch.OutOfMemoryError, RuntimeError, MemoryError) as e:
                     if not out_of_memory(e):
                         raise
-                    raise ran_out_within(lean.budget_bytes, f"{type(e).__name__}: {str(e)[:300]}") from e
+                    raise ran_out_within(lean.budget_bytes, f"{type(e).__name__}: {str(e)[:300]}",
+                                         host=_step.batch_device(model, batch).type == "cpu") from e
         result = dataclasses.replace(result, layerdrop=[b.name for b in result.blocks if b.name in skipped])
     else:
         if compiled:

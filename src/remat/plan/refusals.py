@@ -47,15 +47,18 @@ def in_eval_mode(error: InfeasibleBudget) -> InfeasibleBudget:
     )
 
 
-def ran_out_within(budget_bytes: int, why: str) -> InfeasibleBudget:
+def ran_out_within(budget_bytes: int, why: str, host: bool = False) -> InfeasibleBudget:
     """The refusal of ``budget_bytes`` where a real step predicted within it from its tensors ran
     out of memory (``why``): the first is the floor plan's, so no plan fits; the smallest is above
-    the budget (``InfeasibleBudget.estimated``)."""
+    the budget (``InfeasibleBudget.estimated``). ``host``: the step ran on the CPU, whose memory
+    remat's own profiling shares."""
+    shared = (" On the CPU, remat's profiling shares that memory (its profiler's records, a fake copy of "
+              "the model: tens of MB)." if host else "")
     return InfeasibleBudget(
         f"budget {format_bytes(budget_bytes)} is below the smallest feasible on this device: the floor plan's "
         f"step, predicted within it from its tensors, ran out of memory ({why}). What no tensor holds (a "
         "convolution's scratch space) takes the rest, or the device holds less than the budget besides what "
-        "is already on it; raise the budget or lower the batch.",
+        f"is already on it.{shared} Raise the budget or lower the batch.",
         budget_bytes=budget_bytes, smallest_bytes=budget_bytes + 1, dominant="what no tensor holds", estimated=True,
     )
 
