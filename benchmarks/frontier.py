@@ -80,6 +80,7 @@ from _peers import (
     transformers_missing,
 )
 
+from remat.measure import clock
 from remat.measure import step as _step
 from remat.measure.preserve import preserved
 from remat.measure.profiler import profile
@@ -152,10 +153,10 @@ class Clock:
 
     def step(self, case: Case, runner: torch.nn.Module) -> tuple[float, float]:
         """(chosen clock ms, wall ms) of one training step."""
-        _step.sync(self.device)
+        clock.sync(self.device)
         w0, c0 = time.perf_counter(), time.process_time()
         _step.train_step(runner, case.batch, case.loss_fn, case.optimizer)
-        _step.sync(self.device)
+        clock.sync(self.device)
         wall, cpu = (time.perf_counter() - w0) * 1e3, (time.process_time() - c0) * 1e3
         return (cpu if self.kind == "cpu" else wall), wall
 

@@ -34,7 +34,7 @@ from remat.distributed import (
     estimate_distributed,
     per_rank_profile,
 )
-from remat.measure.step import no_gc
+from remat.measure.clock import no_gc
 from remat.plan.costmodel import estimate, smallest_feasible
 from remat.plan.solver import frontier, smallest_any, solve
 from remat.records import BlockProfile, OptionCost, Profile, Segment

@@ -15,7 +15,8 @@ from torch import nn
 
 import remat
 from remat import models
-from remat.measure.step import resolve_loss_fn, step_clock_ms
+from remat.measure.clock import step_clock_ms
+from remat.measure.step import resolve_loss_fn
 from remat.measure.step_memory import measure_step
 from remat.verifier import verify_many
 

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from remat.applier import apply, remove
+from remat.measure import clock
 from remat.measure import step as _step
 from remat.measure.preserve import preserved
 from remat.records import Plan
@@ -86,7 +87,7 @@ def times_in_turns(
             apply(model, plan)
         try:
             if timed:
-                times[i].append(_step.timed_step(model, batch, loss_fn, optimizer, device=device))
+                times[i].append(clock.timed_step(model, batch, loss_fn, optimizer, device=device))
             else:
                 _step.train_step(model, batch, loss_fn, optimizer)
         finally:
@@ -98,7 +99,7 @@ def times_in_turns(
         for r in range(repeats):
             shift = r * n // repeats
             order = list(range(shift, n)) + list(range(shift))
-            with _step.no_gc():  # collected between rounds, never inside a timed step
+            with clock.no_gc():  # collected between rounds, never inside a timed step
                 for i in reversed(order) if r % 2 else order:
                     run(i, timed=True)
     return times

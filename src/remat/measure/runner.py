@@ -5,7 +5,7 @@ options, the tiled MLP): the same marked step as the profiler's, on the same clo
 runs one step under the memory tracer (``MemoryTracer`` on a real device, ``FakeMeter`` in
 estimated mode) and returns its trace, hooks and mark times; ``times(configs)`` runs ``repeats``
 timed steps of each configuration in turns (NOTE [ CPU time on a shared CPU ] in
-``remat.measure.step``) and returns the median phase times of each, in measured mode, or the traced
+``remat.measure.clock``) and returns the median phase times of each, in measured mode, or the traced
 step's roofline times in estimated mode. The profiler builds it; the modules that measure options
 use it, so that they need nothing private of the profiler's.
 """
@@ -21,7 +21,7 @@ from torch import nn
 
 from remat.devices import DeviceSpec
 from remat.manual.options import clear_option, option_of, set_option, touched
-from remat.measure import step as _step
+from remat.measure import clock
 from remat.measure.notes import StepNotes
 from remat.measure.phases import median_times, phase_times
 from remat.measure.tracer import MemoryTracer, Trace
@@ -80,13 +80,13 @@ class StepRunner:
         assert self.device is not None
         device = self.device
         runs: list[list[dict[str, float]]] = [[] for _ in configs]
-        with _step.no_gc():
+        with clock.no_gc():
             for _ in range(self.repeats):
                 for config, config_runs in zip(configs, runs):
-                    clock = _Clock(device)
+                    marks = _Clock(device)
                     with config():
-                        hooks = self.marked(clock.mark)
-                    config_runs.append(phase_times(clock.times, hooks.order))
+                        hooks = self.marked(marks.mark)
+                    config_runs.append(phase_times(marks.times, hooks.order))
         return [median_times(r) for r in runs]
 
 
@@ -98,7 +98,7 @@ class _Clock:
         self.times: dict[str, float] = {}
 
     def mark(self, label: str) -> None:
-        self.times[label] = _step.step_clock_ms(self.device)
+        self.times[label] = clock.step_clock_ms(self.device)
 
 
 @contextlib.contextmanager

@@ -7,16 +7,13 @@ The calling convention for a user's model and batch:
   when it is a scalar, its ``.loss`` when it has one (transformers models given labels), else the
   mean of the output.
 
-Step times come from ``step_clock_ms``: this process's CPU time on a CPU, synchronised wall-clock
-time on CUDA (NOTE [ CPU time on a shared CPU ]).
+Steps are timed by ``remat.measure.clock``.
 """
 
 from __future__ import annotations
 
 import contextlib
-import gc
 import inspect
-import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -31,20 +28,17 @@ __all__ = [
     "Batch",
     "LossFn",
     "batch_bytes",
+    "batch_leaves",
     "batch_shape",
     "check_compiled",
     "check_grad_mode",
     "check_trainable",
     "forward_loss",
-    "no_gc",
     "optimizer_bytes",
     "param_bytes",
     "resolve_loss_fn",
-    "step_clock_ms",
     "storage_bytes",
-    "sync",
     "tensors_in",
-    "timed_step",
     "train_step",
 ]
 
@@ -232,78 +226,18 @@ def train_step(
     return value
 
 
+def batch_leaves(batch: Batch) -> list[torch.Tensor]:
+    """The batch's tensors that require grad (a physics-informed loss's coordinates), whose
+    gradients a step makes."""
+    return [t for t in tensors_in(batch) if t.requires_grad and t.is_leaf]
+
+
 def _drop_batch_grads(batch: Batch) -> None:
-    """The gradients of the batch's tensors that require grad (a physics-informed loss's
-    coordinates), set to none: a measuring step makes its own and drops it when it ends, as a loop
-    that takes a fresh batch each step does (``remat.measure.preserve`` puts back the user's)."""
-    for t in tensors_in(batch):
-        if t.requires_grad and t.is_leaf:
-            t.grad = None
-
-
-def sync(device: torch.device | str) -> None:
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def step_clock_ms(device: torch.device | str) -> float:
-    """Now, in milliseconds, on the clock that step times are taken with on ``device``.
-
-    # NOTE [ CPU time on a shared CPU ]
-    On a CPU shared with other processes, a step's wall-clock time depends on how much of the
-    cores the others take at that moment: on a 2-core machine, plain steps of one model varied by
-    +-30% from one step to the next while another process ran, and a plan measured against plain
-    could come out faster than plain. The CPU time this process spends (``time.process_time``,
-    all its threads) counts the step's work, not its waiting. So on a CPU every step time and
-    every option cost is process CPU time; on CUDA it is wall-clock time after synchronising, the
-    only meaningful clock there. (Intra-op threads that spin while waiting for a core also count
-    as CPU time; the demo times on one thread for that reason.)
-    """
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize(device)
-        return time.perf_counter() * 1e3
-    return time.process_time() * 1e3
-
-
-@contextlib.contextmanager
-def no_gc() -> Iterator[None]:
-    """The garbage collector runs before, not inside, what this times."""
-    gc.collect()
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
-
-
-def timed_steps(
-    model: nn.Module,
-    batch: Batch,
-    loss_fn: LossFn | None,
-    optimizer: torch.optim.Optimizer | None,
-    *,
-    repeats: int,
-    device: torch.device,
-) -> list[float]:
-    """Milliseconds of ``repeats`` steps on ``step_clock_ms`` (the caller warms up first)."""
-    with no_gc():
-        return [timed_step(model, batch, loss_fn, optimizer, device=device) for _ in range(repeats)]
-
-
-def timed_step(
-    model: nn.Module,
-    batch: Batch,
-    loss_fn: LossFn | None,
-    optimizer: torch.optim.Optimizer | None,
-    *,
-    device: torch.device,
-) -> float:
-    """Milliseconds of one step on ``step_clock_ms`` (the caller holds the garbage collector)."""
-    t0 = step_clock_ms(device)
-    train_step(model, batch, loss_fn, optimizer)
-    return step_clock_ms(device) - t0
+    """The batch's gradients set to none: a measuring step makes its own and drops it when it ends,
+    as a loop that takes a fresh batch each step does (``remat.measure.preserve`` puts back the
+    user's)."""
+    for t in batch_leaves(batch):
+        t.grad = None
 
 
 # --- bytes ---------------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ from torch import nn
 
 from remat.errors import InvalidValue
 from remat.manual.module_form import expect_module
+from remat.measure import clock
 from remat.measure import step as _step
 from remat.measure.collector import collecting_once
 from remat.measure.preserve import preserved
@@ -95,7 +96,7 @@ def measure_step(
             for _ in range(warmup):
                 _step.train_step(model, batch, loss_fn, optimizer)
         memory = _measure_once(model, batch, loss_fn, optimizer, device)
-        times = _step.timed_steps(model, batch, loss_fn, optimizer, repeats=repeats, device=device)
+        times = clock.timed_steps(model, batch, loss_fn, optimizer, repeats=repeats, device=device)
     step_ms = statistics.median(times) if times else None
     return StepMemory(**memory, step_ms=step_ms, step_ms_all=times)
 

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from remat.errors import InfeasibleBudget, ProfileError
+from remat.measure import clock
 from remat.measure import step as _step
 from remat.measure.estimated import plain_peak
 from remat.measure.lean import lean_spec
@@ -130,7 +131,7 @@ def _optimizer_ms(model: nn.Module, make_optimizer: Callable[[Any], torch.optim.
         optimizer.step()  # creates the state
         times = []
         for _ in range(repeats):
-            t0 = _step.step_clock_ms(device)
+            t0 = clock.step_clock_ms(device)
             optimizer.step()
-            times.append(_step.step_clock_ms(device) - t0)
+            times.append(clock.step_clock_ms(device) - t0)
     return statistics.median(times)
