@@ -134,7 +134,6 @@ class LeanSteps:
             real = attribute(trace, hooks, n)
         if trace.kernel_scratch:
             self.run, self.fake = self.remake(trace.kernel_scratch)
-            self.corrected = self.fake
         twin = self.run.runner
         with self.run.steps, self._config(self.run.model, self.run.named, options, head, segments):
             fake = attribute(*StepRunner(functools.partial(twin.marked, saves=True), twin.model,

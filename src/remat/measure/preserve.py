@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from remat.measure.step import tensors_in
+from remat.measure.step import batch_leaves
 
 __all__ = ["batch_grads", "preserved"]
 
@@ -20,7 +20,7 @@ __all__ = ["batch_grads", "preserved"]
 def batch_grads(batch: Any) -> Iterator[None]:
     """Put back the gradients of the batch's tensors that require grad (a step sets them; on fake
     tensors, to a fake tensor)."""
-    leaves = [t for t in tensors_in(batch) if t.requires_grad and t.is_leaf]
+    leaves = batch_leaves(batch)
     grads = [t.grad for t in leaves]
     try:
         yield
