@@ -27,7 +27,9 @@ from typing import Any
 import torch
 from torch import nn
 
-BLOCKS = {"gpt": "blocks", "unet": None, "hf-llama": "model.layers"}
+# Modules the model runs more than once per step, which a user checkpoints by hand beside the blocks
+# (torch's checkpoint on every call; NOTE [ Every call of a tied module ] in remat.measure.tied).
+TIED = {"hf-albert": ["albert.encoder.albert_layer_groups.0"]}
 
 
 def _vm(field: str) -> int:
@@ -56,6 +58,15 @@ def build(name: str) -> tuple[nn.Module, Any, Any]:
         model = transformers.LlamaForCausalLM(cfg)
         ids = torch.randint(0, 32000, (4, 256))
         return model, {"input_ids": ids, "labels": ids}, None
+    if name == "hf-albert":  # one layer the model runs for every depth (weight-tied): no block
+        import transformers
+
+        cfg = transformers.AlbertConfig(vocab_size=1000, embedding_size=64, hidden_size=128, num_hidden_layers=12,
+                                        num_attention_heads=4, intermediate_size=512, hidden_dropout_prob=0.0,
+                                        attention_probs_dropout_prob=0.0, attn_implementation="eager")
+        model = transformers.AlbertForMaskedLM(cfg)
+        ids = torch.randint(0, 1000, (4, 128))
+        return model, {"input_ids": ids, "labels": ids}, None
     raise SystemExit(f"unknown model {name}")
 
 
@@ -72,14 +83,15 @@ def _warm_up() -> None:
     conv(torch.randn(2, 3, 16, 16, requires_grad=True)).sum().backward()
 
 
-def _torch_every_block(model: nn.Module) -> list[tuple[nn.Module, Any]]:
-    """torch's checkpoint on every block remat finds (the instance's forward; ``del`` undoes it)."""
+def _torch_every_block(model: nn.Module, name: str) -> list[tuple[nn.Module, Any]]:
+    """torch's checkpoint on every block remat finds and every module of ``TIED`` (the instance's
+    forward; ``del`` undoes it)."""
     from torch.utils.checkpoint import checkpoint
 
     from remat.manual.blocks import find_blocks
 
     done = []
-    for _, block in find_blocks(model, None):
+    for block in [b for _, b in find_blocks(model, None, required=False)] + [model.get_submodule(n) for n in TIED.get(name, [])]:
         forward = block.forward
         block.forward = lambda *a, _f=forward, **k: checkpoint(_f, *a, use_reentrant=False, **k)
         done.append((block, forward))
@@ -149,7 +161,7 @@ def _run(scenario: str, model: Any, batch: Any, loss_fn: Any, done: dict[str, An
         _step.train_step(model, batch, _step.resolve_loss_fn(loss_fn), opt)
         return {}
     if scenario == "torch":  # the control: torch's checkpoint on every block fits
-        forwards = _torch_every_block(model)
+        forwards = _torch_every_block(model, sys.argv[2])
         try:
             return {"peak_bytes": measure_step(model, batch, loss_fn=loss_fn, optimizer=opt, repeats=0).peak_bytes}
         finally:

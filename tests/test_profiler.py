@@ -16,6 +16,7 @@ from torch import nn
 
 import remat
 from remat import models
+from remat.errors import PlanMismatch
 from remat.manual.blocks import BlockError, find_blocks
 from remat.manual.module_form import checkpoint_module, uncheckpoint_module
 from remat.measure.profiler import ProfileError, profile
@@ -336,6 +337,44 @@ def test_a_tied_layer_the_user_checkpoints_stays_checkpointed() -> None:
     assert plan.estimate.peak_bytes <= budget and measure_step(model, x, repeats=0).peak_bytes <= plan.estimate.peak_bytes
     remat.remove(model)
     assert remat.manual.module_form.is_checkpointed(model.shared) == "recompute"
+
+
+def test_a_tied_layer_is_checkpointed_on_every_call_only_where_no_plan_fits_without() -> None:
+    """NOTE [ Every call of a tied module ] in remat.measure.tied. With the shared layer kept, the
+    floor is 30.16 MiB of a 34.16 MiB plain step, and ``auto`` refused half of it; with every call
+    of it checkpointed, the plan is predicted and measured at 14,876,680 B."""
+    torch.manual_seed(0)
+    model, x = SharedLayer(), torch.randn(8, 256, 32)
+    initial = {k: v.clone() for k, v in model.state_dict().items()}
+    plain = measure_step(model, x, repeats=0).peak_bytes
+    is_checkpointed = remat.manual.module_form.is_checkpointed
+    with pytest.warns(UserWarning, match=r"\['shared'\] ran more than once"):
+        prof = profile(model, x, repeats=1)  # no budget: nothing tied, the refusal says what to do
+    assert (prof.repeated, prof.tied) == (["shared"], [])
+    with pytest.raises(remat.InfeasibleBudget, match=r"or checkpoint every call of \['shared'\]") as refused:
+        remat.solve(prof, round(0.5 * plain))
+    assert refused.value.repeated == ["shared"]
+    with pytest.warns(UserWarning, match="ran more than once"):
+        plan = remat.auto(model, x, round(0.9 * plain), repeats=1)
+    assert plan.tied == [] and is_checkpointed(model.shared) is None  # a plan fits with it kept
+    with pytest.warns(UserWarning, match="ran more than once"):
+        plan, report = remat.auto(model, x, round(0.5 * plain), repeats=1, verify=True)
+    assert plan.tied == ["shared"] and is_checkpointed(model.shared) == "recompute"
+    assert report.fits and report.measured_peak_bytes == plan.estimate.peak_bytes and report.grads_equal, report
+    assert not plan.plain_ran and "every call of it is checkpointed" in plan.notes[-1]
+    remat.remove(model)
+    assert is_checkpointed(model.shared) is None
+    remat.apply(model, remat.Plan.from_json(plan.to_json()))  # a plan file ties it too
+    assert is_checkpointed(model.shared) == "recompute"
+    with pytest.raises(PlanMismatch, match=r"checkpoints every call of 'sharde'.*did you mean 'shared'"):
+        remat.apply(model, remat.Plan.from_json(plan.to_json().replace('"shared"', '"sharde"')))
+    remat.remove(model)
+    assert is_checkpointed(model.shared) is None
+    assert all(torch.equal(v, initial[k]) for k, v in model.state_dict().items())
+    with pytest.raises(remat.InfeasibleBudget, match=r"That is with every call of \['shared'\] checkpointed"), \
+            pytest.warns(UserWarning, match="ran more than once"):
+        remat.auto(model, x, round(0.1 * plain), repeats=1)
+    assert is_checkpointed(model.shared) is None
 
 
 def test_a_users_checkpoint_over_blocks_is_refused_with_what_to_do() -> None:

@@ -121,6 +121,13 @@ def apply(model: nn.Module, plan: Plan, *, strict: bool = True) -> nn.Module:
             f"this {type(model).__name__} has {fingerprint(model)}): its block names match, but its "
             "layers' sizes or dtypes do not. Make a plan for this model (or, from Python, apply it with strict=False)."
         )
+    for name in plan.tied:  # NOTE [ Every call of a tied module ] in remat.measure.tied
+        if name not in modules:
+            raise PlanMismatch(f"the plan checkpoints every call of {name!r} (Plan.tied), which is not in this "
+                               f"{type(model).__name__}{did_you_mean(name, [n for n in modules if n])}")
+        if name in plan.choices:
+            raise PlanMismatch(f"the plan both has {name!r} as a block and checkpoints every call of it "
+                               "(Plan.tied); a tied module is no block. Make the plan again")
     chunk_of_option(plan.head)  # NOTE [ The head's options ] in remat.records; it checks
     if plan.head != "keep" and plan.head_module not in modules:
         raise PlanMismatch(f"the plan chunks the head {plan.head_module!r}, which is not in this "
@@ -130,6 +137,8 @@ def apply(model: nn.Module, plan: Plan, *, strict: bool = True) -> nn.Module:
     remove(model)
     for name, option in plan.choices.items():
         set_option(modules[name], option)
+    for name in plan.tied:
+        set_option(modules[name], "recompute")  # remove's clear_option takes it off, as a block's
     names = list(plan.choices)
     apply_segments([modules[n] for n in names], spans, names)  # over the options just set
     if plan.head != "keep":
@@ -205,4 +214,5 @@ def _summary(plan: Plan) -> str:
     for option in plan.choices.values():
         counts[option] = counts.get(option, 0) + 1
     text = ", ".join(f"{n} {o}" for o, n in counts.items())
-    return text + (f", {len(plan.segments)} segments" if plan.segments else "")
+    text += f", {len(plan.segments)} segments" if plan.segments else ""
+    return text + (f", every call of {plan.tied} checkpointed" if plan.tied else "")

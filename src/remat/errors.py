@@ -96,7 +96,7 @@ class InfeasibleBudget(RematError, ValueError):
     """No plan (of the method asked for) brings the step's peak under the budget."""
 
     def __init__(self, message: str, *, budget_bytes: int, smallest_bytes: int, dominant: str,
-                 estimated: bool = False):
+                 estimated: bool = False, repeated: list[str] | None = None):
         super().__init__(message)
         self.budget_bytes = budget_bytes
         """The budget asked for."""
@@ -110,6 +110,10 @@ class InfeasibleBudget(RematError, ValueError):
         plan's own step ran out of memory (NOTE [ Planning what does not fit ] in remat.measure.lean).
         What no tensor holds (a convolution's scratch space) may put the smallest budget that can be
         met higher."""
+        self.repeated = list(repeated or [])
+        """Modules that ran more than once in the step and kept their activations (``Profile.repeated``):
+        checkpointing every call of them lowers ``smallest_bytes`` (NOTE [ Every call of a tied module ]
+        in remat.measure.tied)."""
 
 
 class PlanMismatch(RematError, ValueError):

@@ -209,6 +209,15 @@ class Profile:
     forward holds for another block too, or a first input that is not the previous block's
     output (computed between blocks). The solver puts no such block after the first of a
     segment (NOTE [ Searching segments ] in ``remat.plan.segment_search``)."""
+    repeated: list[str] = field(default_factory=list)
+    """Modules that ran more than once in the step (weight-tied layers, ALBERT's shared layer),
+    left to the model's code as it wrote them: no block, and kept (rule 6 of NOTE [ Blocks by what
+    runs ] in ``remat.manual.settle``). A refusal names them (NOTE [ Every call of a tied module ]
+    in ``remat.measure.tied``)."""
+    tied: list[str] = field(default_factory=list)
+    """Modules that run more than once which remat checkpointed on every call for this profile,
+    since no plan fit the budget without (NOTE [ Every call of a tied module ] in
+    ``remat.measure.tied``): its steps ran so, and its plans do (``Plan.tied``)."""
     schema_version: int = PROFILE_SCHEMA
     """The record's schema version; files of another version are refused."""
 
@@ -295,6 +304,11 @@ class Plan:
     disjoint; a segment inside another is replayed from what the outer replay keeps (the
     Revolve / rotor schedules). Blocks inside a segment have the choice ``keep``: kept during
     their segment's replay. See ``remat.manual.segments`` and ``remat.plan.segments``."""
+
+    tied: list[str] = field(default_factory=list)
+    """Modules that run more than once per step (weight-tied layers) checkpointed on every call,
+    from the profile (``Profile.tied``): ``apply`` checkpoints them and ``remove`` takes that off
+    (NOTE [ Every call of a tied module ] in ``remat.measure.tied``)."""
 
     def to_json(self) -> str:
         return dump_record(self, "plan")

@@ -168,7 +168,7 @@ def verify_many(
     loss_fn = _step.resolve_loss_fn(loss_fn)
     unique: dict[tuple[tuple[str, str], ...], Plan] = {}
     for plan in plans:
-        if plan.head != "keep" or plan.segments or any(o != "keep" for o in plan.choices.values()):
+        if plan.head != "keep" or plan.segments or plan.tied or any(o != "keep" for o in plan.choices.values()):
             unique.setdefault(plan_key(plan), plan)
     previous = applied_plan(model)
     budgets = [p.budget_bytes for p in plans if p.budget_bytes is not None]

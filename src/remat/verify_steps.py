@@ -31,10 +31,10 @@ def reserved_peak(model: nn.Module, batch: Any, loss_fn: Any, optimizer: Any) ->
 
 
 def plan_key(plan: Plan) -> tuple[tuple[str, str], ...]:
-    """What makes two plans run alike: the choices, the head and the segments (a plan of
-    segments over blocks that all 'keep' is no plain step)."""
+    """What makes two plans run alike: the choices, the head, the segments and the tied modules (a
+    plan of segments over blocks that all 'keep' is no plain step, nor one that ties a module)."""
     segments = tuple(("(segment)", f"{a}..{b}") for a, b in plan.segments)
-    return (*sorted(plan.choices.items()), ("(head)", plan.head), *segments)
+    return (*sorted(plan.choices.items()), ("(head)", plan.head), *segments, *(("(tied)", n) for n in plan.tied))
 
 
 def compare(plain: list[torch.Tensor], planned: list[torch.Tensor], *, exact: bool = True) -> tuple[float, bool]:

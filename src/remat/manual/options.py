@@ -25,7 +25,7 @@ from remat.manual.compiled import (
 from remat.manual.tiled import is_tiled, tile_block, untile_block
 from remat.vocabulary import CheckpointOption
 
-__all__ = ["clear_option", "is_hf_layer", "option_of", "set_option", "touched"]
+__all__ = ["checkpointed", "clear_option", "is_hf_layer", "option_of", "set_option", "touched"]
 
 
 def set_option(module: nn.Module, option: str) -> None:
@@ -137,6 +137,12 @@ def option_of(module: nn.Module) -> str:
     if is_hf_layer(module):
         return getattr(module, "_remat_mode", None) or "keep"
     return module_form.is_checkpointed(module) or "keep"
+
+
+def checkpointed(module: nn.Module) -> bool:
+    """Whether every call of ``module`` is checkpointed: by the user (``remat.checkpoint_module``)
+    or by an option remat set (a transformers layer's hook included)."""
+    return module_form.checkpoint_record(module) is not None or option_of(module) in ("recompute", "selective")
 
 
 def clear_option(module: nn.Module) -> None:

@@ -85,9 +85,10 @@ RANDOM_SKIPS = ("step: turn off layerdrop, stochastic depth or other random laye
 # 6. A module that runs more than once (a weight-tied layer the model calls in every iteration of its
 #    loop: perceiver-pytorch's ``weight_tie_layers``, ALBERT's shared layer) is no block, nor is
 #    anything in it: remat's cost model replays each block once. Its calls are the model's code
-#    between blocks, and the profiler says so (``repeated``, in a stack or in the trunk), naming
-#    ``remat.checkpoint_module`` on it, which remat then leaves in place (NOTE [ A module's own
-#    checkpointing ] in remat.manual.options): ALBERT's floor 24.24 MB without it, 5.94 with.
+#    between blocks, and the profiler says so (``repeated``, in a stack or in the trunk). Where no
+#    plan fits a budget with it kept, the profile is made again with every call of it checkpointed
+#    (NOTE [ Every call of a tied module ] in remat.measure.tied); a ``remat.checkpoint_module`` of
+#    the user's on it is left in place (NOTE [ A module's own checkpointing ] in remat.manual.options).
 # 7. A found block that keeps layers of its own in a stack (a UNet stage of several resnets and
 #    attentions, a Swin stage of several layers; not a stack inside one of its modules, an MoE's
 #    experts), or is one (enformer's tower and transformer, ``Sequential``s of layers in the ``Sequential``

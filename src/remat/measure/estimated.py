@@ -126,12 +126,12 @@ def fake_run(make_model: Callable[[Any], nn.Module], batch: Any, loss_fn: Any,
         layerdrop_off(model)  # a fake model, thrown away after: nothing to put back
         cache_off(model)  # on a fake model, thrown away after: nothing to remove
         _create_state(model, opt)
-        named, coarse = running(model, named, blocks is not None, step_batch, loss_fn, opt)
+        named, coarse, repeated = running(model, named, blocks is not None, step_batch, loss_fn, opt)
     if coarse is not None:  # rule 9, outside the fake mode, whose tensors another one's steps cannot take
         floors = FakeFloors(make_model, batch, loss_fn, make_optimizer, spec)
         named = by_floor(named, coarse, floors)
         if (chosen := floors.runs.get(tuple(n for n, _ in named))) is not None:
-            return chosen
+            return dataclasses.replace(chosen, fixed=chosen.fixed | {"repeated": repeated})  # its blocks named
     with steps:
         keys = base_keys(model, opt, step_batch)
         runs = option_runs(model, named, step_batch, loss_fn, opt, keys, lambda: FakeMeter(spec))
@@ -155,7 +155,7 @@ def fake_run(make_model: Callable[[Any], nn.Module], batch: Any, loss_fn: Any,
             device=spec.name, mode="estimated", dtype=dtype_name(model), batch_shape=_step.batch_shape(step_batch),
             base_bytes=param_bytes + buffers + opt_bytes + data, param_bytes=param_bytes,
             optimizer_bytes=opt_bytes, batch_bytes=data, device_memory_bytes=spec.memory_bytes,
-            layerdrop=[n for n, _ in named if n in skipped],
+            layerdrop=[n for n, _ in named if n in skipped], repeated=repeated,
         ),
     )  # fmt: skip
 

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from remat.devices import DeviceSpec, get_device
-from remat.errors import InvalidType, InvalidValue, ProfileError, out_of_memory
+from remat.errors import InfeasibleBudget, InvalidType, InvalidValue, ProfileError, out_of_memory
 from remat.manual.blocks import find_blocks
 from remat.measure import step as _step
 from remat.measure.attribution import assemble
@@ -41,6 +41,7 @@ from remat.measure.preserve import preserved
 from remat.measure.runner import StepRunner, every_block
 from remat.measure.sides import with_skips
 from remat.measure.step_memory import base_bytes
+from remat.measure.tied import every_call_checkpointed
 from remat.measure.tiles import add_tiles, measure_tiles
 from remat.measure.tracer import MemoryTracer, host_link_bytes_per_s, sized
 from remat.measure.warmup import by_floor, running
@@ -113,32 +114,13 @@ def profile(
         with _step.as_planned(model):
             if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
                 optimizer = optimizer(model.parameters())
-            lean = None if budget is None else resolve_budget(model, batch, loss_fn, optimizer, budget)
-            result = None
-            if lean is None or lean.fits:
-                try:
-                    result = _measured(model, batch, loss_fn, optimizer, blocks, repeats, compiled)
-                except (torch.OutOfMemoryError, RuntimeError, MemoryError) as e:
-                    if lean is None or not out_of_memory(e):
-                        raise
-                    log.warning("remat: the plain step, predicted at %d bytes within the budget of %d, ran "
-                                "out of memory (%s: what no tensor holds, such as a kernel's scratch space): "
-                                "profiling it as a step that does not fit", lean.plain_peak_bytes,
-                                lean.budget_bytes, str(e).split("\n")[0][:200])
-            if result is None:
-                assert lean is not None
-                if torch.cuda.is_available():
-                    torch.cuda.empty_cache()  # what the step that ran out left in the allocator's cache
-                if compiled:  # measured with every block compiled: not a step known to fit
-                    log.warning("remat: compiled options are left out: they are measured with every block "
-                                "compiled, a step not known to fit the budget of %d bytes", lean.budget_bytes)
-                try:
-                    result = lean_profile(model, batch, loss_fn, optimizer, blocks, repeats, lean)
-                except (torch.OutOfMemoryError, RuntimeError, MemoryError) as e:
-                    if not out_of_memory(e):
-                        raise
-                    raise ran_out_within(lean.budget_bytes, f"{type(e).__name__}: {str(e)[:300]}",
-                                         host=_step.batch_device(model, batch).type == "cpu") from e
+            on_device = functools.partial(_on_device, model, batch, loss_fn, optimizer, blocks, repeats, compiled)
+            try:
+                result = on_device(budget)
+            except InfeasibleBudget as refused:
+                if budget is None or not refused.repeated:
+                    raise
+                result = every_call_checkpointed(model, refused, on_device)  # NOTE [ Every call of a tied module ]
         result = dataclasses.replace(result, layerdrop=[b.name for b in result.blocks if b.name in skipped])
     else:
         if compiled:
@@ -156,6 +138,37 @@ def profile(
 # --- the two modes ------------------------------------------------------------------------------
 
 
+def _on_device(model: nn.Module, batch: Any, loss_fn: Any, optimizer: torch.optim.Optimizer | None, blocks: Any,
+               repeats: int, compiled: tuple[str, ...], budget: int | str | None) -> Profile:
+    """The measured profile, made within ``budget`` (NOTE [ Planning what does not fit ] in
+    remat.measure.lean)."""
+    lean = None if budget is None else resolve_budget(model, batch, loss_fn, optimizer, budget)
+    if lean is None or lean.fits:
+        try:
+            return _measured(model, batch, loss_fn, optimizer, blocks, repeats, compiled)
+        except (torch.OutOfMemoryError, RuntimeError, MemoryError) as e:
+            if lean is None or not out_of_memory(e):
+                raise
+            log.warning("remat: the plain step, predicted at %d bytes within the budget of %d, ran "
+                        "out of memory (%s: what no tensor holds, such as a kernel's scratch space): "
+                        "profiling it as a step that does not fit", lean.plain_peak_bytes,
+                        lean.budget_bytes, str(e).split("\n")[0][:200])
+    assert lean is not None
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()  # what the step that ran out left in the allocator's cache
+    if compiled:  # measured with every block compiled: not a step known to fit
+        log.warning("remat: compiled options are left out: they are measured with every block "
+                    "compiled, a step not known to fit the budget of %d bytes", lean.budget_bytes)
+    try:
+        return lean_profile(model, batch, loss_fn, optimizer, blocks, repeats, lean)
+    except (torch.OutOfMemoryError, RuntimeError, MemoryError) as e:
+        if not out_of_memory(e):
+            raise
+        raise ran_out_within(lean.budget_bytes, f"{type(e).__name__}: {str(e)[:300]}",
+                             host=_step.batch_device(model, batch).type == "cpu") from e
+
+
+
 def _measured(
     model: nn.Module,
     batch: Any,
@@ -171,7 +184,7 @@ def _measured(
     with preserved(model, optimizer, batch):
         # warm-up: lazy state, allocator, and which blocks run
         with sized(device):  # NOTE [ A free the CPU trace cannot size ] in remat.measure.tracer
-            named, coarse = running(model, named, blocks is not None, batch, loss_fn, optimizer)
+            named, coarse, repeated = running(model, named, blocks is not None, batch, loss_fn, optimizer)
             make_opt = None if optimizer is None else fake_optimizer(optimizer, model)
             named = by_floor(named, coarse, FakeFloors(functools.partial(fake_copy, model), batch, loss_fn, make_opt,
                                                        lean_spec(device)))
@@ -208,6 +221,7 @@ def _measured(
         optimizer_bytes=opt_bytes,
         batch_bytes=_step.batch_bytes(batch),
         device_memory_bytes=torch.cuda.get_device_properties(device).total_memory if cuda else None,
+        repeated=repeated,
     ), heads), tiles)), extra))
 
 

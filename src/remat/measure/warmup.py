@@ -15,7 +15,7 @@ from torch import nn
 from remat.errors import ProfileError
 from remat.manual.blocks import inside, no_blocks
 from remat.manual.module_form import checkpoint_record
-from remat.manual.options import touched
+from remat.manual.options import checkpointed, touched
 from remat.manual.settle import by_calls
 from remat.manual.stages import coarser
 from remat.measure.calls_seen import seen_calls
@@ -38,10 +38,11 @@ Blocks = list[tuple[str, nn.Module]]
 
 
 def running(model: nn.Module, named: Blocks, explicit: bool, batch: Any, loss_fn: Any,
-            optimizer: Any) -> tuple[Blocks, Blocks | None]:
+            optimizer: Any) -> tuple[Blocks, Blocks | None, list[str]]:
     """The blocks, settled by what runs in a warm-up step on ``batch``: named ones must run; found
     ones are settled by the module calls (NOTE [ Blocks by what runs ] in remat.manual.settle),
-    with the other candidate list of rule 9 (``coarser``), or None."""
+    with the other candidate list of rule 9 (``coarser``), or None; and the modules that ran more
+    than once, not checkpointed (``Profile.repeated``; rule 6)."""
     _refuse_users_checkpoints_over(model, named)
     seen = seen_calls(model, batch, loss_fn, optimizer)
     calls, late = seen.calls, seen.late
@@ -58,17 +59,18 @@ def running(model: nn.Module, named: Blocks, explicit: bool, batch: Any, loss_fn
                 f"blocks {changing[:4]} change a buffer in place in their forward ({calls.mutates[changing[0]]}: an "
                 "EMA codebook, a step counter), which a recompute would run again, replaying on the changed "
                 "values; remat plans blocks that can be replayed: leave them out of blocks=")
-        return named, None
+        return named, None, []
     kept, repeated = by_calls(model, named, calls)
     modules = dict(model.named_modules())
-    if unchecked := [n for n in repeated if checkpoint_record(modules[n]) is None]:  # the advice taken: quiet
+    if unchecked := [n for n in repeated if not checkpointed(modules[n])]:  # the advice taken: quiet
         warnings.warn(
             f"{unchecked[:4]}{' ...' if len(unchecked) > 4 else ''} ran more than once in one training step "
             "(weight-tied layers); remat plans modules that run once per step, so these keep their "
-            "activations as in the plain step. To checkpoint every call of them, run "
-            "remat.checkpoint_module(model.get_submodule(name)) on each before profiling: remat then plans "
-            "around them, and leaves them checkpointed (NOTE [ Blocks by what runs ] in remat.manual.settle, "
-            "rule 6)",
+            "activations as in the plain step unless no plan fits a budget without: a profile made "
+            "with budget= (and remat.auto) then checkpoints every call of them (Plan.tied). To do so "
+            "yourself, run remat.checkpoint_module(model.get_submodule(name)) on each before profiling: "
+            "remat then plans around them, and leaves them checkpointed (NOTE [ Blocks by what runs ] in "
+            "remat.manual.settle, rule 6)",
             stacklevel=outside_remat())
     if not kept:
         if inside := [b for b, _ in named if b in late] or sorted(
@@ -88,7 +90,7 @@ def running(model: nn.Module, named: Blocks, explicit: bool, batch: Any, loss_fn
     if left := sorted({n for n, _ in named} - {n for n, _ in kept}):
         log.info("blocks found by the model's containers that do not run as blocks in a training step: %s", left)
     _refuse_users_checkpoints_over(model, kept)
-    return kept, coarser(model, kept, calls)
+    return kept, coarser(model, kept, calls), unchecked
 
 
 def _refuse_users_checkpoints_over(model: nn.Module, blocks: Blocks) -> None:

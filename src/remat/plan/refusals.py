@@ -7,7 +7,7 @@ from remat.errors import InfeasibleBudget
 from remat.records import Profile
 from remat.units import format_bytes
 
-__all__ = ["exact_bytes", "in_eval_mode", "infeasible", "ran_out_within"]
+__all__ = ["exact_bytes", "in_eval_mode", "infeasible", "ran_out_within", "tied_note"]
 
 
 def infeasible(profile: Profile, budget_bytes: int, smallest: int, dominant: str,
@@ -22,6 +22,11 @@ def infeasible(profile: Profile, budget_bytes: int, smallest: int, dominant: str
         )
     else:
         advice = "raise the budget or lower the batch"
+    if profile.repeated:
+        advice += (f", or checkpoint every call of {_listed(profile.repeated)}, which ran more than once in the "
+                   "step and kept its activations: a profile made with budget= (and remat.auto) does so "
+                   "where no plan fits without, or remat.checkpoint_module(model.get_submodule(name)) before "
+                   "profiling")
     source, caveat = ("from the step tensors alone, ", (
         ": what no tensor holds (a convolution's scratch space) is measured only by a real step, none of "
         "which fits this budget, and may put it higher")) if estimated else ("", "")
@@ -32,7 +37,22 @@ def infeasible(profile: Profile, budget_bytes: int, smallest: int, dominant: str
         smallest_bytes=smallest,
         dominant=dominant,
         estimated=estimated,
+        repeated=profile.repeated,
     )
+
+
+def tied_note(tied: list[str]) -> list[str]:
+    """A plan's note on the modules its profile checkpointed on every call (``Profile.tied``)."""
+    if not tied:
+        return []
+    return [f"{_listed(tied)} ran more than once per step and no plan fit the budget with its activations "
+            "kept: every call of it is checkpointed (Plan.tied). The profile's plain step ran so, and the "
+            "overhead is counted from that step: it leaves out that module's own recompute (NOTE [ Every "
+            "call of a tied module ] in remat.measure.tied)"]
+
+
+def _listed(names: list[str]) -> str:
+    return f"{names[:4]}{' ...' if len(names) > 4 else ''}"
 
 
 def in_eval_mode(error: InfeasibleBudget) -> InfeasibleBudget:
@@ -43,7 +63,7 @@ def in_eval_mode(error: InfeasibleBudget) -> InfeasibleBudget:
         f"{head}; the model is in eval() mode, but remat plans training steps: call model.train() "
         "before planning (if it still does not fit, raise the budget or lower the batch).",
         budget_bytes=error.budget_bytes, smallest_bytes=error.smallest_bytes,
-        dominant=error.dominant, estimated=error.estimated,
+        dominant=error.dominant, estimated=error.estimated, repeated=error.repeated,
     )
 
 

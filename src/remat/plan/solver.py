@@ -24,7 +24,7 @@ from remat.plan.fastest import fastest
 from remat.plan.handovers import handovers
 from remat.plan.head import HEAD_KEEP, best_of_heads, frontier_of_heads, head_names, with_head
 from remat.plan.optimum import Found
-from remat.plan.refusals import exact_bytes, in_eval_mode, infeasible
+from remat.plan.refusals import exact_bytes, in_eval_mode, infeasible, tied_note
 from remat.plan.search import NO_LIMIT_BYTES
 from remat.plan.segment_estimate import estimate_segments
 from remat.plan.segment_search import segment_search
@@ -316,7 +316,8 @@ def _plan(
         dtype=profile.dtype,
         batch_shape=list(profile.batch_shape),
         plain_ran=profile.plain_ran,
-        notes=notes,
+        notes=notes + tied_note(profile.tied),
+        tied=list(profile.tied),
     )
 
 
