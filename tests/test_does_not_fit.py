@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from _capped import TIED
 
 HERE = Path(__file__).parent
