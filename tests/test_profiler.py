@@ -22,8 +22,10 @@ from remat.manual.module_form import checkpoint_module, uncheckpoint_module
 from remat.measure.profiler import ProfileError, profile
 from remat.measure.step_memory import measure_step
 from remat.measure.tracer import MemoryTracer, sized
+from remat.plan.accumulation import InfeasibleTraining, choose, extra_bytes
 from remat.plan.costmodel import estimate
 from remat.records import Profile, RecordError
+from remat.report.tables import plan_table, render_text
 
 RNG_STATE_BYTES = torch.get_rng_state().numel()
 
@@ -185,10 +187,10 @@ def test_profile_json_round_trip_and_old_schema(tmp_path: object) -> None:
     # 5: before both were crossings (NOTE [ Tensors that cross a block boundary ]); 6: before
     # replay starts (BlockProfile.unpack_bytes); 7: before BlockProfile.saves and stats_bytes; 8:
     # before a skip from a block's output was a side input; 9: before a side input's maker was any
-    # block that returned it and the head could save it
-    for old in range(10):
+    # block that returned it and the head could save it; 10: before Profile.repeated and tied
+    for old in range(11):
         data["schema_version"] = old
-        with pytest.raises(RecordError, match=f"schema version {old}, but this remat reads version 10"):
+        with pytest.raises(RecordError, match=f"schema version {old}, but this remat reads version 11"):
             Profile.from_json(json.dumps(data))
     with pytest.raises(RecordError, match="expected a remat profile record"):
         Profile.from_json(json.dumps({"kind": "plan"}))
@@ -365,7 +367,12 @@ def test_a_tied_layer_is_checkpointed_on_every_call_only_where_no_plan_fits_with
     remat.remove(model)
     assert is_checkpointed(model.shared) is None
     remat.apply(model, remat.Plan.from_json(plan.to_json()))  # a plan file ties it too
-    assert is_checkpointed(model.shared) == "recompute"
+    assert is_checkpointed(model.shared) == "recompute" and "every call of ['shared'] checkpointed" in plan.summary()
+    assert "(tied) shared" in render_text(plan_table(plan))
+    with pytest.warns(UserWarning, match="ran more than once"):  # the applied tie taken for the user's, before
+        again = profile(model, x, repeats=1)
+    assert (again.repeated, again.plain_peak_bytes) == (["shared"], prof.plain_peak_bytes)
+    assert is_checkpointed(model.shared) == "recompute"  # put back after
     with pytest.raises(PlanMismatch, match=r"checkpoints every call of 'sharde'.*did you mean 'shared'"):
         remat.apply(model, remat.Plan.from_json(plan.to_json().replace('"shared"', '"sharde"')))
     remat.remove(model)
@@ -375,6 +382,47 @@ def test_a_tied_layer_is_checkpointed_on_every_call_only_where_no_plan_fits_with
             pytest.warns(UserWarning, match="ran more than once"):
         remat.auto(model, x, round(0.1 * plain), repeats=1)
     assert is_checkpointed(model.shared) is None
+
+
+class _ReadsValues(SharedLayer):
+    """``SharedLayer`` whose forward reads a tensor's value: no step on fake tensors."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(-x if float(x.abs().max()) < 0 else x)
+
+
+def test_a_tied_layer_is_checkpointed_where_the_profile_ran_no_fake_step_or_only_fake_steps() -> None:
+    """NOTE [ Every call of a tied module ], rule 1: a model that runs no step on fake tensors is
+    profiled by running its plain step, and was refused half of it (the floor, kept, 31,628,616 B);
+    a profile on fake tensors took the budget and ignored it."""
+    torch.manual_seed(0)
+    model, x = _ReadsValues(), torch.randn(8, 256, 32)
+    plain = measure_step(model, x, repeats=0).peak_bytes
+    with pytest.warns(UserWarning, match="ran more than once"):
+        plan = remat.auto(model, x, round(0.5 * plain), repeats=1)
+    assert plan.tied == ["shared"] and measure_step(model, x, repeats=0).peak_bytes <= plan.estimate.peak_bytes
+    remat.remove(model)
+    with pytest.warns(UserWarning, match="ran more than once"):
+        estimated = profile(SharedLayer, x, device="h100", optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
+                            budget=round(0.5 * plain))
+    assert estimated.tied == ["shared"] and remat.solve(estimated, round(0.5 * plain)).tied == ["shared"]
+
+
+def test_accumulation_profiles_each_micro_batch_for_the_budget_its_plans_are_solved_for() -> None:
+    """What accumulating holds besides a micro-batch's step is taken from the budget the profile is
+    made for: a weight-tied model's micro-batch was profiled for the whole budget, kept its shared
+    layer, and was dropped where its plans, solved for less, needed it tied."""
+    asked: list[tuple[int, int]] = []
+
+    def profile_at(m: int, within: int) -> None:
+        asked.append((m, within))
+        return None
+
+    with pytest.raises(InfeasibleTraining):
+        choose([2, 4], profile_at, budget_bytes=10**9, global_batch=4, seq_len=8,
+                                       grad_bytes=1000, opt_ms=1.0)
+    assert asked == [(m, 10**9 - extra_bytes(grad_bytes=1000, global_batch=4,
+                                                                       micro_batch=m, seq_len=8)) for m in (2, 4)]
 
 
 def test_a_users_checkpoint_over_blocks_is_refused_with_what_to_do() -> None:

@@ -37,7 +37,7 @@ from typing import Any
 from torch import nn
 
 from remat.errors import InvalidType, PlanMismatch, WrappingError, did_you_mean
-from remat.manual.blocks import fingerprint
+from remat.manual.blocks import fingerprint, inside
 from remat.manual.compiled import compile_budget
 from remat.manual.head import set_head_chunk
 from remat.manual.lm_head import chunk_of_option, clear_head, set_head
@@ -125,9 +125,10 @@ def apply(model: nn.Module, plan: Plan, *, strict: bool = True) -> nn.Module:
         if name not in modules:
             raise PlanMismatch(f"the plan checkpoints every call of {name!r} (Plan.tied), which is not in this "
                                f"{type(model).__name__}{did_you_mean(name, [n for n in modules if n])}")
-        if name in plan.choices:
-            raise PlanMismatch(f"the plan both has {name!r} as a block and checkpoints every call of it "
-                               "(Plan.tied); a tied module is no block. Make the plan again")
+        if clash := next((b for b in plan.choices if inside(b, name) or inside(name, b)), None):
+            raise PlanMismatch(f"the plan checkpoints every call of {name!r} (Plan.tied), and {clash!r}, which "
+                               f"{'holds or is' if inside(name, clash) else 'is inside'} it, is one of its blocks: "
+                               "a tied module is no block, nor in one, nor holds one. Make the plan again")
     chunk_of_option(plan.head)  # NOTE [ The head's options ] in remat.records; it checks
     if plan.head != "keep" and plan.head_module not in modules:
         raise PlanMismatch(f"the plan chunks the head {plan.head_module!r}, which is not in this "
@@ -145,7 +146,7 @@ def apply(model: nn.Module, plan: Plan, *, strict: bool = True) -> nn.Module:
         set_head(model, plan.head_module, plan.head, causal_lm=plan.head_causal_lm)
     object.__setattr__(model, _PLAN_ATTR, plan)
     object.__setattr__(model, _UNDO_ATTR, switched_off(model))
-    log.info("applied %s plan: %s", plan.method, _summary(plan))
+    log.info("applied %s plan: %s", plan.method, plan.summary())
     return wrapper
 
 
@@ -207,12 +208,3 @@ def _check_layerdrop(model: nn.Module, plan: Plan) -> None:
                 "Make the plan without segments (remat.solve on the model's profile does so: "
                 "Profile.layerdrop; or segments=False), or turn layerdrop off"
             )
-
-
-def _summary(plan: Plan) -> str:
-    counts: dict[str, int] = {}
-    for option in plan.choices.values():
-        counts[option] = counts.get(option, 0) + 1
-    text = ", ".join(f"{n} {o}" for o, n in counts.items())
-    text += f", {len(plan.segments)} segments" if plan.segments else ""
-    return text + (f", every call of {plan.tied} checkpointed" if plan.tied else "")

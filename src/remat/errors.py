@@ -16,7 +16,7 @@ No torch here: the planning side raises these too.
 from __future__ import annotations
 
 import difflib
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 __all__ = [
     "BlockError",
@@ -36,6 +36,7 @@ __all__ = [
     "WrappingError",
     "close_matches",
     "did_you_mean",
+    "first_names",
     "out_of_memory",
 ]
 
@@ -147,6 +148,11 @@ def close_matches(word: str, choices: Iterable[str], *, n: int = 1) -> list[str]
             scored.append((folded, exact, choice))
     scored.sort(key=lambda s: (-s[0], -s[1]))
     return [choice for _, _, choice in scored[:n]]
+
+
+def first_names(names: Sequence[str]) -> str:
+    """Up to four of ``names`` for a message, ``" ..."`` after them when there are more."""
+    return f"{list(names[:4])}{' ...' if len(names) > 4 else ''}"
 
 
 def did_you_mean(word: str, choices: Iterable[str], *, n: int = 1) -> str:

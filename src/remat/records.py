@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from remat.crossing import Crossing
-from remat.errors import RecordError
+from remat.errors import RecordError, first_names
 from remat.record_json import (
     dump_record,
     load_record_text,
@@ -40,13 +40,15 @@ __all__ = [
     "load_record",
 ]
 
-PROFILE_SCHEMA = 10  # 2: side inputs; 3: head options (NOTE [ The head's options ]); 4: where a replay
+PROFILE_SCHEMA = 11  # 2: side inputs; 3: head options (NOTE [ The head's options ]); 4: where a replay
 # stops (BlockProfile.stop_peak_bytes); 5: handovers; 6: both as crossings (NOTE [ Tensors that cross a
 # block boundary ]); 7: where a replay starts (BlockProfile.unpack_bytes); 8: BlockProfile.saves, stats_bytes, Profile.layerdrop;
 # 9: a skip from a block's output is a side input (NOTE [ A skip from a block's output ] in remat.measure.sides)
 # 10: a side input is made by any block that returned it, enters a later block it is the first input of,
 # and may be saved by the model's code (NOTE [ A side input the model's code saves ] in remat.plan.sides)
-PLAN_SCHEMA = 2  # 2: the head's option, segments (NOTE [ A segment is one recompute frame over several calls ])
+# 11: the modules that ran more than once, and those checkpointed on every call (Profile.repeated, tied)
+PLAN_SCHEMA = 3  # 2: the head's option, segments (NOTE [ A segment is one recompute frame over several calls ]);
+# 3: the modules checkpointed on every call (Plan.tied; NOTE [ Every call of a tied module ] in remat.measure.tied)
 
 # NOTE [ The head's options ]
 # The part after the blocks (final norm, head, loss) is a segment with options too: ``keep`` (as
@@ -309,6 +311,18 @@ class Plan:
     """Modules that run more than once per step (weight-tied layers) checkpointed on every call,
     from the profile (``Profile.tied``): ``apply`` checkpoints them and ``remove`` takes that off
     (NOTE [ Every call of a tied module ] in ``remat.measure.tied``)."""
+
+    def summary(self) -> str:
+        """``"3 keep, 5 recompute, 2 segments"``: how many blocks take each option (in ``OPTIONS``
+        order), the segments, and the modules checkpointed on every call (``tied``)."""
+        chosen = list(self.choices.values())
+        names = [*OPTIONS, *sorted(set(chosen) - set(OPTIONS))]  # compiled:<budget> after
+        parts = [f"{n} {o}" for o in names if (n := chosen.count(o))]
+        if self.segments:
+            parts.append(f"{len(self.segments)} segments")
+        if self.tied:
+            parts.append(f"every call of {first_names(self.tied)} checkpointed")
+        return ", ".join(parts)
 
     def to_json(self) -> str:
         return dump_record(self, "plan")

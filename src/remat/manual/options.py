@@ -9,7 +9,9 @@ does it for every block at once.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from collections.abc import Iterator
 from typing import Any, cast
 
 from torch import nn
@@ -25,7 +27,7 @@ from remat.manual.compiled import (
 from remat.manual.tiled import is_tiled, tile_block, untile_block
 from remat.vocabulary import CheckpointOption
 
-__all__ = ["checkpointed", "clear_option", "is_hf_layer", "option_of", "set_option", "touched"]
+__all__ = ["as_written", "checkpointed", "clear_option", "is_hf_layer", "option_of", "set_option", "touched"]
 
 
 def set_option(module: nn.Module, option: str) -> None:
@@ -140,9 +142,26 @@ def option_of(module: nn.Module) -> str:
 
 
 def checkpointed(module: nn.Module) -> bool:
-    """Whether every call of ``module`` is checkpointed: by the user (``remat.checkpoint_module``)
-    or by an option remat set (a transformers layer's hook included)."""
-    return module_form.checkpoint_record(module) is not None or option_of(module) in ("recompute", "selective")
+    """Whether every call of ``module`` is checkpointed now: by the user (``remat.checkpoint_module``,
+    transformers' ``gradient_checkpointing`` on the layer) or by an option remat set."""
+    if is_hf_layer(module):
+        return module.__dict__.get("gradient_checkpointing") is True
+    return module_form.checkpoint_record(module) is not None
+
+
+@contextlib.contextmanager
+def as_written(model: nn.Module) -> Iterator[None]:
+    """``model`` with every module remat set an option on running as the user wrote it (its own
+    forward, or its own checkpointing: NOTE [ A module's own checkpointing ]); the options put
+    back after. An applied plan's blocks and tied modules (``Plan.tied``) are profiled so."""
+    options = [(m, option_of(m)) for m in model.modules() if touched(m)]
+    for m, _ in options:
+        clear_option(m)
+    try:
+        yield
+    finally:
+        for m, option in options:
+            set_option(m, option)
 
 
 def clear_option(module: nn.Module) -> None:

@@ -27,8 +27,9 @@ import torch
 from torch import nn
 
 from remat.devices import DeviceSpec, get_device
-from remat.errors import InfeasibleBudget, InvalidType, InvalidValue, ProfileError, out_of_memory
+from remat.errors import InvalidType, InvalidValue, ProfileError, out_of_memory
 from remat.manual.blocks import find_blocks
+from remat.manual.options import as_written, set_option
 from remat.measure import step as _step
 from remat.measure.attribution import assemble
 from remat.measure.collector import collecting_once
@@ -41,7 +42,7 @@ from remat.measure.preserve import preserved
 from remat.measure.runner import StepRunner, every_block
 from remat.measure.sides import with_skips
 from remat.measure.step_memory import base_bytes
-from remat.measure.tied import every_call_checkpointed
+from remat.measure.tied import every_call, tied_where_needed
 from remat.measure.tiles import add_tiles, measure_tiles
 from remat.measure.tracer import MemoryTracer, host_link_bytes_per_s, sized
 from remat.measure.warmup import by_floor, running
@@ -95,7 +96,9 @@ def profile(
             ``"8GiB"``, ``"60%"`` of the plain step's predicted peak, or ``"device"``). When the
             plain step is predicted over it, the profile is made without running it (NOTE
             [ Planning what does not fit ] in ``remat.measure.lean``), or ``InfeasibleBudget``
-            is raised, before any step runs, when no plan fits.
+            is raised, before any step runs, when no plan fits. Both modes: where no plan fits it
+            with the modules that ran more than once kept, every call of them is checkpointed
+            (NOTE [ Every call of a tied module ] in ``remat.measure.tied``).
     """
     if repeats < 1:
         raise InvalidValue(f"repeats must be >= 1, got {repeats}")
@@ -111,28 +114,24 @@ def profile(
         _step.check_trainable(model, "remat.profile")
         skipped = layerdrop_blocks(model)  # Profile.layerdrop
         # NOTE [ layerdrop ], NOTE [ No K/V cache in a planned training step ] in remat.models.hf
-        with _step.as_planned(model):
+        with _step.as_planned(model), as_written(model):  # an applied plan's options off while profiling
             if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
                 optimizer = optimizer(model.parameters())
-            on_device = functools.partial(_on_device, model, batch, loss_fn, optimizer, blocks, repeats, compiled)
-            try:
-                result = on_device(budget)
-            except InfeasibleBudget as refused:
-                if budget is None or not refused.repeated:
-                    raise
-                result = every_call_checkpointed(model, refused, on_device)  # NOTE [ Every call of a tied module ]
+            def on_device(within: int | str | None, tied: list[str]) -> Profile:
+                with every_call(model, tied):
+                    return _on_device(model, batch, loss_fn, optimizer, blocks, repeats, compiled, within)
+
+            result = tied_where_needed(budget, on_device)  # NOTE [ Every call of a tied module ]
         result = dataclasses.replace(result, layerdrop=[b.name for b in result.blocks if b.name in skipped])
     else:
         if compiled:
             raise InvalidValue("compile_budgets needs a measured profile (a real model, device=None): "
                                "a compiled graph's memory and speed cannot be estimated from fake tensors")
-        result = _estimated(model, batch, loss_fn, optimizer, blocks, get_device(device))
+        spec = get_device(device)
+        result = tied_where_needed(budget, lambda _, tied: _estimated(model, batch, loss_fn, optimizer, blocks, spec, tied))
     if world_size != 1 or fsdp:
         result = per_rank_profile(result, world_size=world_size, fsdp=fsdp)
     return result
-
-
-
 
 
 # --- the two modes ------------------------------------------------------------------------------
@@ -166,7 +165,6 @@ def _on_device(model: nn.Module, batch: Any, loss_fn: Any, optimizer: torch.opti
             raise
         raise ran_out_within(lean.budget_bytes, f"{type(e).__name__}: {str(e)[:300]}",
                              host=_step.batch_device(model, batch).type == "cpu") from e
-
 
 
 def _measured(
@@ -225,7 +223,8 @@ def _measured(
     ), heads), tiles)), extra))
 
 
-def _estimated(factory: Any, batch: Any, loss_fn: Any, optimizer: Any, blocks: Any, spec: DeviceSpec) -> Profile:
+def _estimated(factory: Any, batch: Any, loss_fn: Any, optimizer: Any, blocks: Any, spec: DeviceSpec,
+               tied: list[str]) -> Profile:
     from remat.measure.fake import convertible_parameters
 
     check_factory(factory, optimizer)
@@ -235,6 +234,9 @@ def _estimated(factory: Any, batch: Any, loss_fn: Any, optimizer: Any, blocks: A
             model = factory()
         if not isinstance(model, nn.Module):
             raise InvalidType(f"the model factory returned a {type(model).__name__}, not an nn.Module")
+        modules = dict(model.named_modules())
+        for name in tied:  # NOTE [ Every call of a tied module ]: a fake model, thrown away after
+            set_option(modules[name], "recompute")
         return model
 
     make_opt = None if optimizer is None else lambda m: optimizer(m.parameters())

@@ -12,7 +12,7 @@ from typing import Any
 
 from torch import nn
 
-from remat.errors import ProfileError
+from remat.errors import ProfileError, first_names
 from remat.manual.blocks import inside, no_blocks
 from remat.manual.module_form import checkpoint_record
 from remat.manual.options import checkpointed, touched
@@ -28,8 +28,7 @@ log = logging.getLogger(__name__)
 
 def _cut_off(names: list[str]) -> ProfileError:
     """The refusal for blocks no gradient reaches (rule 1 of NOTE [ Blocks by what runs ])."""
-    shown = f"{names[:4]}{' ...' if len(names) > 4 else ''}"
-    return ProfileError(f"no gradient reached the outputs of blocks {shown} in the training step: the model detaches "
+    return ProfileError(f"no gradient reached the outputs of blocks {first_names(names)} in the training step: the model detaches "
                         "or quantizes what they return, or the loss does not use it, so they have no backward to "
                         "recompute in. Name the blocks whose outputs the loss depends on with blocks=")
 
@@ -64,7 +63,7 @@ def running(model: nn.Module, named: Blocks, explicit: bool, batch: Any, loss_fn
     modules = dict(model.named_modules())
     if unchecked := [n for n in repeated if not checkpointed(modules[n])]:  # the advice taken: quiet
         warnings.warn(
-            f"{unchecked[:4]}{' ...' if len(unchecked) > 4 else ''} ran more than once in one training step "
+            f"{first_names(unchecked)} ran more than once in one training step "
             "(weight-tied layers); remat plans modules that run once per step, so these keep their "
             "activations as in the plain step unless no plan fits a budget without: a profile made "
             "with budget= (and remat.auto) then checkpoints every call of them (Plan.tied). To do so "
@@ -78,8 +77,8 @@ def running(model: nn.Module, named: Blocks, explicit: bool, batch: Any, loss_fn
             raise _in_backward(inside)
         if repeated:
             raise ProfileError(
-                f"every block remat found ran more than once in one training step ({repeated[:4]}"
-                f"{' ...' if len(repeated) > 4 else ''}): a model called twice per step (a twin encoder of "
+                f"every block remat found ran more than once in one training step ({first_names(repeated)}"
+                "): a model called twice per step (a twin encoder of "
                 "a contrastive pair) or one layer run for every depth. remat plans modules that run once "
                 "per step: plan the shared module on one call's batch (remat.auto(encoder, one_batch, "
                 "budget) with the budget split between its calls; the plan then holds for every call), or "
@@ -104,7 +103,7 @@ def _refuse_users_checkpoints_over(model: nn.Module, blocks: Blocks) -> None:
             where = f"model.get_submodule({name!r})" if name else "model"
             raise ProfileError(
                 f"{repr(name) if name else 'the model'} is checkpointed with remat.checkpoint_module and holds blocks "
-                f"{inner[:4]}{' ...' if len(inner) > 4 else ''}: its replay would run them again in the "
+                f"{first_names(inner)}: its replay would run them again in the "
                 f"backward, and remat plans what they recompute. Take it off first "
                 f"(remat.uncheckpoint_module({where})), or name blocks outside it with blocks=")
 
@@ -135,7 +134,7 @@ def by_floor(finer: Blocks, coarser: Blocks | None, floor_of: Callable[[list[str
 
 def _in_backward(names: list[str]) -> ProfileError:
     return ProfileError(
-        f"{names[:4]}{' ...' if len(names) > 4 else ''} run with gradients only after the model's forward "
+        f"{first_names(names)} run with gradients only after the model's forward "
         "returned: the model runs them without gradients and again in its own backward (a reversible "
         "network), so they keep no activations for checkpointing to drop and remat has nothing to plan "
         "there. Name blocks that run with gradients in the forward with blocks=, or train without remat")

@@ -38,7 +38,6 @@ from remat.plan.costmodel import smallest_feasible
 from remat.plan.solver import solve
 from remat.records import Plan, Profile
 from remat.units import format_bytes
-from remat.vocabulary import OPTIONS
 
 __all__ = [
     "AccumulationPlan",
@@ -47,7 +46,6 @@ __all__ = [
     "choose",
     "extra_bytes",
     "micro_batch_sizes",
-    "summary",
 ]
 
 _ID_BYTES = 8  # token ids are int64
@@ -126,7 +124,7 @@ def extra_bytes(*, grad_bytes: int, global_batch: int, micro_batch: int, seq_len
 
 def choose(
     sizes: list[int],
-    profile_at: Callable[[int], Profile | None],
+    profile_at: Callable[[int, int], Profile | None],
     *,
     budget_bytes: int,
     global_batch: int,
@@ -135,8 +133,9 @@ def choose(
     opt_ms: float,
 ) -> AccumulationPlan:
     """The micro-batch among ``sizes`` and its plan with the highest predicted tokens/s under
-    ``budget_bytes``. ``profile_at(m)`` is the step's profile at micro-batch m (None: it ran out of
-    memory), asked for only when needed. Raises ``InfeasibleTraining`` when none fits."""
+    ``budget_bytes``. ``profile_at(m, within)`` is the step's profile at micro-batch m for the budget
+    its plans are solved for, ``within`` (None: it ran out of memory), asked for only when needed.
+    Raises ``InfeasibleTraining`` when none fits."""
     rows: list[Candidate] = []
     plans: dict[int, Plan] = {}
     closest: tuple[int, int, str] | None = None  # (smallest peak, micro-batch, dominant)
@@ -146,13 +145,18 @@ def choose(
         if too_big and m != global_batch:
             rows.append(dataclasses.replace(base, note="skipped: a smaller one does not fit"))
             continue
-        prof = profile_at(m)
+        extra = extra_bytes(grad_bytes=grad_bytes, global_batch=global_batch, micro_batch=m,
+                            seq_len=seq_len)
+        if extra >= budget_bytes:  # the gradients and token ids alone
+            rows.append(dataclasses.replace(base, fits=False, predicted_peak_bytes=extra,
+                                            note="does not fit: the accumulated gradients and token ids alone"))
+            too_big = too_big or m != global_batch
+            continue
+        prof = profile_at(m, budget_bytes - extra)
         if prof is None:
             rows.append(dataclasses.replace(base, fits=False, note="out of memory in profiling"))
             too_big = too_big or m != global_batch
             continue
-        extra = extra_bytes(grad_bytes=grad_bytes, global_batch=global_batch, micro_batch=m,
-                            seq_len=seq_len)
         row, plan, low = _candidate(base, prof, extra, budget_bytes=budget_bytes,
                                     grad_bytes=grad_bytes, opt_ms=opt_ms,
                                     tokens=global_batch * seq_len)
@@ -188,7 +192,7 @@ def _candidate(
             f"across {k} accumulated micro-batches, and the rest of the global batch")])
     step_ms = k * max(plan.estimate.step_ms - opt_ms, 0.0) + opt_ms
     row = dataclasses.replace(
-        base, plan_summary=summary(plan), predicted_peak_bytes=plan.estimate.peak_bytes + extra,
+        base, plan_summary=plan.summary(), predicted_peak_bytes=plan.estimate.peak_bytes + extra,
         fits=True, step_ms=step_ms, tokens_per_s=tokens / step_ms * 1e3)
     return row, plan, None
 
@@ -209,9 +213,3 @@ def _pick(rows: list[Candidate], plans: dict[int, Plan], closest: tuple[int, int
     rows = [dataclasses.replace(r, chosen=True) if r is best else r for r in rows]
     return AccumulationPlan(micro_batch=best.micro_batch, plan=plans[best.micro_batch],
                             candidates=rows, budget_bytes=budget_bytes)
-
-
-def summary(plan: Plan) -> str:
-    """``"3 keep, 5 recompute"``: how many blocks take each option, in ``OPTIONS`` order."""
-    counts = {o: sum(1 for c in plan.choices.values() if c == o) for o in OPTIONS}
-    return ", ".join(f"{n} {o}" for o, n in counts.items() if n)

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from remat.errors import InfeasibleBudget
+from remat.errors import InfeasibleBudget, first_names
 from remat.records import Profile
 from remat.units import format_bytes
 
@@ -23,10 +23,10 @@ def infeasible(profile: Profile, budget_bytes: int, smallest: int, dominant: str
     else:
         advice = "raise the budget or lower the batch"
     if profile.repeated:
-        advice += (f", or checkpoint every call of {_listed(profile.repeated)}, which ran more than once in the "
-                   "step and kept its activations: a profile made with budget= (and remat.auto) does so "
-                   "where no plan fits without, or remat.checkpoint_module(model.get_submodule(name)) before "
-                   "profiling")
+        advice += (f", or checkpoint every call of {first_names(profile.repeated)}, which ran more than once in the "
+                   "step and kept its activations: remat.auto, and remat.profile given this budget, do so where "
+                   "no plan fits without; or run remat.checkpoint_module(model.get_submodule(name)) on each "
+                   "before profiling (in the model factory, for a profile on fake tensors)")
     source, caveat = ("from the step tensors alone, ", (
         ": what no tensor holds (a convolution's scratch space) is measured only by a real step, none of "
         "which fits this budget, and may put it higher")) if estimated else ("", "")
@@ -45,14 +45,10 @@ def tied_note(tied: list[str]) -> list[str]:
     """A plan's note on the modules its profile checkpointed on every call (``Profile.tied``)."""
     if not tied:
         return []
-    return [f"{_listed(tied)} ran more than once per step and no plan fit the budget with its activations "
-            "kept: every call of it is checkpointed (Plan.tied). The profile's plain step ran so, and the "
-            "overhead is counted from that step: it leaves out that module's own recompute (NOTE [ Every "
-            "call of a tied module ] in remat.measure.tied)"]
-
-
-def _listed(names: list[str]) -> str:
-    return f"{names[:4]}{' ...' if len(names) > 4 else ''}"
+    return [f"{first_names(tied)} ran more than once per step and no plan fit the budget with its activations "
+            "kept: every call of it is checkpointed (Plan.tied). The overhead is counted from the step with it "
+            "checkpointed, and leaves out that module's own recompute (NOTE [ Every call of a tied module ] "
+            "in remat.measure.tied)"]
 
 
 def in_eval_mode(error: InfeasibleBudget) -> InfeasibleBudget:

@@ -145,6 +145,9 @@ def plan_table(plan: Plan, profile: Profile | None = None) -> Table:
             extra_total += ms
             row += [format_bytes(seg.kept_bytes), f"{ms:.2f}"] if seg is not None else ["—", "—"]
         rows.append(row)
+    for name in plan.tied:  # NOTE [ Every call of a tied module ] in remat.measure.tied: in the profile's steps
+        rows.append([f"(tied) {name}", Text("recompute, every call", style=_OPTION_STYLES.get("recompute", "")),
+                     *(["—", "—"] if profile is not None else [])])
     if profile is not None:
         names.insert(0, "total")
         values.insert(0, "")

@@ -27,7 +27,6 @@ from remat.plan.accumulation import (
     InfeasibleTraining,
     choose,
     micro_batch_sizes,
-    summary,
 )
 from remat.records import Profile
 from remat.train.data import VOCAB_SIZE
@@ -39,7 +38,6 @@ __all__ = [
     "InfeasibleTraining",
     "micro_batch_sizes",
     "plan_accumulation",
-    "summary",
 ]
 
 log = logging.getLogger(__name__)
@@ -86,11 +84,11 @@ def plan_accumulation(
         budget_bytes = parse_budget(budget, device_memory_bytes=memory)
     profiles: dict[int, Profile | None] = {}
 
-    def get(m: int) -> Profile | None:
+    def get(m: int, within: int) -> Profile | None:
         if m not in profiles:
             profiles[m] = _profile(model, m, seq_len=seq_len, loss_fn=loss_fn,
                                    make_optimizer=make_optimizer, autocast=autocast,
-                                   device=device, repeats=repeats, budget_bytes=budget_bytes)
+                                   device=device, repeats=repeats, budget_bytes=within)
         return profiles[m]
 
     return choose(sizes, get, budget_bytes=budget_bytes, global_batch=global_batch, seq_len=seq_len,
@@ -106,8 +104,9 @@ def _batch(m: int, seq_len: int, device: torch.device) -> tuple[torch.Tensor]:
 
 def _profile(model: nn.Module, m: int, *, seq_len: int, loss_fn: Any, make_optimizer: Any,
              autocast: Any, device: torch.device, repeats: int, budget_bytes: int) -> Profile | None:
-    """The profile at micro-batch ``m``, no step of it above the budget (NOTE [ Planning what does
-    not fit ] in remat.measure.lean); None when no plan of it fits."""
+    """The profile at micro-batch ``m`` for ``budget_bytes`` (the budget less what accumulating
+    holds besides), no step of it above that (NOTE [ Planning what does not fit ] in
+    remat.measure.lean); None when no plan of it fits."""
     batch = _batch(m, seq_len, device)
     try:
         with autocast() if autocast is not None else contextlib.nullcontext():
