@@ -364,6 +364,8 @@ def test_a_tied_layer_is_checkpointed_on_every_call_only_where_no_plan_fits_with
     assert plan.tied == ["shared"] and is_checkpointed(model.shared) == "recompute"
     assert report.fits and report.measured_peak_bytes == plan.estimate.peak_bytes and report.grads_equal, report
     assert not plan.plain_ran and "every call of it is checkpointed" in plan.notes[-1]
+    # its recompute is in the overhead, against the step with it kept: 0 before, every block kept
+    assert plan.choices == {"first": "keep"} and plan.estimate.overhead > 0 and "is in the overhead" in plan.notes[-1]
     remat.remove(model)
     assert is_checkpointed(model.shared) is None
     remat.apply(model, remat.Plan.from_json(plan.to_json()))  # a plan file ties it too

@@ -46,7 +46,7 @@ PROFILE_SCHEMA = 11  # 2: side inputs; 3: head options (NOTE [ The head's option
 # 9: a skip from a block's output is a side input (NOTE [ A skip from a block's output ] in remat.measure.sides)
 # 10: a side input is made by any block that returned it, enters a later block it is the first input of,
 # and may be saved by the model's code (NOTE [ A side input the model's code saves ] in remat.plan.sides)
-# 11: the modules that ran more than once, and those checkpointed on every call (Profile.repeated, tied)
+# 11: the modules that ran more than once, and those checkpointed on every call (Profile.repeated, tied, tied_ms)
 PLAN_SCHEMA = 3  # 2: the head's option, segments (NOTE [ A segment is one recompute frame over several calls ]);
 # 3: the modules checkpointed on every call (Plan.tied; NOTE [ Every call of a tied module ] in remat.measure.tied)
 
@@ -220,6 +220,9 @@ class Profile:
     """Modules that run more than once which remat checkpointed on every call for this profile,
     since no plan fit the budget without (NOTE [ Every call of a tied module ] in
     ``remat.measure.tied``): its steps ran so, and its plans do (``Plan.tied``)."""
+    tied_ms: float = 0.0
+    """What recomputing every call of ``tied`` adds to a step, milliseconds: in ``plain_step_ms``,
+    and not in the step with them kept, which plans' overheads are against (0 where not timed)."""
     schema_version: int = PROFILE_SCHEMA
     """The record's schema version; files of another version are refused."""
 

@@ -42,7 +42,7 @@ from remat.measure.preserve import preserved
 from remat.measure.runner import StepRunner, every_block
 from remat.measure.sides import with_skips
 from remat.measure.step_memory import base_bytes
-from remat.measure.tied import every_call, tied_where_needed
+from remat.measure.tied import calls_ms, every_call, tied_where_needed
 from remat.measure.tiles import add_tiles, measure_tiles
 from remat.measure.tracer import MemoryTracer, host_link_bytes_per_s, sized
 from remat.measure.warmup import by_floor, running
@@ -121,7 +121,8 @@ def profile(
                 with every_call(model, tied):
                     return _on_device(model, batch, loss_fn, optimizer, blocks, repeats, compiled, within)
 
-            result = tied_where_needed(budget, on_device)  # NOTE [ Every call of a tied module ]
+            result = tied_where_needed(  # NOTE [ Every call of a tied module ]
+                budget, on_device, lambda tied: calls_ms(model, batch, loss_fn, tied, repeats))
         result = dataclasses.replace(result, layerdrop=[b.name for b in result.blocks if b.name in skipped])
     else:
         if compiled:

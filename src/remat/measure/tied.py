@@ -16,9 +16,11 @@ the step's, and torch's checkpoint around each of its calls drops them. So:
 3. The profile names them (``Profile.tied``), and so do its plans (``Plan.tied``): ``apply`` sets
    their option as a block's, ``remove`` takes it off. Profiling leaves the model as it was, and
    profiles an applied plan's tied modules as the user wrote them (``as_written``).
-4. That profile's plain step is the step with them checkpointed, which may run: a plan's overhead
-   is counted from it and leaves out their own recompute (the plan's note says so). The step with
-   them kept never runs (``Profile.plain_ran`` is False), so ``verify`` does not run it either.
+4. That profile's plain step is the step with them checkpointed, which may run; the step with them
+   kept never runs (``Profile.plain_ran`` is False), so ``verify`` does not run it either. A plan's
+   overhead is against the step with them kept: the profile's plain step less their recompute,
+   timed as their calls in a forward without gradients, which holds none of the step's activations
+   (``Profile.tied_ms``; on fake tensors, not timed: 0, and the plan's note says so).
 5. Blocks the user names (``blocks=``) leave the rest of the model to the user: nothing is tied. A
    profile made without a budget ties nothing, and a refusal from it names them.
 """
@@ -28,26 +30,34 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import statistics
 from collections.abc import Callable, Iterator
+from typing import Any
 
+import torch
 from torch import nn
 
 from remat.errors import InfeasibleBudget
 from remat.manual.options import clear_option, set_option
+from remat.measure import clock
+from remat.measure import step as _step
+from remat.measure.preserve import preserved
 from remat.plan.refusals import infeasible
 from remat.plan.solver import smallest_any
 from remat.records import Profile
 from remat.units import parse_budget
 
-__all__ = ["every_call", "tied_where_needed"]
+__all__ = ["calls_ms", "every_call", "tied_where_needed"]
 
 log = logging.getLogger(__name__)
 
 
-def tied_where_needed(budget: int | str | None, make: Callable[[int | str | None, list[str]], Profile]) -> Profile:
+def tied_where_needed(budget: int | str | None, make: Callable[[int | str | None, list[str]], Profile],
+                      forward_ms: Callable[[list[str]], float] | None = None) -> Profile:
     """The profile ``make(budget, tied)`` makes with every call of ``tied`` checkpointed: none, or,
     where no plan fits ``budget`` with them kept, the modules that ran more than once (NOTE
-    [ Every call of a tied module ])."""
+    [ Every call of a tied module ]); ``forward_ms(tied)``: their calls' time in one forward, what
+    their recompute adds to a step (``Profile.tied_ms``; None: not timed)."""
     try:
         prof = make(budget, [])
     except InfeasibleBudget as e:
@@ -68,7 +78,7 @@ def tied_where_needed(budget: int | str | None, make: Callable[[int | str | None
             f"{again} That is with every call of {names} checkpointed, which ran more than once per step.",
             budget_bytes=again.budget_bytes, smallest_bytes=again.smallest_bytes, dominant=again.dominant,
             estimated=again.estimated) from None
-    return dataclasses.replace(prof, tied=names, plain_ran=False)
+    return dataclasses.replace(prof, tied=names, plain_ran=False, tied_ms=forward_ms(names) if forward_ms else 0.0)
 
 
 @contextlib.contextmanager
@@ -83,6 +93,38 @@ def every_call(model: nn.Module, names: list[str]) -> Iterator[None]:
     finally:
         for name in names:
             clear_option(modules[name])
+
+
+def calls_ms(model: nn.Module, batch: Any, loss_fn: Any, names: list[str], repeats: int) -> float:
+    """The time of the calls of the modules ``names`` of ``model`` in one forward on ``batch``
+    without gradients (none of the step's activations held), ms: the median of ``repeats``, after
+    one untimed. The model is left as it was (its buffers and the RNG state put back)."""
+    device = _step.batch_device(model, batch)
+    modules = [model.get_submodule(n) for n in names]
+    inside, started, total = [0], [0.0], [0.0]
+
+    def enter(*_: Any) -> None:
+        inside[0] += 1
+        if inside[0] == 1:  # the outermost call: a tied module may hold another
+            started[0] = clock.step_clock_ms(device)
+
+    def leave(*_: Any) -> None:
+        inside[0] -= 1
+        if inside[0] == 0:
+            total[0] += clock.step_clock_ms(device) - started[0]
+
+    handles = [h for m in modules for h in (m.register_forward_pre_hook(enter), m.register_forward_hook(leave))]
+    times = []
+    try:
+        with preserved(model), torch.no_grad(), clock.no_gc():
+            for _ in range(repeats + 1):
+                total[0] = 0.0
+                _step.forward_loss(model, batch, loss_fn)
+                times.append(total[0])
+    finally:
+        for h in handles:
+            h.remove()
+    return statistics.median(times[1:])
 
 
 def _refusal(prof: Profile, budget: int | str) -> InfeasibleBudget | None:

@@ -21,7 +21,7 @@ from remat.records import Estimate, OptionCost, Profile
 from remat.units import format_bytes
 from remat.vocabulary import OPTIONS
 
-__all__ = ["estimate", "smallest_feasible"]
+__all__ = ["estimate", "overhead", "smallest_feasible"]
 
 
 def estimate(profile: Profile, choices: Mapping[str, str]) -> Estimate:
@@ -36,10 +36,16 @@ def estimate(profile: Profile, choices: Mapping[str, str]) -> Estimate:
     phases = _phases(profile, costs, options)
     peak = max(phases, key=lambda p: p.peak_bytes)  # max() keeps the first phase reaching it
     step_ms = profile.plain_step_ms + sum(c.extra_ms for c in costs)
-    overhead = step_ms / profile.plain_step_ms - 1.0 if profile.plain_step_ms else 0.0
     return Estimate(
-        peak_bytes=peak.peak_bytes, peak_phase=peak.name, step_ms=step_ms, overhead=overhead
+        peak_bytes=peak.peak_bytes, peak_phase=peak.name, step_ms=step_ms, overhead=overhead(profile, step_ms)
     )
+
+
+def overhead(profile: Profile, step_ms: float) -> float:
+    """``step_ms`` over the plain step's, minus one: every block kept, and the modules that ran
+    more than once too (``Profile.tied_ms``: recomputed in the profile's plain step)."""
+    plain = profile.plain_step_ms - profile.tied_ms
+    return step_ms / plain - 1.0 if plain > 0 else 0.0
 
 
 # --- the simulation ----------------------------------------------------------------------------

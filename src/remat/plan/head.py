@@ -14,6 +14,7 @@ import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 
 from remat.errors import InfeasibleBudget, InvalidValue, did_you_mean
+from remat.plan.costmodel import overhead
 from remat.plan.segment_estimate import estimate_segments
 from remat.records import Estimate, Plan, Profile
 
@@ -88,8 +89,7 @@ def estimate_with_head(
     """``estimate_segments(profile, choices, segments)`` with the head option ``head``; the
     overhead is against the plain step (every block kept, the head as written)."""
     est = estimate_segments(with_head(profile, head), choices, segments)
-    plain = profile.plain_step_ms
-    return dataclasses.replace(est, overhead=est.step_ms / plain - 1.0 if plain else 0.0)
+    return dataclasses.replace(est, overhead=overhead(profile, est.step_ms))
 
 
 def _finish(profile: Profile, plan: Plan, head: str) -> Plan:

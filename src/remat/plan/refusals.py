@@ -41,14 +41,15 @@ def infeasible(profile: Profile, budget_bytes: int, smallest: int, dominant: str
     )
 
 
-def tied_note(tied: list[str]) -> list[str]:
+def tied_note(profile: Profile) -> list[str]:
     """A plan's note on the modules its profile checkpointed on every call (``Profile.tied``)."""
-    if not tied:
+    if not profile.tied:
         return []
-    return [f"{first_names(tied)} ran more than once per step and no plan fit the budget with its activations "
-            "kept: every call of it is checkpointed (Plan.tied). The overhead is counted from the step with it "
-            "checkpointed, and leaves out that module's own recompute (NOTE [ Every call of a tied module ] "
-            "in remat.measure.tied)"]
+    timed = (f"its recompute ({profile.tied_ms:.1f} ms, its calls' time in a forward) is in the overhead"
+             if profile.tied_ms else "the overhead leaves out its recompute, which steps on fake tensors do not time")
+    return [f"{first_names(profile.tied)} ran more than once per step and no plan fit the budget with its "
+            f"activations kept: every call of it is checkpointed (Plan.tied); {timed} (NOTE [ Every call of a "
+            "tied module ] in remat.measure.tied)"]
 
 
 def in_eval_mode(error: InfeasibleBudget) -> InfeasibleBudget:

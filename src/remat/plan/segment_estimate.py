@@ -39,7 +39,7 @@ from collections.abc import Mapping, Sequence
 
 from remat.errors import InvalidValue
 from remat.plan.chain import ChainConstraints
-from remat.plan.costmodel import estimate
+from remat.plan.costmodel import estimate, overhead
 from remat.plan.handovers import handed_over, handovers
 from remat.plan.segments import SegmentModel, Tree, forest, held_in_forward
 from remat.records import Estimate, Profile
@@ -103,8 +103,7 @@ def estimate_segments(
     if tail > peak:
         peak, where = tail, "forward or backward of the head"
     step_ms = profile.plain_step_ms + extra_ms
-    overhead = step_ms / profile.plain_step_ms - 1.0 if profile.plain_step_ms else 0.0
-    return Estimate(peak_bytes=peak, peak_phase=where, step_ms=step_ms, overhead=overhead)
+    return Estimate(peak_bytes=peak, peak_phase=where, step_ms=step_ms, overhead=overhead(profile, step_ms))
 
 
 def _per_block_where(chain: ChainConstraints, profile: Profile, i: int, o: int, held: int) -> str:

@@ -316,7 +316,7 @@ def _plan(
         dtype=profile.dtype,
         batch_shape=list(profile.batch_shape),
         plain_ran=profile.plain_ran,
-        notes=notes + tied_note(profile.tied),
+        notes=notes + tied_note(profile),
         tied=list(profile.tied),
     )
 
