@@ -356,6 +356,11 @@ def test_a_tied_layer_is_checkpointed_on_every_call_only_where_no_plan_fits_with
     with pytest.raises(remat.InfeasibleBudget, match=r"or checkpoint every call of \['shared'\]") as refused:
         remat.solve(prof, round(0.5 * plain))
     assert refused.value.repeated == ["shared"]
+    assert refused.value.plain_bytes == prof.plain_peak_bytes
+    with pytest.warns(UserWarning, match="ran more than once"):  # a share of the plain step as written
+        tied = profile(model, x, repeats=1, budget="50%")
+    assert (tied.tied, tied.plain_peak_bytes, tied.plain_ran) == (["shared"], prof.plain_peak_bytes, False)
+    assert 0 < tied.tied_ms < tied.plain_step_ms and is_checkpointed(model.shared) is None
     with pytest.warns(UserWarning, match="ran more than once"):
         plan = remat.auto(model, x, round(0.9 * plain), repeats=1)
     assert plan.tied == [] and is_checkpointed(model.shared) is None  # a plan fits with it kept

@@ -97,7 +97,7 @@ class InfeasibleBudget(RematError, ValueError):
     """No plan (of the method asked for) brings the step's peak under the budget."""
 
     def __init__(self, message: str, *, budget_bytes: int, smallest_bytes: int, dominant: str,
-                 estimated: bool = False, repeated: list[str] | None = None):
+                 estimated: bool = False, repeated: list[str] | None = None, plain_bytes: int | None = None):
         super().__init__(message)
         self.budget_bytes = budget_bytes
         """The budget asked for."""
@@ -115,6 +115,9 @@ class InfeasibleBudget(RematError, ValueError):
         """Modules that ran more than once in the step and kept their activations (``Profile.repeated``):
         checkpointing every call of them lowers ``smallest_bytes`` (NOTE [ Every call of a tied module ]
         in remat.measure.tied)."""
+        self.plain_bytes = plain_bytes
+        """The plain step's peak in the profile refused, where one was (measured, or predicted from fake
+        tensors): what a budget such as ``"60%"`` is a share of."""
 
 
 class PlanMismatch(RematError, ValueError):

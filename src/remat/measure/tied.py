@@ -20,7 +20,9 @@ the step's, and torch's checkpoint around each of its calls drops them. So:
    kept never runs (``Profile.plain_ran`` is False), so ``verify`` does not run it either. A plan's
    overhead is against the step with them kept: the profile's plain step less their recompute,
    timed as their calls in a forward without gradients, which holds none of the step's activations
-   (``Profile.tied_ms``; on fake tensors, not timed: 0, and the plan's note says so).
+   (``Profile.tied_ms``; on fake tensors, not timed: 0, and the plan's note says so). Its plain
+   peak is that step's too (``Profile.plain_peak_bytes``, as the refusal named it), of which a
+   budget such as ``"60%"`` is a share.
 5. Blocks the user names (``blocks=``) leave the rest of the model to the user: nothing is tied. A
    profile made without a budget ties nothing, and a refusal from it names them.
 """
@@ -68,7 +70,7 @@ def tied_where_needed(budget: int | str | None, make: Callable[[int | str | None
         if budget is None or not prof.repeated or (over := _refusal(prof, budget)) is None:
             return prof
         refused = over
-    names = refused.repeated
+    names, plain = refused.repeated, refused.plain_bytes
     log.info("remat: no plan fits %d bytes with %s kept, which ran more than once per step: profiling "
              "again with every call of them checkpointed", refused.budget_bytes, names)
     try:
@@ -77,8 +79,9 @@ def tied_where_needed(budget: int | str | None, make: Callable[[int | str | None
         raise InfeasibleBudget(
             f"{again} That is with every call of {names} checkpointed, which ran more than once per step.",
             budget_bytes=again.budget_bytes, smallest_bytes=again.smallest_bytes, dominant=again.dominant,
-            estimated=again.estimated) from None
-    return dataclasses.replace(prof, tied=names, plain_ran=False, tied_ms=forward_ms(names) if forward_ms else 0.0)
+            estimated=again.estimated, plain_bytes=plain) from None
+    return dataclasses.replace(prof, tied=names, plain_ran=False, tied_ms=forward_ms(names) if forward_ms else 0.0,
+                               plain_peak_bytes=plain if plain is not None else prof.plain_peak_bytes)
 
 
 @contextlib.contextmanager

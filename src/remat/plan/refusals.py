@@ -38,6 +38,7 @@ def infeasible(profile: Profile, budget_bytes: int, smallest: int, dominant: str
         dominant=dominant,
         estimated=estimated,
         repeated=profile.repeated,
+        plain_bytes=profile.plain_peak_bytes,
     )
 
 
@@ -60,7 +61,7 @@ def in_eval_mode(error: InfeasibleBudget) -> InfeasibleBudget:
         f"{head}; the model is in eval() mode, but remat plans training steps: call model.train() "
         "before planning (if it still does not fit, raise the budget or lower the batch).",
         budget_bytes=error.budget_bytes, smallest_bytes=error.smallest_bytes,
-        dominant=error.dominant, estimated=error.estimated, repeated=error.repeated,
+        dominant=error.dominant, estimated=error.estimated, repeated=error.repeated, plain_bytes=error.plain_bytes,
     )
 
 
