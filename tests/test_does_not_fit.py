@@ -48,6 +48,16 @@ def _child(*args: str) -> dict[str, Any]:
     return result
 
 
+_OUT_OF_MEMORY = "[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory"
+
+
+def _ran_out(got: dict[str, Any]) -> bool:
+    """Whether a scenario ran out of memory: the allocator's message, or its start where the cap
+    left no room to make the rest (seen once: ``[enforce fail a``)."""
+    message = got.get("message") or ""
+    return not got["ok"] and ("can't allocate memory" in message or (len(message) > 8 and _OUT_OF_MEMORY.startswith(message)))
+
+
 def _ran(result: dict[str, Any], scenario: str) -> dict[str, Any]:
     got: dict[str, Any] = result[scenario]
     assert got["ok"], f"{scenario}: {got.get('error')}: {got.get('message')}\n{got.get('trace')}"
@@ -59,12 +69,11 @@ def test_auto_plans_verifies_and_trains_where_the_plain_step_does_not_fit(model:
     if model.startswith("hf-"):
         pytest.importorskip("transformers")
     result = _child("capped", model, str(CASES[model]))
-    plain = result["plain"]
-    assert not plain["ok"] and "can't allocate memory" in plain["message"], plain  # the control
+    assert _ran_out(result["plain"]), result["plain"]  # the control
     every = _ran(result, "torch")["peak_bytes"]  # the other control: it fits
     floor = _ran(result, "floor")
     assert floor["refused"] and 0 < floor["smallest_bytes"] <= every, floor
-    assert (f"with every call of {TIED[model]} checkpointed" in floor["text"]) is (model in TIED), floor
+    assert (f"with every call of {TIED.get(model)} checkpointed" in floor["text"]) is (model in TIED), floor
     reference = _child("reference", model)["digest"]
     for scenario, budget in (("every", every), ("smallest", floor["smallest_bytes"])):
         got = _ran(result, scenario)
@@ -90,7 +99,7 @@ def test_auto_plans_verifies_and_trains_where_the_plain_step_does_not_fit(model:
 
 def test_remat_train_plans_and_trains_where_the_plain_step_does_not_fit(tmp_path: Path) -> None:
     result = _child("train", "gpt-tiny", str(240 * MiB), "40%", str(tmp_path / "run"))
-    assert not result["plain"]["ok"] and "can't allocate memory" in result["plain"]["message"]
+    assert _ran_out(result["plain"]), result["plain"]
     got = _ran(result, "train")
     assert got["exit_code"] == 0, got["output"]
     history = json.loads((tmp_path / "run" / "log.json").read_text())

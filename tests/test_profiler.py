@@ -415,6 +415,81 @@ def test_a_tied_layer_is_checkpointed_where_the_profile_ran_no_fake_step_or_only
     assert estimated.tied == ["shared"] and remat.solve(estimated, round(0.5 * plain)).tied == ["shared"]
 
 
+class _Loop(nn.Module):
+    """ncps' CfC: a module the model runs once, which runs its cell, a stack of layers, for every
+    time step, then a projection."""
+
+    def __init__(self, d: int = 32) -> None:
+        super().__init__()
+        self.inp, self.cell, self.proj = nn.Linear(2 * d, d), nn.Sequential(_Shared(d), _Shared(d)), nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h, out = torch.zeros_like(x[:, 0]), []
+        for t in range(x.shape[1]):
+            h = self.cell(self.inp(torch.cat([x[:, t], h], -1)))
+            out.append(h)
+        return self.proj(torch.stack(out, 1))
+
+
+class _Recurrent(nn.Module):
+    def __init__(self, d: int = 32) -> None:
+        super().__init__()
+        self.enc, self.rnn, self.head = nn.ModuleList(_Shared(d) for _ in range(3)), _Loop(d), nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.enc:
+            x = layer(x)
+        return self.head(self.rnn(x))
+
+
+def test_a_module_run_more_than_once_inside_a_block_is_replayed_by_it_and_never_tied() -> None:
+    """NOTE [ Every call of a tied module ], rule 6: the cell was named as run more than once, and
+    tied inside its block; on ncps' CfC that raised the floor."""
+    torch.manual_seed(0)
+    model, x = _Recurrent(), torch.randn(4, 16, 32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing is kept that a block does not replay
+        prof = profile(model, x, repeats=1)
+    assert "rnn" in [b.name for b in prof.blocks] and prof.repeated == []
+
+
+class _Handed(_Shared):
+    """block-recurrent-transformer: each call reads a state the model hands it first, once."""
+
+    state: int | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        state, self.state = self.state, None
+        assert state is not None, "hand the state first"
+        return super().forward(x)
+
+
+class _HandedLayer(SharedLayer):
+    def __init__(self) -> None:
+        super().__init__()
+        self.shared = _Handed()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.first(x)
+        for _ in range(self.depth):
+            self.shared.state = 1
+            x = self.shared(x)
+        return x
+
+
+def test_a_tied_module_whose_calls_cannot_be_replayed_leaves_the_first_refusal(caplog: pytest.LogCaptureFixture) -> None:
+    """NOTE [ Every call of a tied module ], rule 7: the step with it tied raised the model's own
+    AssertionError from the backward, out of ``auto``."""
+    torch.manual_seed(0)
+    model, x = _HandedLayer(), torch.randn(8, 256, 32)
+    plain = measure_step(model, x, repeats=0).peak_bytes
+    with pytest.raises(remat.InfeasibleBudget, match=r"or checkpoint every call of \['shared'\]"), \
+            pytest.warns(UserWarning, match="ran more than once"):
+        remat.auto(model, x, round(0.5 * plain), repeats=1)
+    assert "failed (AssertionError: hand the state first)" in caplog.text
+    assert remat.manual.module_form.is_checkpointed(model.shared) is None
+
+
 def test_accumulation_profiles_each_micro_batch_for_the_budget_its_plans_are_solved_for() -> None:
     """What accumulating holds besides a micro-batch's step is taken from the budget the profile is
     made for: a weight-tied model's micro-batch was profiled for the whole budget, kept its shared

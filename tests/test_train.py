@@ -32,7 +32,7 @@ from remat.train import (
     text_loss,
     train,
 )
-from remat.train.accumulation import micro_batch_sizes, summary
+from remat.train.accumulation import micro_batch_sizes
 from remat.train.data import VOCAB_SIZE, Sampler, eval_windows, load_text
 from remat.train.steps import base_bytes, peak_meter
 
@@ -174,7 +174,7 @@ def test_planner_picks_the_plan_that_fits_and_says_why() -> None:
     assert chosen[0].predicted_peak_bytes <= 2**20
     assert [r.fits for r in rows] == [True, False, False]
     assert result.accumulation_steps == 4 and result.plan is not None
-    assert chosen[0].plan_summary == summary(result.plan)
+    assert chosen[0].plan_summary == result.plan.summary()
     assert result.measured_peak_bytes is not None and result.measured_peak_bytes <= 2**20
     # The bound of NOTE [ Accumulation and checkpointing, planned together ] holds, and is close.
     assert 0.9 * chosen[0].predicted_peak_bytes <= result.measured_peak_bytes

@@ -61,7 +61,8 @@ def running(model: nn.Module, named: Blocks, explicit: bool, batch: Any, loss_fn
         return named, None, []
     kept, repeated = by_calls(model, named, calls)
     modules = dict(model.named_modules())
-    if unchecked := [n for n in repeated if not checkpointed(modules[n])]:  # the advice taken: quiet
+    # inside a block, one replays them (rule 6); the advice taken: quiet
+    if unchecked := [n for n in repeated if not checkpointed(modules[n]) and not any(inside(n, b) for b, _ in kept)]:
         warnings.warn(
             f"{first_names(unchecked)} ran more than once in one training step "
             "(weight-tied layers); remat plans modules that run once per step, so these keep their "
@@ -72,9 +73,9 @@ def running(model: nn.Module, named: Blocks, explicit: bool, batch: Any, loss_fn
             "remat.manual.settle, rule 6)",
             stacklevel=outside_remat())
     if not kept:
-        if inside := [b for b, _ in named if b in late] or sorted(
+        if in_backward := [b for b, _ in named if b in late] or sorted(
                 n for n in late if any(n.startswith(b + ".") for b, _ in named)):
-            raise _in_backward(inside)
+            raise _in_backward(in_backward)
         if repeated:
             raise ProfileError(
                 f"every block remat found ran more than once in one training step ({first_names(repeated)}"
