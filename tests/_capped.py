@@ -53,10 +53,10 @@ def build(name: str) -> tuple[nn.Module, Any, Any]:
     if name == "hf-llama":  # a transformers model whose head's logits are the step's peak
         import transformers
 
-        cfg = transformers.LlamaConfig(vocab_size=32000, hidden_size=128, intermediate_size=512, num_hidden_layers=12,
+        cfg = transformers.LlamaConfig(vocab_size=16000, hidden_size=128, intermediate_size=512, num_hidden_layers=12,
                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
         model = transformers.LlamaForCausalLM(cfg)
-        ids = torch.randint(0, 32000, (4, 256))
+        ids = torch.randint(0, 16000, (4, 256))
         return model, {"input_ids": ids, "labels": ids}, None
     if name == "hf-albert":  # one layer the model runs for every depth (weight-tied): no block
         import transformers
