@@ -124,7 +124,7 @@ def extra_bytes(*, grad_bytes: int, global_batch: int, micro_batch: int, seq_len
 
 def choose(
     sizes: list[int],
-    profile_at: Callable[[int, int], Profile | None],
+    profile_at: Callable[[int, int], Profile | InfeasibleBudget | None],
     *,
     budget_bytes: int,
     global_batch: int,
@@ -134,7 +134,8 @@ def choose(
 ) -> AccumulationPlan:
     """The micro-batch among ``sizes`` and its plan with the highest predicted tokens/s under
     ``budget_bytes``. ``profile_at(m, within)`` is the step's profile at micro-batch m for the budget
-    its plans are solved for, ``within`` (None: it ran out of memory), asked for only when needed.
+    its plans are solved for, ``within``, or its refusal of it (None: it ran out of memory), asked
+    for only when needed.
     Raises ``InfeasibleTraining`` when none fits."""
     rows: list[Candidate] = []
     plans: dict[int, Plan] = {}
@@ -172,14 +173,17 @@ def choose(
 
 
 def _candidate(
-    base: Candidate, prof: Profile, extra: int, *, budget_bytes: int, grad_bytes: int,
+    base: Candidate, prof: Profile | InfeasibleBudget, extra: int, *, budget_bytes: int, grad_bytes: int,
     opt_ms: float, tokens: int,
 ) -> tuple[Candidate, Plan | None, tuple[int, str] | None]:
-    """One profiled micro-batch: its row, its plan (None when it cannot fit) and, when it cannot,
-    its smallest peak and what dominates it."""
+    """One profiled micro-batch (or the profiler's refusal of it): its row, its plan (None when it
+    cannot fit) and, when it cannot, its smallest peak and what dominates it."""
     k = base.accumulation_steps
-    smallest, dominant = smallest_feasible(prof)
-    if smallest + extra > budget_bytes:
+    if isinstance(prof, InfeasibleBudget):
+        smallest, dominant = prof.smallest_bytes, prof.dominant
+    else:
+        smallest, dominant = smallest_feasible(prof)
+    if isinstance(prof, InfeasibleBudget) or smallest + extra > budget_bytes:
         if k > 1:
             dominant += f", plus {format_bytes(grad_bytes)} of gradients accumulated over micro-batches"
         row = dataclasses.replace(base, predicted_peak_bytes=smallest + extra, fits=False,

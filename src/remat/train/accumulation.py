@@ -82,9 +82,9 @@ def plan_accumulation(
     else:
         memory = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
         budget_bytes = parse_budget(budget, device_memory_bytes=memory)
-    profiles: dict[int, Profile | None] = {}
+    profiles: dict[int, Profile | InfeasibleBudget | None] = {}
 
-    def get(m: int, within: int) -> Profile | None:
+    def get(m: int, within: int) -> Profile | InfeasibleBudget | None:
         if m not in profiles:
             profiles[m] = _profile(model, m, seq_len=seq_len, loss_fn=loss_fn,
                                    make_optimizer=make_optimizer, autocast=autocast,
@@ -103,10 +103,11 @@ def _batch(m: int, seq_len: int, device: torch.device) -> tuple[torch.Tensor]:
 
 
 def _profile(model: nn.Module, m: int, *, seq_len: int, loss_fn: Any, make_optimizer: Any,
-             autocast: Any, device: torch.device, repeats: int, budget_bytes: int) -> Profile | None:
+             autocast: Any, device: torch.device, repeats: int,
+             budget_bytes: int) -> Profile | InfeasibleBudget | None:
     """The profile at micro-batch ``m`` for ``budget_bytes`` (the budget less what accumulating
     holds besides), no step of it above that (NOTE [ Planning what does not fit ] in
-    remat.measure.lean); None when no plan of it fits."""
+    remat.measure.lean); its refusal where no plan of it fits; None where it ran out of memory."""
     batch = _batch(m, seq_len, device)
     try:
         with autocast() if autocast is not None else contextlib.nullcontext():
@@ -116,7 +117,7 @@ def _profile(model: nn.Module, m: int, *, seq_len: int, loss_fn: Any, make_optim
         log.info("micro-batch %d: %s", m, e)
         if device.type == "cuda":
             torch.cuda.empty_cache()
-        return None
+        return e if isinstance(e, InfeasibleBudget) else None  # a refusal says by how much
 
 
 def _optimizer_ms(model: nn.Module, make_optimizer: Callable[[Any], torch.optim.Optimizer],
