@@ -104,7 +104,7 @@ FLOORS = [
     ("remat.distributed", "remat.verify_steps", "remat.verifier"),
     ("remat.autoplan",),
     ("remat.report", "remat.gradnorm"),
-    ("remat.train", "remat.demo"),
+    ("remat.train", "remat.demo", "remat.demo_results"),
     ("remat.cli", "remat.__main__"),
 ]
 

@@ -115,7 +115,8 @@ def demo(out: Path, quick: bool, as_json: bool) -> None:
       remat demo --quick --out /tmp/remat-demo
       remat demo --json | jq '.rows[] | {label, measured_peak_bytes, measured_overhead}'
     """
-    from remat.demo import results_dict, run_demo
+    from remat.demo import run_demo
+    from remat.demo_results import results_dict
 
     with StageProgress() as progress:
         result = run_demo(out, quick=quick, progress=progress)

@@ -39,7 +39,7 @@ from remat.units import check_budget as units_check_budget
 from remat.units import format_bytes
 
 if TYPE_CHECKING:
-    from remat.demo import DemoResult
+    from remat.demo_results import DemoResult
     from remat.records import Plan, Profile
     from remat.report import ComparisonRow
     from remat.verifier import Report
@@ -325,7 +325,7 @@ def defaults_from_plan(
 
 def print_demo(result: DemoResult, out: Path) -> None:
     """``remat demo``'s report for people: the setup, the comparison table, timing, the files."""
-    from remat.demo import comparison_rows
+    from remat.demo_results import comparison_rows
     from remat.report import comparison_table
 
     prof, chosen = result.profile, result.chosen

@@ -29,7 +29,7 @@ from torch import nn
 from remat.devices import DeviceSpec, get_device
 from remat.errors import InvalidType, InvalidValue, ProfileError, out_of_memory
 from remat.manual.blocks import find_blocks
-from remat.manual.options import as_written, set_option
+from remat.manual.options import as_written
 from remat.measure import step as _step
 from remat.measure.attribution import assemble
 from remat.measure.collector import collecting_once
@@ -42,7 +42,7 @@ from remat.measure.preserve import preserved
 from remat.measure.runner import StepRunner, every_block
 from remat.measure.sides import with_skips
 from remat.measure.step_memory import base_bytes
-from remat.measure.tied import calls_ms, every_call, tied_where_needed
+from remat.measure.tied import calls_ms, every_call, tie, tied_where_needed
 from remat.measure.tiles import add_tiles, measure_tiles
 from remat.measure.tracer import MemoryTracer, host_link_bytes_per_s, sized
 from remat.measure.warmup import by_floor, running
@@ -235,9 +235,7 @@ def _estimated(factory: Any, batch: Any, loss_fn: Any, optimizer: Any, blocks: A
             model = factory()
         if not isinstance(model, nn.Module):
             raise InvalidType(f"the model factory returned a {type(model).__name__}, not an nn.Module")
-        modules = dict(model.named_modules())
-        for name in tied:  # NOTE [ Every call of a tied module ]: a fake model, thrown away after
-            set_option(modules[name], "recompute")
+        tie(model, tied)  # NOTE [ Every call of a tied module ]: a fake model, thrown away after
         return model
 
     make_opt = None if optimizer is None else lambda m: optimizer(m.parameters())

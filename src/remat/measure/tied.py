@@ -55,7 +55,7 @@ from remat.plan.solver import smallest_any
 from remat.records import Profile
 from remat.units import parse_budget
 
-__all__ = ["calls_ms", "every_call", "tied_where_needed"]
+__all__ = ["calls_ms", "every_call", "tie", "tied_where_needed"]
 
 log = logging.getLogger(__name__)
 
@@ -101,18 +101,23 @@ def tied_where_needed(budget: int | str | None, make: Callable[[int | str | None
                                plain_peak_bytes=plain if plain is not None else prof.plain_peak_bytes)
 
 
+def tie(model: nn.Module, names: list[str]) -> None:
+    """Checkpoint every call of the modules ``names`` of ``model`` (the option ``recompute``)."""
+    modules = dict(model.named_modules())
+    for name in names:
+        set_option(modules[name], "recompute")
+
+
 @contextlib.contextmanager
 def every_call(model: nn.Module, names: list[str]) -> Iterator[None]:
     """Every call of the modules ``names`` of ``model`` checkpointed while inside; their own
     forwards put back after, whatever happens."""
-    modules = dict(model.named_modules())
     try:
-        for name in names:
-            set_option(modules[name], "recompute")
+        tie(model, names)
         yield
     finally:
         for name in names:
-            clear_option(modules[name])
+            clear_option(model.get_submodule(name))
 
 
 def calls_ms(model: nn.Module, batch: Any, loss_fn: Any, names: list[str], repeats: int) -> float:

@@ -183,12 +183,13 @@ def _candidate(
         smallest, dominant = prof.smallest_bytes, prof.dominant
     else:
         smallest, dominant = smallest_feasible(prof)
-    if isinstance(prof, InfeasibleBudget) or smallest + extra > budget_bytes:
+    if smallest + extra > budget_bytes:
         if k > 1:
             dominant += f", plus {format_bytes(grad_bytes)} of gradients accumulated over micro-batches"
         row = dataclasses.replace(base, predicted_peak_bytes=smallest + extra, fits=False,
                                   note="does not fit, even all recomputed")
         return row, None, (smallest + extra, dominant)
+    assert isinstance(prof, Profile)  # a refusal's smallest is over the budget less ``extra``
     plan = solve(prof, budget_bytes - extra, method="optimal")
     if k > 1:
         plan = dataclasses.replace(plan, notes=[*plan.notes, (
