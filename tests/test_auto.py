@@ -252,6 +252,30 @@ def test_verified_auto_raises_with_the_measured_numbers(monkeypatch: pytest.Monk
     assert applied_plan(model) is None
 
 
+def test_a_plan_that_runs_out_of_memory_when_verified_is_a_refusal(monkeypatch: pytest.MonkeyPatch) -> None:
+    """In a process capped between torch's checkpoint on every block and the plain step, the
+    verified plan of conformer's Conformer ran out of memory (the step's allocator, then the
+    profiler's records: ``MemoryError: std::bad_alloc``), and ``auto`` raised that MemoryError."""
+    from remat import verifier
+
+    model, batch, loss_fn = build("gpt")
+    keys = {k: v.clone() for k, v in model.state_dict().items()}
+    real = verifier.measure_step
+
+    def ran_out(m: nn.Module, *args: object, **kwargs: Any) -> remat.StepMemory:
+        if applied_plan(m) is not None:
+            raise MemoryError("std::bad_alloc")
+        return real(m, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(verifier, "measure_step", ran_out)
+    with pytest.raises(InfeasibleBudget, match=r"no plan was verified .* ran out of memory .*MemoryError") as e:
+        remat.auto(model, batch, "60%", loss_fn=loss_fn, repeats=1, verify=True)
+    assert "left without a plan" in str(e.value) and "remat's profiling shares that memory" in str(e.value)
+    assert applied_plan(model) is None
+    assert all("forward" not in m.__dict__ for m in model.modules())
+    assert all(torch.equal(keys[k], v) for k, v in model.state_dict().items())
+
+
 def test_a_refusal_a_few_bytes_over_names_the_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
     # In a process capped below the plain step, a diffusers UNet's plan at its floor measured 32
     # bytes over the lean profile's prediction: "raise the budget to at least 148.39 MiB" read as

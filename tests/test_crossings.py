@@ -605,6 +605,40 @@ def test_a_side_input_the_models_code_saves_is_held_to_its_backward_by_every_pla
     _plans_fit(model, prof)
 
 
+class CodeSavesItBetween(nn.Module):
+    """transformers' Funnel with repeated blocks: the first stage's blocks take the attention
+    inputs, the code after them saves them (the stage's repeats, not blocks), and a second stage
+    of blocks never sees them."""
+
+    def __init__(self, d: int = 32) -> None:
+        super().__init__()
+        self.embed, self.head = nn.Embedding(64, d), nn.Linear(d, 64)
+        self.first = nn.ModuleList(_Predict(d) for _ in range(2))
+        self.rest = nn.ModuleList(Mlp(d) for _ in range(2))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        target = x * 0.5
+        for layer in self.first:
+            x = layer(x, target)
+        x = x * target  # saves it
+        for layer in self.rest:
+            x = layer(x)
+        return self.head(x)
+
+
+def test_a_side_input_the_code_saves_before_later_blocks_is_no_extra_at_their_backward() -> None:
+    """NOTE [ A side input the model's code saves ]: the runs with every block checkpointed are
+    read against the cost model's own level, which holds it from the code that saves it on, as
+    the plain step does. Read without that, every plan that recomputed a later block measured the
+    side input over its prediction (Funnel: 589,824 B)."""
+    model, prof = _profiled(CodeSavesItBetween)
+    (target,) = side_inputs(prof)
+    assert target.saved_after == "first.1" and target.consumers == ["first.0", "first.1"]
+    _every_flip_exact(model, prof)
+    _plans_fit(model, prof)
+
+
 class CodeSavesTheSkip(nn.Module):
     """MONAI's VNet: the code before the next block (its strided convolution; here a sine) saves
     the encoder's output, which a decoder takes later as a skip; the encoder ends in an in-place

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import itertools
 
 import pytest
 import torch
@@ -146,6 +147,57 @@ def test_a_user_models_chunked_call_is_planned_and_applied() -> None:
     assert again.head_options.keys() == prof.head_options.keys()
     remat.remove(model)
     assert "_remat_head_chunk" not in model.head.__dict__
+
+
+class _ScaleFirst(nn.Module):
+    """Its first op saves nothing of its input: the last block's input dies in the head's forward."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.relu(self.up(x * 0.5)))
+
+
+class _Chain(TinyLM):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(_ScaleFirst(32) for _ in range(3))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def test_every_head_option_measures_its_prediction_where_the_head_frees_the_last_blocks_input() -> None:
+    """NOTE [ The last block's input ]: the kept step's head carries that input's bytes, and so
+    must each head option's. Zamba (transformers), whose last layer starts with a concatenation,
+    measured every chunked plan one hidden state (65,536 B) over its prediction."""
+    torch.manual_seed(0)
+    model = _Chain()
+    ids = torch.randint(0, 4096, (2, 256))
+
+    def loss_fn(hidden: torch.Tensor, batch: torch.Tensor) -> torch.Tensor:
+        return remat.chunked_cross_entropy(hidden, model.head, batch, shift=True)
+
+    prof = remat.profile(model, ids, loss_fn=loss_fn, repeats=1)
+    names = [b.name for b in prof.blocks]
+    assert len(names) == 3 and len(prof.head_options) == 3
+    base = solve(prof, prof.plain_peak_bytes)
+    off = {}
+    for head in prof.head_options:
+        for combo in itertools.product(["keep", "recompute"], repeat=3):
+            choices = dict(zip(names, combo))
+            est = estimate_with_head(prof, choices, head)
+            remat.apply(model, dataclasses.replace(base, choices=choices, head=head, estimate=est, segments=[]))
+            measured = measure_step(model, ids, loss_fn=loss_fn, repeats=0).peak_bytes
+            remat.remove(model)
+            if measured != est.peak_bytes:
+                off[head, combo] = measured - est.peak_bytes
+    assert off == {}
 
 
 def _grads(model: nn.Module, batch, loss_fn) -> list[torch.Tensor]:  # type: ignore[no-untyped-def]

@@ -16,6 +16,7 @@ so its report's ``fits`` is judged against what the user asked for.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from collections.abc import Sequence
 from typing import Any, Literal, overload
@@ -24,11 +25,11 @@ import torch
 from torch import nn
 
 from remat.applier import apply, remove
-from remat.errors import InfeasibleBudget, InvalidValue
+from remat.errors import InfeasibleBudget, InvalidValue, out_of_memory
 from remat.measure.collector import collecting_once
 from remat.measure.profiler import profile
-from remat.measure.step import check_trainable, resolve_loss_fn
-from remat.plan.refusals import exact_bytes
+from remat.measure.step import batch_device, check_trainable, resolve_loss_fn
+from remat.plan.refusals import exact_bytes, ran_out_verifying
 from remat.plan.solver import check_method, in_eval_mode, solve
 from remat.records import Plan, Profile
 from remat.units import check_budget, format_bytes
@@ -124,7 +125,8 @@ def _fitted(
     """Verify ``plan``; re-solve with the measured excess until it fits (NOTE [ A verified plan
     fits ])."""
     budget = plan.budget_bytes
-    report = _verify(model, batch, plan, loss_fn=loss_fn, optimizer=optimizer, repeats=repeats)
+    verified = functools.partial(_verified, model, batch, loss_fn=loss_fn, optimizer=optimizer, repeats=repeats)
+    report = verified(plan)
     if budget is None:
         return plan, report
     target, segments = budget, True
@@ -141,7 +143,7 @@ def _fitted(
             pass
         else:
             apply(model, plan)
-            report = _verify(model, batch, plan, loss_fn=loss_fn, optimizer=optimizer, repeats=repeats)
+            report = verified(plan)
     for _ in range(RESOLVES):
         if report.fits:
             return plan, report
@@ -160,7 +162,7 @@ def _fitted(
             break
         plan = dataclasses.replace(tighter, budget_bytes=budget)
         apply(model, plan)
-        report = _verify(model, batch, plan, loss_fn=loss_fn, optimizer=optimizer, repeats=repeats)
+        report = verified(plan)
     if report.fits:
         return plan, report
     remove(model)
@@ -175,3 +177,17 @@ def _fitted(
         smallest_bytes=report.measured_peak_bytes,
         dominant="the measured peak of the last plan tried",
     )
+
+
+def _verified(model: nn.Module, batch: Any, plan: Plan, **kwargs: Any) -> Report:
+    """``verify`` the applied ``plan``; where its step runs out of memory, the model without a plan
+    and a refusal (the step's memory is the device's: what the plan was for)."""
+    try:
+        return _verify(model, batch, plan, **kwargs)
+    except (torch.OutOfMemoryError, RuntimeError, MemoryError) as e:
+        if not out_of_memory(e):
+            raise
+        remove(model)
+        budget = plan.budget_bytes if plan.budget_bytes is not None else plan.estimate.peak_bytes
+        raise ran_out_verifying(budget, plan.estimate.peak_bytes, f"{type(e).__name__}: {str(e)[:300]}",
+                                host=batch_device(model, batch).type == "cpu") from e

@@ -77,10 +77,10 @@ from remat.measure.sides import head_frees_last_input
 from remat.measure.tracer import Trace
 from remat.plan.handovers import saved_under
 from remat.plan.schedule import step_phases
-from remat.plan.sides import SideGroups
+from remat.plan.sides import group_sides
 from remat.records import BlockProfile, OptionCost, Profile, Segment
 
-__all__ = ["assemble", "attribute", "attribute_over_keep", "run_numbers"]
+__all__ = ["assemble", "attribute", "attribute_head", "attribute_over_keep", "run_numbers"]
 
 
 def attribute(
@@ -139,9 +139,19 @@ def _last_input_restated(post: Segment, keep_blocks: list[PartNumbers], hooks: S
     if freed := head_frees_last_input(hooks):
         keep_blocks[hooks.order[-1]].kept -= freed
         keep_blocks[hooks.order[-1]].grad -= freed
-        post = dataclasses.replace(post, kept_bytes=post.kept_bytes + freed, grad_bytes=post.grad_bytes + freed,
-                                   fwd_peak_bytes=post.fwd_peak_bytes + freed)
-    return post
+    return _head_restated(post, freed)
+
+
+def _head_restated(post: Segment, freed: int) -> Segment:
+    return dataclasses.replace(post, kept_bytes=post.kept_bytes + freed, grad_bytes=post.grad_bytes + freed,
+                               fwd_peak_bytes=post.fwd_peak_bytes + freed)
+
+
+def attribute_head(trace: Trace, hooks: StepNotes, n: int) -> Segment:
+    """The head of a step with every block kept and another head option (``remat.measure.heads``),
+    restated as the kept step's head is (NOTE [ The last block's input ]): the blocks' numbers
+    come from the kept step, so a head that frees the last block's input carries its bytes."""
+    return _head_restated(attribute(trace, hooks, n)[1], head_frees_last_input(hooks))
 
 
 def attribute_over_keep(run: tuple[Trace, StepNotes], keep: tuple[Trace, StepNotes],
@@ -254,14 +264,7 @@ def _peaks_over_model_level(
     over the live level the cost model replays for that plan, not the level of the run itself
     (NOTE [ Gradients live as long as the plain step's ])."""
     names = [named[i][0] for i in order]
-    groups = SideGroups(
-        size_bytes=tuple(s.size_bytes for s in sides),
-        consumers=tuple(frozenset(names.index(n) for n in s.consumers) for s in sides),
-        savers=tuple(frozenset(names.index(n) for n in s.savers) for s in sides),
-        cachers=tuple(frozenset(names.index(n) for n in s.cachers) for s in sides),
-        post_held_extra_bytes=0,
-        unsaving=frozenset(k for k, i in enumerate(order) if not keep[i].saves),
-    )
+    groups = group_sides(sides, names, unsaving=frozenset(k for k, i in enumerate(order) if not keep[i].saves))
     level = pre.kept_bytes + sum(numbers[i].kept for i in order) + post.grad_bytes
     held, so_far = [], 0  # the groups held at each block's backward, as the cost model replays
     for k in range(len(order)):

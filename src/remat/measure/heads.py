@@ -29,7 +29,7 @@ from remat.manual.lm_head import (
     head_option_of,
     set_head,
 )
-from remat.measure.attribution import attribute
+from remat.measure.attribution import attribute_head
 from remat.measure.runner import StepRunner, every_block
 from remat.records import Profile, Segment
 
@@ -85,7 +85,7 @@ def measure_heads(model: nn.Module, named: Sequence[tuple[str, nn.Module]], runn
         for option in options:
             with head_option(model, name, option, causal_lm):
                 trace, hooks, roofline = runner.traced()
-            segments[option] = attribute(trace, hooks, len(named))[1]
+            segments[option] = attribute_head(trace, hooks, len(named))
             times.append(roofline)
         if not runner.estimated:
             times = runner.times([config(HEAD_KEEP), *(config(o) for o in options)])

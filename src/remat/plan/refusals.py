@@ -7,7 +7,7 @@ from remat.errors import InfeasibleBudget, first_names
 from remat.records import Profile
 from remat.units import format_bytes
 
-__all__ = ["exact_bytes", "in_eval_mode", "infeasible", "ran_out_within", "tied_note"]
+__all__ = ["exact_bytes", "in_eval_mode", "infeasible", "ran_out_verifying", "ran_out_within", "tied_note"]
 
 
 def infeasible(profile: Profile, budget_bytes: int, smallest: int, dominant: str,
@@ -70,15 +70,30 @@ def ran_out_within(budget_bytes: int, why: str, host: bool = False) -> Infeasibl
     out of memory (``why``): the first is the floor plan's, so no plan fits; the smallest is above
     the budget (``InfeasibleBudget.estimated``). ``host``: the step ran on the CPU, whose memory
     remat's own profiling shares."""
-    shared = (" On the CPU, remat's profiling shares that memory (its profiler's records, a fake copy of "
-              "the model: tens of MB)." if host else "")
     return InfeasibleBudget(
         f"budget {format_bytes(budget_bytes)} is below the smallest feasible on this device: the floor plan's "
-        f"step, predicted within it from its tensors, ran out of memory ({why}). What no tensor holds (a "
-        "convolution's scratch space) takes the rest, or the device holds less than the budget besides what "
-        f"is already on it.{shared} Raise the budget or lower the batch.",
+        f"step, predicted within it from its tensors, ran out of memory ({why}). {_ran_out_why(host)} Raise the "
+        "budget or lower the batch.",
         budget_bytes=budget_bytes, smallest_bytes=budget_bytes + 1, dominant="what no tensor holds", estimated=True,
     )
+
+
+def ran_out_verifying(budget_bytes: int, predicted_bytes: int, why: str, host: bool = False) -> InfeasibleBudget:
+    """The refusal of ``budget_bytes`` where the plan solved for it, predicted at
+    ``predicted_bytes``, ran out of memory (``why``) when ``remat.auto`` verified it."""
+    return InfeasibleBudget(
+        f"no plan was verified within the budget {exact_bytes(budget_bytes, predicted_bytes)}: the plan solved "
+        f"for it, predicted at {exact_bytes(predicted_bytes, budget_bytes)}, ran out of memory when its step ran "
+        f"({why}). {_ran_out_why(host)} Raise the budget or lower the batch. The model was left without a plan.",
+        budget_bytes=budget_bytes, smallest_bytes=budget_bytes + 1, dominant="what no tensor holds", estimated=True,
+    )
+
+
+def _ran_out_why(host: bool) -> str:
+    return "What no tensor holds (a convolution's scratch space) takes the rest, or the device holds less than " \
+        "the budget besides what is already on it." + (
+            " On the CPU, remat's profiling shares that memory (its profiler's records, a fake copy of the "
+            "model: tens of MB)." if host else "")
 
 
 def exact_bytes(n: int, other: int) -> str:

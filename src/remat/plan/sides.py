@@ -47,7 +47,7 @@ from dataclasses import dataclass
 from remat.crossing import Crossing
 from remat.records import Profile
 
-__all__ = ["HOLDING", "SideGroups", "saves_as_kept", "side_groups", "side_inputs"]
+__all__ = ["HOLDING", "SideGroups", "group_sides", "saves_as_kept", "side_groups", "side_inputs"]
 
 #: The options whose block holds every input until its backward (a checkpoint's inputs).
 HOLDING = frozenset({"recompute", "selective"})
@@ -153,9 +153,24 @@ class SideGroups:
 
 def side_groups(profile: Profile) -> SideGroups:
     """The side inputs of ``profile`` grouped by consumers, savers and death, in first-seen order."""
-    index = {b.name: i for i, b in enumerate(profile.blocks)}
+    sides = side_inputs(profile)
+    return group_sides(
+        sides,
+        [b.name for b in profile.blocks],
+        unsaving=frozenset(i for i, b in enumerate(profile.blocks) if not b.saves),
+        post_held_extra_bytes=max(0, profile.post_fwd_peak_held_bytes - profile.post.fwd_peak_bytes) if sides else 0,
+    )
+
+
+def group_sides(
+    sides: list[Crossing], names: list[str], *, unsaving: frozenset[int], post_held_extra_bytes: int = 0
+) -> SideGroups:
+    """``sides`` (crossings that enter blocks) grouped by consumers, savers and death, in
+    first-seen order; ``names`` the blocks in forward order, ``unsaving`` (positions) those whose
+    forward saves nothing. The cost model's groups, and the ones attribution reads a run against."""
+    index = {name: i for i, name in enumerate(names)}
     groups: dict[tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...], str | None, str | None], int] = {}
-    for side in side_inputs(profile):  # they live and die together
+    for side in sides:  # they live and die together
         together = (tuple(side.consumers), side.savers, side.cachers, side.dies_after, side.saved_after)
         groups[together] = groups.get(together, 0) + side.size_bytes
     return SideGroups(
@@ -165,10 +180,8 @@ def side_groups(profile: Profile) -> SideGroups:
         cachers=tuple(frozenset(index[n] for n in cachers if n in index) for _, _, cachers, *_ in groups),
         dies_after=tuple(index.get(d) if d is not None else None for _, _, _, d, _ in groups),
         saved_after=tuple(index.get(a) if a is not None else None for *_, a in groups),
-        unsaving=frozenset(i for i, b in enumerate(profile.blocks) if not b.saves),
-        post_held_extra_bytes=max(0, profile.post_fwd_peak_held_bytes - profile.post.fwd_peak_bytes)
-        if side_inputs(profile)
-        else 0,
+        unsaving=unsaving,
+        post_held_extra_bytes=post_held_extra_bytes,
     )
 
 
