@@ -490,6 +490,47 @@ def test_a_tied_module_whose_calls_cannot_be_replayed_leaves_the_first_refusal(c
     assert remat.manual.module_form.is_checkpointed(model.shared) is None
 
 
+class _HandedAndShared(_HandedLayer):
+    """Two modules run at every depth: one whose calls cannot be replayed, one whose can."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.other = _Shared()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.first(x)
+        for _ in range(self.depth):
+            self.shared.state = 1
+            x = self.other(self.shared(x))
+        return x
+
+
+def test_the_tied_modules_whose_calls_can_be_replayed_are_tied_without_the_one_that_cannot(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """NOTE [ Every call of a tied module ], rule 7: one module that cannot be replayed left every
+    other kept too (block-recurrent-transformer: 73.0 MB, where its seven other layers tied reach
+    31.0 MB). Both the step on fake tensors (within the budget) and the real one name it."""
+    torch.manual_seed(0)
+    model, x = _HandedAndShared(), torch.randn(8, 256, 32)
+    plain = measure_step(model, x, repeats=0).peak_bytes
+
+    def grads() -> list[torch.Tensor]:
+        model.zero_grad(set_to_none=True)
+        model(x).square().mean().backward()
+        return [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+    want = grads()
+    with pytest.warns(UserWarning, match="ran more than once"):
+        plan, report = remat.auto(model, x, round(0.7 * plain), repeats=1, verify=True)
+    assert plan.tied == ["other"] and "shared stays as the model runs it" in caplog.text
+    assert report.fits and report.measured_peak_bytes <= plan.estimate.peak_bytes and report.grads_equal
+    got = grads()
+    assert len(got) == len(want) and all(torch.equal(g, w) for g, w in zip(got, want))
+    remat.remove(model)
+    assert remat.manual.module_form.is_checkpointed(model.other) is None
+
+
 def test_accumulation_profiles_each_micro_batch_for_the_budget_its_plans_are_solved_for() -> None:
     """What accumulating holds besides a micro-batch's step is taken from the budget the profile is
     made for: a weight-tied model's micro-batch was profiled for the whole budget, kept its shared
