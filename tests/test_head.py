@@ -194,6 +194,35 @@ def test_causal_lm_loss_and_grads_equal_plain(kind: str) -> None:
     torch.testing.assert_close(summed.loss, plain_sum.loss, rtol=1e-5, atol=1e-5)
 
 
+def test_a_mixture_of_experts_keeps_its_router_loss_under_the_chunked_head() -> None:
+    """NOTE [ The chunked head of a transformers causal LM ]: run with ``labels=None``, Mixtral left
+    out its router's balancing loss (0.0200 of 6.2702) and its routers' gradients differed; the
+    plan also measured 8,192 B over its prediction."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = transformers.MixtralForCausalLM(transformers.MixtralConfig(
+        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, output_router_logits=True,
+        router_aux_loss_coef=0.01)).train()
+    ids = torch.randint(0, 128, (2, 32))
+    out = model(input_ids=ids, labels=ids)
+    out.loss.backward()
+    assert out.aux_loss > 0
+    want = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    set_head(model, "lm_head", "chunked:16", causal_lm=True)
+    got = model(input_ids=ids, labels=ids)
+    got.loss.backward()
+    torch.testing.assert_close(got.loss, out.loss.detach())
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, want[n], msg=n)
+    as_tuple = model(input_ids=ids, labels=ids, return_dict=False)
+    torch.testing.assert_close(as_tuple[0], out.loss.detach())
+    assert not any(torch.is_tensor(t) and t.dim() == 3 for t in as_tuple)  # no logits
+    clear_head(model, "lm_head")
+    assert "_loss_function" not in model.__dict__ and "forward" not in model.__dict__
+
+
 def test_models_that_transform_logits_get_no_head_option() -> None:
     from remat.models.hf import build
 

@@ -7,13 +7,15 @@ chunked head (NOTE [ The chunked head of a transformers causal LM ]).
 
 # NOTE [ The chunked head of a transformers causal LM ]
 A ``*ForCausalLM`` given ``labels`` computes ``logits = lm_head(hidden)`` for every token and then
-its loss from them. With the chunked head applied, the model's ``forward`` is replaced on the
-instance (as ``remat.manual.module_form`` does, a data object, not a closure): while it trains
-with gradients and is given ``labels``, the model's own forward runs with ``labels=None`` and
+its loss from them with ``self.loss_function``. With the chunked head applied, the model's
+``forward`` is replaced on the instance (as ``remat.manual.module_form`` does, a data object, not a
+closure): while it trains with gradients and is given ``labels``, the model's own forward runs,
 ``lm_head`` answers with a placeholder (one element, expanded to [batch, seq, vocab]) instead of
-the logits; the loss is then ``chunked_cross_entropy`` of the hidden states that reached
-``lm_head``, with transformers' own conventions (labels shifted by one, ``ignore_index=-100``,
-``shift_labels`` and ``num_items_in_batch`` honoured). The output's ``loss`` is that loss and its
+the logits, and its ``loss_function`` is ``chunked_cross_entropy`` of the hidden states that
+reached ``lm_head``, with transformers' own conventions (labels shifted by one, ``ignore_index``,
+``shift_labels`` and ``num_items_in_batch`` honoured). So the model adds to that loss what it adds
+to its own (a mixture of experts' router balancing loss: run with ``labels=None``, Mixtral's and
+Jamba's left it out, and their routers' gradients differed by up to a fifth). The output's
 ``logits`` is None: computing them is what the chunked head avoids. Without labels, in ``eval()``
 or under ``no_grad`` the model runs its own forward unchanged. Models that transform the logits
 after ``lm_head`` (final-logit soft-capping, a logit scale), or that compute their loss with their
@@ -136,10 +138,37 @@ class _Placeholder:
     def __init__(self, head: nn.Module) -> None:
         self.out_features: int = head.out_features  # type: ignore[assignment]
         self.hidden: torch.Tensor | None = None
+        self.logits: torch.Tensor | None = None
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         self.hidden = hidden
-        return hidden.new_zeros(()).expand(*hidden.shape[:-1], self.out_features)
+        self.logits = hidden.new_zeros(()).expand(*hidden.shape[:-1], self.out_features)
+        return self.logits
+
+
+class _ChunkedLoss:
+    """The model's ``loss_function`` while the chunked loss runs: transformers' causal LM loss of
+    the hidden states the placeholder noted, one chunk of logits at a time."""
+
+    def __init__(self, head: nn.Module, stand_in: _Placeholder) -> None:
+        self.head, self.stand_in, self.calls = head, stand_in, 0
+
+    def __call__(self, logits: Any, labels: torch.Tensor, vocab_size: Any = None, num_items_in_batch: Any = None,
+                 ignore_index: int = -100, shift_labels: torch.Tensor | None = None, **_: Any) -> torch.Tensor:
+        hidden = self.stand_in.hidden
+        if hidden is None or logits is not self.stand_in.logits:
+            raise InvalidValue("the model's loss is not of the logits its lm_head returned; remove the head "
+                               "option from the plan")  # fmt: skip
+        self.calls += 1
+        targets = shift_labels if shift_labels is not None else labels
+        loss = chunked_cross_entropy(
+            hidden, self.head, targets.to(hidden.device), ignore_index=ignore_index,
+            reduction="sum" if num_items_in_batch is not None else "mean", shift=shift_labels is None,
+        )  # fmt: skip
+        if num_items_in_batch is not None:
+            n = num_items_in_batch
+            loss = loss / (n.to(loss.device) if torch.is_tensor(n) else n)
+        return loss
 
 
 class ChunkedHeadForward:
@@ -160,36 +189,28 @@ class ChunkedHeadForward:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         model, original = self.model, self._original()
-        bound = inspect.signature(original).bind_partial(*args, **kwargs)
-        labels = bound.arguments.get("labels")
+        labels = inspect.signature(original).bind_partial(*args, **kwargs).arguments.get("labels")
         if labels is None or not model.training or not torch.is_grad_enabled():
             return original(*args, **kwargs)
-        extra = bound.arguments.get("kwargs", {})
-        shift_labels = extra.pop("shift_labels", None)
-        num_items = extra.pop("num_items_in_batch", None)
-        bound.arguments["labels"] = None
         head = model.get_submodule(model.__dict__[_FORWARD_ATTR][0])
         stand_in, own = _Placeholder(head), head.__dict__.get("forward")
+        loss_fn, own_loss = _ChunkedLoss(head, stand_in), model.__dict__.get("_loss_function")
         object.__setattr__(head, "forward", stand_in)
+        model.__dict__["_loss_function"] = loss_fn  # transformers' ``loss_function`` reads it first
         try:
-            output = original(*bound.args, **bound.kwargs)
+            output = original(*args, **kwargs)
         finally:
             head.__dict__.pop("forward", None)
             if own is not None:
                 object.__setattr__(head, "forward", own)
-        if stand_in.hidden is None:
-            raise InvalidValue(f"{type(model).__name__}'s forward did not call its lm_head; "
-                               "remove the head option from the plan")  # fmt: skip
-        targets = shift_labels if shift_labels is not None else labels
-        reduction = "sum" if num_items is not None else "mean"
-        loss = chunked_cross_entropy(
-            stand_in.hidden, head, targets.to(stand_in.hidden.device), reduction=reduction,
-            shift=shift_labels is None,
-        )  # fmt: skip
-        if num_items is not None:
-            loss = loss / (num_items.to(loss.device) if torch.is_tensor(num_items) else num_items)
-        if isinstance(output, tuple):  # return_dict=False: (logits, ...) without labels
-            return (loss, *output[1:])
-        output["loss"] = loss
+            model.__dict__.pop("_loss_function", None)
+            if own_loss is not None:
+                model.__dict__["_loss_function"] = own_loss
+        if loss_fn.calls != 1:
+            raise InvalidValue(f"{type(model).__name__}'s forward computed its loss {loss_fn.calls} times with its "
+                               "loss_function, where remat's chunked head expects once; remove the head option from "
+                               "the plan")  # fmt: skip
+        if isinstance(output, tuple):  # return_dict=False
+            return tuple(None if v is stand_in.logits else v for v in output)
         output["logits"] = None
         return output
