@@ -392,10 +392,33 @@ def test_a_tied_layer_is_checkpointed_on_every_call_only_where_no_plan_fits_with
 
 
 class _ReadsValues(SharedLayer):
-    """``SharedLayer`` whose forward reads a tensor's value: no step on fake tensors."""
+    """``SharedLayer`` whose forward reads the value of a tensor it made: no step on fake tensors
+    (one that reads its batch's runs them: the batch is real)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return super().forward(-x if float(x.abs().max()) < 0 else x)
+        h = self.first(x)
+        for _ in range(self.depth):
+            h = self.shared(-h if float(h.abs().max()) < 0 else h)
+        return h
+
+
+@pytest.mark.filterwarnings("ignore:.*ran more than once")
+def test_a_plain_step_that_must_run_and_runs_out_of_memory_says_what_to_do(monkeypatch: pytest.MonkeyPatch) -> None:
+    """routing-transformer and Jamba (no step on fake tensors) in a process capped below their plain
+    step: ``auto`` raised the allocator's ``MemoryError: std::bad_alloc`` from the profiler."""
+    from remat.measure import profiler
+
+    def ran_out(*_: object, **__: object) -> None:
+        raise MemoryError("std::bad_alloc")
+
+    torch.manual_seed(0)
+    model, x = _ReadsValues(), torch.randn(8, 256, 32)
+    monkeypatch.setattr(profiler, "_measured", ran_out)
+    with pytest.raises(ProfileError, match=r"runs no step on fake tensors.*ran out of memory.*MemoryError.*Plan.load"):
+        remat.auto(model, x, "60%", repeats=1)
+    with pytest.raises(ProfileError, match=r"without a budget runs the plain step.*ran out of memory.*give a budget"):
+        profile(model, x, repeats=1)
+    assert all("forward" not in m.__dict__ for m in model.modules())
 
 
 def test_a_tied_layer_is_checkpointed_where_the_profile_ran_no_fake_step_or_only_fake_steps() -> None:

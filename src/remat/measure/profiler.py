@@ -147,8 +147,10 @@ def _on_device(model: nn.Module, batch: Any, loss_fn: Any, optimizer: torch.opti
         try:
             return _measured(model, batch, loss_fn, optimizer, blocks, repeats, compiled)
         except (torch.OutOfMemoryError, RuntimeError, MemoryError) as e:
-            if lean is None or not out_of_memory(e):
+            if not out_of_memory(e):
                 raise
+            if lean is None:
+                raise _plain_ran_out(model, budget, e) from e
             log.warning("remat: the plain step, predicted at %d bytes within the budget of %d, ran "
                         "out of memory (%s: what no tensor holds, such as a kernel's scratch space): "
                         "profiling it as a step that does not fit", lean.plain_peak_bytes,
@@ -166,6 +168,19 @@ def _on_device(model: nn.Module, batch: Any, loss_fn: Any, optimizer: torch.opti
             raise
         raise ran_out_within(lean.budget_bytes, f"{type(e).__name__}: {str(e)[:300]}",
                              host=_step.batch_device(model, batch).type == "cpu") from e
+
+
+def _plain_ran_out(model: nn.Module, budget: int | str | None, error: BaseException) -> ProfileError:
+    """The error of a profile whose plain step had to run (no budget, or no step on fake tensors)
+    and ran out of memory."""
+    what = (f"{type(model).__name__} runs no step on fake tensors, so remat profiles it by running its plain "
+            "step" if budget is not None else "A profile without a budget runs the plain step")
+    todo = ("plan it where the plain step fits (on a device with more memory, plan.save(path) or remat plan "
+            "--out, then remat.apply(model, remat.Plan.load(path)) here), or lower the batch" if budget is not None else
+            "give a budget (remat.profile(..., budget=), remat.auto), and remat profiles it without running it "
+            "where the model runs on fake tensors")
+    return ProfileError(f"{what}, and that step ran out of memory on this device ({type(error).__name__}: "
+                        f"{str(error).splitlines()[0][:200] if str(error) else ''}): {todo}.")
 
 
 def _measured(
