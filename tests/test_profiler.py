@@ -187,10 +187,11 @@ def test_profile_json_round_trip_and_old_schema(tmp_path: object) -> None:
     # 5: before both were crossings (NOTE [ Tensors that cross a block boundary ]); 6: before
     # replay starts (BlockProfile.unpack_bytes); 7: before BlockProfile.saves and stats_bytes; 8:
     # before a skip from a block's output was a side input; 9: before a side input's maker was any
-    # block that returned it and the head could save it; 10: before Profile.repeated and tied
-    for old in range(11):
+    # block that returned it and the head could save it; 10: before Profile.repeated and tied; 11:
+    # before Profile.post_bwd_peak_held_bytes
+    for old in range(12):
         data["schema_version"] = old
-        with pytest.raises(RecordError, match=f"schema version {old}, but this remat reads version 11"):
+        with pytest.raises(RecordError, match=f"schema version {old}, but this remat reads version 12"):
             Profile.from_json(json.dumps(data))
     with pytest.raises(RecordError, match="expected a remat profile record"):
         Profile.from_json(json.dumps({"kind": "plan"}))

@@ -40,13 +40,14 @@ __all__ = [
     "load_record",
 ]
 
-PROFILE_SCHEMA = 11  # 2: side inputs; 3: head options (NOTE [ The head's options ]); 4: where a replay
+PROFILE_SCHEMA = 12  # 2: side inputs; 3: head options (NOTE [ The head's options ]); 4: where a replay
 # stops (BlockProfile.stop_peak_bytes); 5: handovers; 6: both as crossings (NOTE [ Tensors that cross a
 # block boundary ]); 7: where a replay starts (BlockProfile.unpack_bytes); 8: BlockProfile.saves, stats_bytes, Profile.layerdrop;
 # 9: a skip from a block's output is a side input (NOTE [ A skip from a block's output ] in remat.measure.sides)
 # 10: a side input is made by any block that returned it, enters a later block it is the first input of,
 # and may be saved by the model's code (NOTE [ A side input the model's code saves ] in remat.plan.sides)
 # 11: the modules that ran more than once, and those checkpointed on every call (Profile.repeated, tied, tied_ms)
+# 12: the head's backward peak with the side inputs held (Profile.post_bwd_peak_held_bytes)
 PLAN_SCHEMA = 3  # 2: the head's option, segments (NOTE [ A segment is one recompute frame over several calls ]);
 # 3: the modules checkpointed on every call (Plan.tied; NOTE [ Every call of a tied module ] in remat.measure.tied)
 
@@ -195,6 +196,10 @@ class Profile:
     post_fwd_peak_held_bytes: int = 0
     """The head's forward peak (as ``post.fwd_peak_bytes``) when the side inputs are still held by
     checkpoints, measured with every block recomputed; without side inputs, ``post``'s own."""
+    post_bwd_peak_held_bytes: int = 0
+    """The head's backward peak (as ``post.bwd_peak_bytes``) with the side inputs held by
+    checkpoints, measured with every block recomputed (NOTE [ A side input the model's code saves ]
+    in ``remat.plan.sides``); without side inputs, ``post``'s own (0: not measured)."""
     head_module: str = ""
     """The qualified name of the head module the loss goes through (the ``lm_head`` of a
     transformers causal LM, or the module passed to ``remat.chunked_cross_entropy``); "" when

@@ -214,6 +214,7 @@ def assemble(
             per_option["selective"][i].kept += hooks_keep.out_bytes[i]
     # The head's forward with the side inputs still held: every block recomputed holds them.
     held = runs["recompute"][1].fwd_peak_bytes if sides and "recompute" in runs else post.fwd_peak_bytes
+    held_bwd = runs["recompute"][1].bwd_peak_bytes if sides and "recompute" in runs else post.bwd_peak_bytes
     # NOTE [ Tensors that cross a block boundary ] in remat.crossing: the ones that enter no block
     handed = read_handovers([n for n, _ in named], {o: h for o, (_, h) in traces.items()})
     if sides and "recompute" in runs:  # as if the handovers freed in the head were saved as kept
@@ -252,6 +253,7 @@ def assemble(
         plain_step_ms=t_keep["step"],
         crossings=[*(sides or []), *handed],
         post_fwd_peak_held_bytes=held,
+        post_bwd_peak_held_bytes=held_bwd,
         **fixed,
     )
 

@@ -96,6 +96,7 @@ class Scratch:
         return dataclasses.replace(
             prof, blocks=blocks, pre=part(prof.pre, parts, "pre"), post=part(prof.post, parts, "post"),
             post_fwd_peak_held_bytes=prof.post_fwd_peak_held_bytes + parts["post_fwd"],
+            post_bwd_peak_held_bytes=prof.post_bwd_peak_held_bytes + parts["post_bwd"],
             optimizer_peak_bytes=prof.optimizer_peak_bytes + parts["optimizer"],
             head_options={h: part(seg, self.heads.get(h, parts), "post") for h, seg in prof.head_options.items()},
         )  # fmt: skip

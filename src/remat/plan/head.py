@@ -74,10 +74,12 @@ def with_head(profile: Profile, head: str) -> Profile:
         return dataclasses.replace(profile, head_options={})
     seg = profile.head_options[head]
     held_extra = profile.post_fwd_peak_held_bytes - profile.post.fwd_peak_bytes
+    held_bwd_extra = profile.post_bwd_peak_held_bytes - profile.post.bwd_peak_bytes
     return dataclasses.replace(
         profile,
         post=seg,
         post_fwd_peak_held_bytes=seg.fwd_peak_bytes + held_extra,
+        post_bwd_peak_held_bytes=seg.bwd_peak_bytes + held_bwd_extra,
         plain_step_ms=profile.plain_step_ms + head_extra_ms(profile, head),
         head_options={},
     )

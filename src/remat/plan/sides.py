@@ -38,6 +38,11 @@ the backward phases before its own. Read as freed in the head's forward, every p
 recomputed such a consumer was predicted its bytes high there (on that model 393,216 B at the
 head's backward, its floor 3.4% above torch's checkpoint on the same blocks; tests/test_crossings.py).
 ``Crossing.saved_after`` says after which block the code saves it, noted by the saving step.
+Where the head's code saves it, the head's backward frees it part way, and its peak may come
+after: held past it by a checkpoint, that peak is higher, as the step with every block recomputed
+measured (``Profile.post_bwd_peak_held_bytes``): CoCa-pytorch's pooled image tokens, which its
+contrastive loss saves and its cross-attention blocks take, measured 33,792 B over in every plan
+that recomputed the first of them.
 """
 
 from __future__ import annotations
@@ -71,6 +76,11 @@ class SideGroups:
     """[group]: the consumers whose kept forward saves them."""
     post_held_extra_bytes: int
     """How much higher the head's forward peaks when the side inputs are held through it."""
+    post_bwd_held_extra_bytes: int = 0
+    """How much higher the head's backward peaks when the side inputs the head's code saves are
+    held past it (NOTE [ A side input the model's code saves ])."""
+    head_saved: frozenset[int] = frozenset()
+    """The groups the head's code saves (``Crossing.saved_after`` the last block)."""
     dies_after: tuple[int | None, ...] = ()
     """[group]: the block (forward position) in whose forward the plain step frees them, or None
     (NOTE [ Where a side input dies ]); empty: None for every group."""
@@ -140,6 +150,12 @@ class SideGroups:
             b for g, b in enumerate(self.size_bytes) if plain >> g & 1
         )
 
+    def post_bwd_extra_bytes(self, held: int) -> int:
+        """How much higher the head's backward peaks with ``held`` held past it: the groups the
+        head's code saves, which its backward frees part way in the plain step."""
+        longer = sum(b for g, b in enumerate(self.size_bytes) if held >> g & 1 and g in self.head_saved)
+        return min(self.post_bwd_held_extra_bytes, longer)
+
     def post_fwd_extra_bytes(self, held: int) -> int:
         """How much higher the head's forward peaks with ``held`` held past the forward."""
         longer = sum(
@@ -159,11 +175,13 @@ def side_groups(profile: Profile) -> SideGroups:
         [b.name for b in profile.blocks],
         unsaving=frozenset(i for i, b in enumerate(profile.blocks) if not b.saves),
         post_held_extra_bytes=max(0, profile.post_fwd_peak_held_bytes - profile.post.fwd_peak_bytes) if sides else 0,
+        post_bwd_held_extra_bytes=max(0, profile.post_bwd_peak_held_bytes - profile.post.bwd_peak_bytes) if sides else 0,
     )
 
 
 def group_sides(
-    sides: list[Crossing], names: list[str], *, unsaving: frozenset[int], post_held_extra_bytes: int = 0
+    sides: list[Crossing], names: list[str], *, unsaving: frozenset[int], post_held_extra_bytes: int = 0,
+    post_bwd_held_extra_bytes: int = 0,
 ) -> SideGroups:
     """``sides`` (crossings that enter blocks) grouped by consumers, savers and death, in
     first-seen order; ``names`` the blocks in forward order, ``unsaving`` (positions) those whose
@@ -182,6 +200,8 @@ def group_sides(
         saved_after=tuple(index.get(a) if a is not None else None for *_, a in groups),
         unsaving=unsaving,
         post_held_extra_bytes=post_held_extra_bytes,
+        post_bwd_held_extra_bytes=post_bwd_held_extra_bytes,
+        head_saved=frozenset(g for g, (*_, after) in enumerate(groups) if names and after == names[-1]),
     )
 
 
