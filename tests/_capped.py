@@ -45,7 +45,7 @@ def build(name: str) -> tuple[nn.Module, Any, Any]:
 
     torch.manual_seed(0)
     if name == "gpt":
-        model = models.build_model(models.GPTConfig(n_layer=6, n_embd=128, n_head=4, block_size=256, vocab_size=256))
+        model = models.build_model(models.GPTConfig(n_layer=5, n_embd=128, n_head=4, block_size=256, vocab_size=256))
         return model, models.make_batch(model, batch_size=4, seq_len=256), models.loss_fn_for(model)
     if name == "unet":
         model = models.build_model(models.UNetConfig(image_size=64, channels=32))

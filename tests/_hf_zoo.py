@@ -269,7 +269,7 @@ def siglip() -> Built:
 def mamba() -> Built:  # the slow (pure torch) path on CPU
     cfg = _tf().MambaConfig(vocab_size=VOCAB, hidden_size=32, state_size=8, num_hidden_layers=LAYERS,
                             expand=2, conv_kernel=4, **_IDS)
-    ids = _ids(seq=SEQ // 2)  # the reference scan loops over the sequence in Python
+    ids = _ids(seq=SEQ // 4)  # 8 tokens: the reference scan loops over the sequence in Python
     return _made("MambaForCausalLM", cfg, {"input_ids": ids, "labels": ids}, ("backbone.layers",))
 
 

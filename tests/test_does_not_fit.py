@@ -28,7 +28,7 @@ MiB = 2**20
 # Headroom over what the process maps once the model is built: below the plain step's need, above
 # torch's every-block checkpoint's (both measured by the controls in the same process).
 CASES = {
-    "gpt": 80 * MiB,  # plain step 135 MiB, every block 33 MiB
+    "gpt": 80 * MiB,  # plain step 111 MiB, every block 33 MiB
     "unet": 110 * MiB,  # plain step 151 MiB, every block 60 MiB (not a chain: long skips)
     "hf-llama": 300 * MiB,  # plain step 347 MiB, every block 241 MiB: the head's logits dominate
     # transformers' ALBERT: one layer run for every depth, checkpointed on every call (Plan.tied).
