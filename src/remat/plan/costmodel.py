@@ -91,7 +91,7 @@ def _phases(profile: Profile, costs: Sequence[OptionCost], options: Sequence[str
             added = sides.delta_bytes if phase.stage == "backward" else sides.fwd_delta_bytes
             extra = added(held[phase.block], phase.block)
         elif phase.stage == "backward" and phase.part == "post":
-            extra = sides.delta_bytes(last, None) + sides.post_bwd_extra_bytes(last)
+            extra = sides.post_bwd_extra_bytes(last)
         elif phase.stage == "forward" and phase.part == "post":
             transient += sides.post_fwd_extra_bytes(last)
         phases.append(

@@ -179,8 +179,7 @@ class Crossings:
         fwd = [[sides.fwd_delta_bytes(s & self.side_mask, i) for s in states] for i in range(n)]
         bwd = [[sides.delta_bytes(s & self.side_mask, i) for s in states] for i in range(n)]
         tail_f = [tail_fwd + sides.post_fwd_extra_bytes(s & self.side_mask) for s in states]
-        tail_b = [tail_bwd + sides.delta_bytes(s & self.side_mask, None) + sides.post_bwd_extra_bytes(s & self.side_mask)
-                  for s in states]
+        tail_b = [tail_bwd + sides.post_bwd_extra_bytes(s & self.side_mask) for s in states]
         for h in self.handed:
             for o in range(width):
                 holds[h.maker][o] |= h.sets(o)

@@ -90,10 +90,11 @@ def ran_out_verifying(budget_bytes: int, predicted_bytes: int, why: str, host: b
 
 
 def _ran_out_why(host: bool) -> str:
-    return "What no tensor holds (a convolution's scratch space) takes the rest, or the device holds less than " \
-        "the budget besides what is already on it." + (
-            " On the CPU, remat's profiling shares that memory (its profiler's records, a fake copy of the "
-            "model: tens of MB)." if host else "")
+    """Why a step predicted within the budget ran out; ``host``: it ran on the CPU."""
+    shared = (" On the CPU, remat's profiling shares that memory (its profiler's records, a fake copy of the "
+              "model: tens of MB)." if host else "")
+    return ("What no tensor holds (a convolution's scratch space) takes the rest, or the device holds less than "
+            f"the budget besides what is already on it.{shared}")
 
 
 def exact_bytes(n: int, other: int) -> str:

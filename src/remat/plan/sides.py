@@ -151,10 +151,11 @@ class SideGroups:
         )
 
     def post_bwd_extra_bytes(self, held: int) -> int:
-        """How much higher the head's backward peaks with ``held`` held past it: the groups the
-        head's code saves, which its backward frees part way in the plain step."""
+        """How much higher the head's backward peaks with ``held`` held past it: what is live at its
+        start over the plain step (``delta_bytes``), and the groups the head's code saves, which its
+        backward frees part way in the plain step."""
         longer = sum(b for g, b in enumerate(self.size_bytes) if held >> g & 1 and g in self.head_saved)
-        return min(self.post_bwd_held_extra_bytes, longer)
+        return min(self.post_bwd_held_extra_bytes, longer) + self.delta_bytes(held, None)
 
     def post_fwd_extra_bytes(self, held: int) -> int:
         """How much higher the head's forward peaks with ``held`` held past the forward."""
