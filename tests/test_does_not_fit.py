@@ -1,8 +1,8 @@
 """remat where the plain step does not fit: in a process whose memory is capped below it.
 
 Each case runs ``tests/_capped.py`` in a child process whose address space is capped (after the
-model is built) at what it maps plus a headroom: a control shows that the plain step runs out of
-memory there and torch's checkpoint on every block does not; then, in the same capped process,
+model is built) at what it maps plus a headroom: controls show that torch's checkpoint on every block
+fits there and the plain step (run last) runs out of memory; in the same capped process,
 ``remat.auto`` at a budget of 1 byte is refused before any large step runs, and
 ``remat.auto(verify=True)`` at torch's every-block peak and at the floor that refusal named plans,
 applies, verifies and trains (NOTE [ Planning what does not fit ] in ``remat.measure.lean``).
