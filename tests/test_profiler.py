@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import functools
 import itertools
 import json
@@ -98,6 +99,66 @@ def test_profile_leaves_model_untouched() -> None:
     assert torch.equal(rng, torch.get_rng_state())
     assert all(p.grad is None for p in model.parameters())
     assert all("forward" not in m.__dict__ for m in model.modules())
+
+
+class _CachedRotary(nn.Module):
+    """rotary-embedding-torch's cache: a non-persistent buffer its first forward fills in place, and
+    an int that says how much of it is filled."""
+
+    def __init__(self, d: int = 32, positions: int = 256) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(d, d), nn.Linear(d, d)
+        self.register_buffer("cached", torch.zeros(positions, d), persistent=False)
+        self.cached_len = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n = x.shape[1]
+        if n > self.cached_len:
+            positions = torch.arange(n, dtype=torch.float32)[:, None] / (1 + torch.arange(x.shape[-1]))
+            self.cached[:n] = positions
+            self.cached_len = n
+        return x + self.b(torch.tanh(self.a(x * self.cached[:n].cos())))
+
+
+def test_a_modules_cache_and_the_attribute_that_says_it_is_filled_go_back_together() -> None:
+    """remat put the cache buffer back to its zeros and left the int saying it was filled: the model
+    computed with an empty cache from then on (rotary-embedding-torch: 5.717935 became 5.718044, and
+    stayed so after ``remat.remove``). NOTE [ A module's state is its buffers and its attributes ]."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), *[_CachedRotary() for _ in range(4)], nn.Linear(32, 8))
+    untouched = copy.deepcopy(model)
+    x = torch.randn(16, 256, 8)
+    loss_fn = lambda out, b: out.square().mean()  # noqa: E731
+    profile(model, (x,), loss_fn=loss_fn, repeats=1)  # the plain step runs
+    profile(model, (x,), loss_fn=loss_fn, repeats=1, budget="50%")  # a lean profile
+    remat.auto(model, (x,), "50%", loss_fn=loss_fn, repeats=1)
+    remat.remove(model)
+    assert [layer.cached_len for layer in model[1:5]] == [0] * 4
+    with torch.no_grad():
+        assert torch.equal(model(x), untouched(x))
+
+
+class _BuildsOnFirstCall(nn.Module):
+    """A layer made on the module's first call, its attribute None until then."""
+
+    def __init__(self, d: int = 64) -> None:
+        super().__init__()
+        self.d, self.proj = d, None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.proj is None:
+            self.proj = nn.Linear(x.shape[-1], self.d)
+        return torch.nn.functional.gelu(self.proj(x))
+
+
+def test_a_layer_a_module_builds_on_its_first_call_is_gone_again_with_its_parameters() -> None:
+    """With the attribute put back to None and the layer left registered, an optimizer made after
+    profiling took layers the next forward replaced: three of four never trained."""
+    model = nn.Sequential(*[_BuildsOnFirstCall() for _ in range(4)], nn.Linear(64, 1))
+    before = [name for name, _ in model.named_parameters()]
+    profile(model, (torch.randn(512, 64),), loss_fn=lambda out, b: out.square().mean(), repeats=1)
+    assert [layer.proj for layer in model[:4]] == [None] * 4
+    assert [name for name, _ in model.named_parameters()] == before == ["4.weight", "4.bias"]
 
 
 def test_estimated_mode_on_cpu_agrees_with_measured_bytes() -> None:

@@ -144,7 +144,7 @@ def seen_calls(model: nn.Module, batch: Any, loss_fn: Any, optimizer: Any) -> Ca
 
 
 def _watched(model: nn.Module, batch: Any, loss_fn: Any, optimizer: Any) -> CallsSeen:
-    seen = CallsSeen(model, batch_ids={id(t) for t in _step.tensors_in(batch)})
+    seen = CallsSeen(model, batch_ids={id(t) for t in _step.batch_tensors(batch)})
     seen.handles += [h for m in model.modules()
                      for h in (m.register_forward_pre_hook(seen.pre, with_kwargs=True), m.register_forward_hook(seen.post))]
     try:

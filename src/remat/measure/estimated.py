@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -46,7 +47,8 @@ from remat.models.hf import cache_off, layerdrop_blocks, layerdrop_off
 from remat.plan.solver import smallest_any
 from remat.records import OptionCost, Profile
 
-__all__ = ["FAKE_LIMITS", "FakeFloors", "FakeRun", "fake_copy", "fake_optimizer", "fake_run", "plain_peak"]
+__all__ = ["FAKE_LIMITS", "BatchFactory", "FakeFloors", "FakeRun", "fake_copy", "fake_optimizer", "fake_run",
+           "plain_peak"]
 
 
 def _fake_limits() -> tuple[type[Exception], ...]:
@@ -60,6 +62,22 @@ def _fake_limits() -> tuple[type[Exception], ...]:
 #: a data-dependent shape) or runs an op fake tensors do not support.
 FAKE_LIMITS = _fake_limits()
 
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchFactory:
+    """A batch that ``make()`` makes inside the fake mode: estimated mode's factory. A batch may be
+    callable itself (torch_geometric's ``Data`` is: ``data(*keys)`` yields its items), so a
+    factory is one only as the profiler's edge says (``of``), never by being callable."""
+
+    make: Callable[[], Any]
+
+    @classmethod
+    def of(cls, batch: Any) -> Any:
+        """``batch`` as a factory where it is a function, a method or a ``functools.partial``;
+        else the batch itself."""
+        factory = inspect.isfunction(batch) or inspect.ismethod(batch) or isinstance(batch, functools.partial)
+        return cls(batch) if factory else batch
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -108,18 +126,19 @@ def fake_run(make_model: Callable[[Any], nn.Module], batch: Any, loss_fn: Any,
              spec: DeviceSpec) -> FakeRun:
     """The profiler's steps on fake tensors. ``make_model(fake_mode)`` makes the model inside the
     fake mode; ``make_optimizer(model)`` its optimizer; ``batch`` the user's, taken as it is (NOTE
-    [ The batch's values ] in remat.measure.fake_steps), or a factory called inside the mode."""
+    [ The batch's values ] in remat.measure.fake_steps), or a ``BatchFactory`` made inside the mode."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from remat.measure.fake import FakeMeter
     from remat.measure.fake_steps import FakeSteps
 
-    steps = FakeSteps(FakeTensorMode(allow_non_fake_inputs=True), None if callable(batch) else batch)
+    made = isinstance(batch, BatchFactory)
+    steps = FakeSteps(FakeTensorMode(allow_non_fake_inputs=True), None if made else batch)
     fake_mode = steps.mode
     with steps:
         model = make_model(fake_mode)
         steps.watch(model)
-        step_batch = batch() if callable(batch) else batch  # the user's, real: NOTE [ The batch's values ] in remat.measure.fake_steps
+        step_batch = batch.make() if made else batch  # the user's, real: NOTE [ The batch's values ] in remat.measure.fake_steps
         opt = make_optimizer(model) if make_optimizer is not None else None
         named = find_blocks(model, blocks, required=False)
         skipped = layerdrop_blocks(model)  # Profile.layerdrop

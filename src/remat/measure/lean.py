@@ -63,7 +63,7 @@ from remat.measure.estimated import (
 )
 from remat.measure.lean_steps import LeanSteps
 from remat.measure.marked import base_keys, marked_step
-from remat.measure.preserve import preserved
+from remat.measure.preserve import as_given, module_states, preserved
 from remat.measure.runner import StepRunner
 from remat.measure.tracer import KernelKey, host_link_bytes_per_s
 from remat.plan.costmodel import estimate
@@ -142,9 +142,12 @@ def lean_profile(model: nn.Module, batch: Any, loss_fn: Any, optimizer: torch.op
     fixed: dict[str, Any] = dict(device=str(device), mode="measured", plain_ran=False,
                                  device_memory_bytes=lean.spec.memory_bytes if cuda else None)
 
+    given = module_states(model)
+
     def fake_profile(kernels: dict[KernelKey, int]) -> tuple[FakeRun, Profile]:
         spec = dataclasses.replace(lean.spec, kernel_scratch=kernels)
-        run = fake_run(functools.partial(fake_copy, model), batch, loss_fn, make_opt, blocks, spec)
+        with as_given(given):  # a copy of the model as given, made between real steps too
+            run = fake_run(functools.partial(fake_copy, model), batch, loss_fn, make_opt, blocks, spec)
         if cuda:
             run.host_link_bytes_per_s = host_link_bytes_per_s(device)
         return run, run.profile(**fixed)

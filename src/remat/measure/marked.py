@@ -211,7 +211,7 @@ def _warn_no_selective(error: RuntimeError) -> None:
 
 
 def base_keys(model: nn.Module, optimizer: Any, batch: Any) -> set[int]:
-    tensors = [*model.parameters(), *model.buffers(), *_step.tensors_in(batch)]
+    tensors = [*model.parameters(), *model.buffers(), *_step.batch_tensors(batch)]
     if optimizer is not None:
         tensors += list(_step.tensors_in([dict(s) for s in optimizer.state.values()]))
     return {_storage_key(t) for t in tensors}

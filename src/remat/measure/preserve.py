@@ -1,11 +1,32 @@
 """Leaving the user's objects as they were: ``preserved(model, optimizer)`` puts back everything a
-measuring run changes (weights, buffers such as BatchNorm statistics, gradients, optimizer state,
-RNG state), so that profiling or verifying a model never alters what the user gave."""
+measuring run changes (weights, buffers such as BatchNorm statistics, the modules' own attributes,
+gradients, optimizer state, RNG state), so that profiling or verifying a model never alters what
+the user gave.
+
+# NOTE [ A module's state is its buffers and its attributes ]
+A module's code may keep state between calls in its buffers and in plain attributes at once:
+rotary-embedding-torch fills a non-persistent buffer ``cached_freqs`` on its first forward and
+records the length it filled in an int, ``cached_freqs_seq_len``. Putting back the buffer alone
+left zeros behind an int that says they are valid: every later forward rotated by nothing (a
+4-layer model's loss 5.717935 became 5.718044, after ``remat.remove`` too). So all of it goes
+back together: each buffer's values; which parameters, buffers, submodules and hooks each module
+holds (a forward may register a new buffer, or build a layer on its first call: with its attribute
+put back to None and the layer left registered, ``parameters()`` gave an optimizer a layer the next
+forward replaced, and it never trained; transformers installs hooks on the first forward and
+notes it in a flag: with the flag gone and the hooks left, the next forward installed them twice);
+and each module's attributes (those set since are deleted). An object an attribute holds and a
+forward changed in place (a list it appended to) is not copied, so not put back. A fake copy made
+between real steps (the lean profile's, once a real step measured the kernels' scratch) is a copy
+of the modules as given (``as_given``): transformers' dynamic RoPE keeps the longest length a real
+step saw as a tensor, a fake copy fakes it, and the copy's next comparison with it raised
+``DataDependentOutputException``.
+"""
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -13,7 +34,7 @@ from torch import nn
 
 from remat.measure.step import batch_leaves
 
-__all__ = ["batch_grads", "preserved"]
+__all__ = ["as_given", "batch_grads", "module_states", "preserved"]
 
 
 @contextlib.contextmanager
@@ -42,11 +63,13 @@ def preserved(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, 
     opt_state = _copy_to_cpu(optimizer.state_dict()) if optimizer is not None else None
     cpu_rng = torch.get_rng_state()
     cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
-    training = {m: m.training for m in model.modules()}
+    modules = module_states(model)
     try:
         with batch_grads(batch):
             yield
     finally:
+        for state in modules:
+            state.put_back()
         with torch.no_grad():
             for name, t in tensors.items():
                 t.copy_(saved[name])
@@ -60,8 +83,63 @@ def preserved(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, 
         torch.set_rng_state(cpu_rng)
         if cuda_rng is not None:
             torch.cuda.set_rng_state_all(cuda_rng)
-        for m, flag in training.items():
-            m.training = flag
+
+
+def module_states(model: nn.Module) -> list[_ModuleState]:
+    """Each module's attributes and the entries of its containers, as they are now."""
+    return [_ModuleState.of(m) for m in model.modules()]
+
+
+@contextlib.contextmanager
+def as_given(given: list[_ModuleState]) -> Iterator[None]:
+    """The modules' attributes and containers as ``given`` while the body runs, then as they were
+    (a copy made between real steps is a copy of the model as given: NOTE [ A module's state is its
+    buffers and its attributes ])."""
+    now = [_ModuleState.of(state.module) for state in given]
+    for state in given:
+        state.put_back()
+    try:
+        yield
+    finally:
+        for state in now:
+            state.put_back()
+
+
+# What ``nn.Module.__init__`` sets: the containers of a module's parameters, buffers, submodules and
+# hooks are put back by their entries, the rest of its ``__dict__`` (its own attributes) by value.
+_OWN = frozenset(vars(nn.Module()))
+
+
+@dataclass(frozen=True)
+class _ModuleState:
+    """A module's attributes and the entries of its containers (NOTE [ A module's state is its
+    buffers and its attributes ])."""
+
+    module: nn.Module
+    attributes: dict[str, Any]
+    containers: dict[str, dict[str, Any] | set[Any]]
+
+    @classmethod
+    def of(cls, module: nn.Module) -> _ModuleState:
+        attributes, containers = {}, {}
+        for name, value in vars(module).items():
+            if name in _OWN and isinstance(value, (dict, set)):
+                containers[name] = value.copy()
+            else:
+                attributes[name] = value
+        return cls(module, attributes, containers)
+
+    def put_back(self) -> None:
+        own = vars(self.module)
+        for name in [k for k in own if k not in self.attributes and k not in self.containers]:
+            del own[name]
+        own.update(self.attributes)
+        for name, entries in self.containers.items():
+            now = own[name]
+            if isinstance(entries, dict) and now.keys() == entries.keys() and all(now[k] is v for k, v in entries.items()):
+                continue
+            now.clear()
+            now.update(entries)
 
 
 def _named_state(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:

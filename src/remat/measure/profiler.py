@@ -34,7 +34,14 @@ from remat.measure import step as _step
 from remat.measure.attribution import assemble
 from remat.measure.collector import collecting_once
 from remat.measure.compiled import add_options, check_budgets, measure_compiled, without_compiled
-from remat.measure.estimated import FakeFloors, check_factory, fake_copy, fake_optimizer, fake_run
+from remat.measure.estimated import (
+    BatchFactory,
+    FakeFloors,
+    check_factory,
+    fake_copy,
+    fake_optimizer,
+    fake_run,
+)
 from remat.measure.heads import add_heads, measure_heads
 from remat.measure.lean import lean_profile, lean_spec, resolve_budget
 from remat.measure.marked import base_keys, dtype_name, marked_step, option_runs, sides_of
@@ -77,7 +84,7 @@ def profile(
         model: the model; in estimated mode a zero-argument factory that builds it (it is built
             inside ``FakeTensorMode``, so nothing is allocated).
         batch: the example batch (see ``remat.measure.step`` for the calling convention); in estimated mode
-            it may be a factory too.
+            it may be a factory too (a function or ``functools.partial`` that makes it).
         loss_fn: ``loss_fn(output, batch) -> scalar`` or ``loss_fn(output)``; default: see
             ``remat.measure.step``.
         optimizer: an optimizer over the model's parameters, or a factory ``params -> optimizer``
@@ -254,4 +261,4 @@ def _estimated(factory: Any, batch: Any, loss_fn: Any, optimizer: Any, blocks: A
         return model
 
     make_opt = None if optimizer is None else lambda m: optimizer(m.parameters())
-    return fake_run(build, batch, loss_fn, make_opt, blocks, spec).profile()
+    return fake_run(build, BatchFactory.of(batch), loss_fn, make_opt, blocks, spec).profile()

@@ -1,7 +1,8 @@
 """One training step, the way every stage runs it: forward, loss, backward, optimizer step.
 
 The calling convention for a user's model and batch:
-- ``batch`` a tensor: ``model(batch)``; a tuple or list: ``model(*batch)``; a dict: ``model(**batch)``.
+- ``batch`` a tensor: ``model(batch)``; a tuple or list: ``model(*batch)``; a dict: ``model(**batch)``;
+  any other object (a dataclass, torch_geometric's ``Data``): ``model(batch)``.
 - ``loss_fn(output, batch) -> scalar`` or ``loss_fn(output) -> scalar``, told apart by its
   signature (``resolve_loss_fn``, called at every public edge). Without one: the output itself
   when it is a scalar, its ``.loss`` when it has one (transformers models given labels), else the
@@ -13,7 +14,9 @@ Steps are timed by ``remat.measure.clock``.
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
+import types
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -229,7 +232,7 @@ def train_step(
 def batch_leaves(batch: Batch) -> list[torch.Tensor]:
     """The batch's tensors that require grad (a physics-informed loss's coordinates), whose
     gradients a step makes."""
-    return [t for t in tensors_in(batch) if t.requires_grad and t.is_leaf]
+    return [t for t in batch_tensors(batch) if t.requires_grad and t.is_leaf]
 
 
 def _drop_batch_grads(batch: Batch) -> None:
@@ -257,17 +260,38 @@ def storage_bytes(tensors: Any, *, seen: set[int] | None = None) -> int:
     return total
 
 
-def tensors_in(obj: Any, _seen: set[int] | None = None) -> Iterator[torch.Tensor]:
+def tensors_in(obj: Any, _seen: set[int] | None = None, *, attributes: bool = False) -> Iterator[torch.Tensor]:
     """Every tensor in ``obj`` (a tensor, or mappings, tuples and lists of them), depth first;
-    each container walked once (one may hold itself)."""
+    each container walked once (one may hold itself). ``attributes``: also in the attributes of
+    other objects (``batch_tensors``)."""
     if isinstance(obj, torch.Tensor):
         yield obj
         return
-    if not isinstance(obj, (Mapping, tuple, list)) or id(obj) in (seen := set() if _seen is None else _seen):
+    if id(obj) in (seen := set() if _seen is None else _seen):
+        return
+    if isinstance(obj, Mapping):
+        values: Any = obj.values()
+    elif isinstance(obj, (tuple, list)):
+        values = obj
+    elif attributes and hasattr(obj, "__dict__") and not isinstance(obj, _NOT_DATA):
+        values = vars(obj).values()
+    else:
         return
     seen.add(id(obj))
-    for v in obj.values() if isinstance(obj, Mapping) else obj:
-        yield from tensors_in(v, seen)
+    for v in values:
+        yield from tensors_in(v, seen, attributes=attributes)
+
+
+# What holds no batch's tensors however it is reached: code, and a model's modules.
+_NOT_DATA = (nn.Module, type, types.ModuleType, types.FunctionType, types.MethodType, functools.partial)
+
+
+def batch_tensors(batch: Batch) -> Iterator[torch.Tensor]:
+    """The batch's tensors: in any object it is made of, a dataclass or torch_geometric's ``Data``
+    (its tensors in a mapping it holds) as well as mappings and sequences. Each is on the device
+    before the step starts: the step's peak counts it (a ``Data`` batch's 384,000 B were left out,
+    and every plan's peak with them)."""
+    return tensors_in(batch, attributes=True)
 
 
 def param_bytes(model: nn.Module) -> int:
@@ -285,16 +309,16 @@ def optimizer_bytes(optimizer: torch.optim.Optimizer | None) -> int:
 
 
 def batch_bytes(batch: Batch) -> int:
-    return storage_bytes(batch)
+    return storage_bytes(list(batch_tensors(batch)))
 
 
 def batch_shape(batch: Batch) -> list[int]:
-    first = next(tensors_in(batch), None)
+    first = next(batch_tensors(batch), None)
     return list(first.shape) if first is not None else []
 
 
 def batch_device(model: nn.Module, batch: Batch) -> torch.device:
-    first = next(tensors_in(batch), None)
+    first = next(batch_tensors(batch), None)
     if first is not None:
         return first.device
     param = next(model.parameters(), None)

@@ -148,7 +148,7 @@ def base_bytes(
     total += _step.storage_bytes(list(model.buffers()), seen=seen)
     if optimizer is not None:
         total += _step.storage_bytes([dict(s) for s in optimizer.state.values()], seen=seen)
-    total += _step.storage_bytes(batch, seen=seen)
+    total += _step.storage_bytes(list(_step.batch_tensors(batch)), seen=seen)
     return total
 
 
