@@ -324,6 +324,8 @@ def test_models_that_cannot_train_are_refused_before_anything_runs(user_module: 
             verb(frozen)
         with pytest.raises(ValueError, match="meta device"):
             verb(mlp().to("meta"))
+        with pytest.raises(ValueError, match="lazy parameters"):  # PyTorch's own error named numel
+            verb(nn.Sequential(nn.LazyLinear(8), nn.ReLU(), nn.LazyLinear(1)))
     assert "no parameter that requires grad" in cli(
         "profile", "--model", f"{user_module}:frozen", code=1).output
     assert "(it has none at all)" in cli("profile", "--model", f"{user_module}:empty", code=1).output

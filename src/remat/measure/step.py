@@ -75,8 +75,8 @@ def check_compiled(model: Any, verb: str) -> None:
 
 def check_trainable(model: Any, verb: str) -> None:
     """What every stage that runs a training step needs of the model, checked before it runs:
-    an ``nn.Module`` (not compiled) with data in its parameters and at least one that trains,
-    and autograd on."""
+    an ``nn.Module`` (not compiled) with data and shapes in its parameters and at least one that
+    trains, and autograd on."""
     if not isinstance(model, nn.Module):
         raise InvalidType(f"{verb} expects the model, an nn.Module; got {type(model).__name__}")
     check_compiled(model, verb)
@@ -87,6 +87,12 @@ def check_trainable(model: Any, verb: str) -> None:
             f"{verb}: the {type(model).__name__}'s parameters are on the meta device (shapes "
             "without data), so no step can run; materialise it first (model.to_empty(device=...) "
             "and load its weights), or estimate for a device from a factory (device='h100')"
+        )
+    if any(nn.parameter.is_lazy(p) for p in params):
+        raise InvalidValue(
+            f"{verb}: the {type(model).__name__} has lazy parameters (nn.LazyLinear, nn.LazyConv2d, ...) "
+            "that have no shape yet, so no step can be measured; run one forward first (model(batch), "
+            "under torch.no_grad()), which gives them their shapes"
         )
     if not any(p.requires_grad for p in params):
         raise InvalidValue(
