@@ -9,6 +9,7 @@ budget (and none is the plain step), and a budget below the floor runs no real s
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -499,15 +500,23 @@ class _Gathers(torch.nn.Module):
         return self.mlp(summed + (1 + self.eps) * x).relu()
 
 
-class _Graph(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.convs = torch.nn.ModuleList(_Gathers() for _ in range(4))
+class _Stack(torch.nn.Module):
+    """Four layers, each called with what the last returned and the batch's second tensor (a
+    graph's edges, the positions)."""
 
-    def forward(self, x: torch.Tensor, edges: torch.Tensor) -> torch.Tensor:
-        for conv in self.convs:
-            x = conv(x, edges)
+    def __init__(self, layer: Callable[[], torch.nn.Module]) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(layer() for _ in range(4))
+
+    def forward(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x, other)
         return x
+
+
+class _Graph(_Stack):
+    def __init__(self) -> None:
+        super().__init__(_Gathers)
 
 
 def _graph_batch(requires_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -605,23 +614,12 @@ class _LongestSeen(torch.nn.Module):
         return x + torch.tanh(self.conv(x)) / self.longest
 
 
-class _Longest(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.layers = torch.nn.ModuleList(_LongestSeen() for _ in range(4))
-
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        for layer in self.layers:
-            x = layer(x, positions)
-        return x
-
-
 def test_a_fake_copy_made_after_a_real_step_is_a_copy_of_the_model_as_given() -> None:
     """Llama with dynamic RoPE, below its plain step: once a real step measured the kernels'
     scratch, the fake profile made again copied the length the real step had left on the model,
     a tensor, faked it, and its comparison raised ``DataDependentOutputException``."""
     torch.manual_seed(0)
-    model = _Longest()
+    model = _Stack(_LongestSeen)
     batch = (torch.randn(16, 32, 512), torch.arange(512))
     loss = lambda out, b: out.square().mean()  # noqa: E731
     budget = smallest_any(profile(model, batch, loss_fn=loss, repeats=1))[0]
