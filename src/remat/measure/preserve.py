@@ -19,7 +19,11 @@ forward changed in place (a list it appended to) is not copied, so not put back.
 between real steps (the lean profile's, once a real step measured the kernels' scratch) is a copy
 of the modules as given (``as_given``): transformers' dynamic RoPE keeps the longest length a real
 step saw as a tensor, a fake copy fakes it, and the copy's next comparison with it raised
-``DataDependentOutputException``.
+``DataDependentOutputException``. remat's own state on the modules (an applied plan's records,
+wrappers, hooks and held flags) is put back with the rest, so a run that applies plans in turn
+starts and ends with none applied (``times_in_turns``): one that started with a plan put back
+its handles, already removed, and the next ``remove`` turned a model's own checkpointing on under
+the plan.
 """
 
 from __future__ import annotations
