@@ -93,7 +93,7 @@ def times_in_turns(
         finally:
             remove(model)
 
-    remove(model)  # none applied at the start as at the end (NOTE [ A module's state is its buffers and its attributes ])
+    remove(model)  # none applied at the start, as at the end: NOTE [ A module's state is its buffers and its attributes ], rule 3
     with preserved(model, optimizer, batch):
         for i in range(n):  # one untimed step of each: lazy state, the allocator's caches
             run(i, timed=False)

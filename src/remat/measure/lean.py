@@ -146,7 +146,7 @@ def lean_profile(model: nn.Module, batch: Any, loss_fn: Any, optimizer: torch.op
 
     def fake_profile(kernels: dict[KernelKey, int]) -> tuple[FakeRun, Profile]:
         spec = dataclasses.replace(lean.spec, kernel_scratch=kernels)
-        with as_given(given):  # a copy of the model as given, made between real steps too
+        with as_given(given):  # NOTE [ A module's state is its buffers and its attributes ], rule 2
             run = fake_run(functools.partial(fake_copy, model), batch, loss_fn, make_opt, blocks, spec)
         if cuda:
             run.host_link_bytes_per_s = host_link_bytes_per_s(device)

@@ -4,26 +4,20 @@ gradients, optimizer state, RNG state), so that profiling or verifying a model n
 the user gave.
 
 # NOTE [ A module's state is its buffers and its attributes ]
-A module's code may keep state between calls in its buffers and in plain attributes at once:
-rotary-embedding-torch fills a non-persistent buffer ``cached_freqs`` on its first forward and
-records the length it filled in an int, ``cached_freqs_seq_len``. Putting back the buffer alone
-left zeros behind an int that says they are valid: every later forward rotated by nothing (a
-4-layer model's loss 5.717935 became 5.718044, after ``remat.remove`` too). So all of it goes
-back together: each buffer's values; which parameters, buffers, submodules and hooks each module
-holds (a forward may register a new buffer, or build a layer on its first call: with its attribute
-put back to None and the layer left registered, ``parameters()`` gave an optimizer a layer the next
-forward replaced, and it never trained; transformers installs hooks on the first forward and
-notes it in a flag: with the flag gone and the hooks left, the next forward installed them twice);
-and each module's attributes (those set since are deleted). An object an attribute holds and a
-forward changed in place (a list it appended to) is not copied, so not put back. A fake copy made
-between real steps (the lean profile's, once a real step measured the kernels' scratch) is a copy
-of the modules as given (``as_given``): transformers' dynamic RoPE keeps the longest length a real
-step saw as a tensor, a fake copy fakes it, and the copy's next comparison with it raised
-``DataDependentOutputException``. remat's own state on the modules (an applied plan's records,
-wrappers, hooks and held flags) is put back with the rest, so a run that applies plans in turn
-starts and ends with none applied (``times_in_turns``): one that started with a plan put back
-its handles, already removed, and the next ``remove`` turned a model's own checkpointing on under
-the plan.
+1. A module's code may keep state between calls in buffers and in plain attributes at once
+   (rotary-embedding-torch: a cache buffer, and an int that says how much of it is filled), so
+   ``preserved`` puts back both: each buffer's values, the entries of each module's containers
+   (parameters, buffers, submodules and hooks: a layer built on the first call, transformers'
+   first-forward hooks) and its attributes by value (those set since are deleted). An object an
+   attribute holds and a forward changed in place (a list it appended to) is not copied, so not
+   put back.
+2. A fake copy made between real steps (the lean profile's, once a real step measured the
+   kernels' scratch) is a copy of the modules as given (``as_given``): a real step may leave a
+   tensor where the model kept a number (transformers' dynamic RoPE), which a fake copy fakes and
+   then compares with.
+3. remat's own state on the modules (an applied plan's records, wrappers, hooks and held flags) is
+   put back with the rest, so a run that applies plans in turn starts and ends with none applied
+   (``times_in_turns``).
 """
 
 from __future__ import annotations
