@@ -8,9 +8,9 @@ space (``RLIMIT_AS``) at what it maps now plus HEADROOM_BYTES, and runs, in turn
 - ``every``, ``smallest``: ``remat.auto(verify=True)`` at torch's every-block peak and at the floor
   the refusal named, then three training steps with the plan;
 - ``plain``: one plain training step (the control: it should run out of memory). It runs last:
-  once a step has run out of memory in a convolution, oneDNN may fail to create any later
-  convolution in the process ("could not create a primitive"; the capped UNet, about one run in
-  four, with 73 MiB of the cap still free where torch's checkpoint needs 60).
+  once a step has run out of memory, oneDNN may fail to create later convolutions in the process
+  ("could not create a primitive"; the capped UNet, 3 runs in 11, with 73 MiB of the cap still free
+  where torch's checkpoint needs 60).
 ``python tests/_capped.py train ZOO_MODEL HEADROOM_BYTES BUDGET OUT`` runs ``remat train`` so capped,
 and ``python tests/_capped.py reference MODEL`` prints the hash of the plain step's gradients (no cap).
 It prints one JSON line: what happened, the report's numbers, and how far the process's resident
