@@ -135,20 +135,17 @@ def sized(device: torch.device | str) -> Iterator[None]:
 
 
 # NOTE [ The CPU record's own memory ]
-# 1. On the CPU the record of a step is host memory, the memory the budget is about, and all of it
-#    in a process whose address space is capped. Every event torch's profiler holds costs about
-#    2 KB when it stops, and ``torch.profiler.profile`` imports ``torch._dynamo`` on its first use
-#    (70 MiB resident, 78 mapped: benchmarks/record_cost.py).
-# 2. So the record is the same profiler (Kineto) started by its own calls (1 to 3 MiB resident on
-#    first use), recording only what is read: memory events and marks (``RecordScope.USER_SCOPE``),
-#    and ops (``FUNCTION``) only for the kernels' scratch, never the autograd engine's nodes. A
-#    tab-transformer's lean profile: the first step's record 72 MB (94 before), each later step
-#    14,915 events (41,522 before). A fake step imports ``torch._dynamo`` too (``FakeTensorMode``),
-#    so those 70 MiB are saved only in a process that runs no fake step (``measure_step``, a
-#    profile without a budget).
-# 3. Not torch's legacy profiler, a few hundred bytes an event: it records an op's end as a new
-#    event, from a destructor, and a capped process that ran out of memory in a traced step was
-#    aborted (``std::bad_alloc`` in ``terminate``, 2 runs of 2) where this one raised ``MemoryError``.
+# 1. On the CPU the record of a step is host memory, the memory the budget is about (all of it, in
+#    a process whose address space is capped). Each event torch's profiler holds takes about 2 KB
+#    when it stops, and ``torch.profiler.profile`` imports ``torch._dynamo`` on its first use
+#    (benchmarks/record_cost.py).
+# 2. So the record is the same profiler started by its own calls, recording only what is read:
+#    memory events and marks (``RecordScope.USER_SCOPE``), ops (``FUNCTION``) only for the
+#    kernels' scratch, never the autograd engine's nodes. A fake step imports ``torch._dynamo`` too
+#    (``FakeTensorMode``): a lean profile saves the per-event part only.
+# 3. Not torch's legacy profiler (a few hundred bytes an event): it records an op's end as a new
+#    event from a destructor, so a process that runs out of memory inside a traced step is aborted
+#    (``std::bad_alloc`` in ``terminate``) where this one raises ``MemoryError``.
 
 
 class _AllocatorRecord:
@@ -157,7 +154,10 @@ class _AllocatorRecord:
 
     def __init__(self, ops: bool = False) -> None:
         self.ops = ops
-        self._config = ProfilerConfig(ProfilerState.KINETO, False, True, False, False, False, _ExperimentalConfig())
+        self._config = ProfilerConfig(
+            state=ProfilerState.KINETO, report_input_shapes=False, profile_memory=True, with_stack=False,
+            with_flops=False, with_modules=False, experimental_config=_ExperimentalConfig(),
+        )
         self._result: Any = None
 
     def __enter__(self) -> _AllocatorRecord:
