@@ -14,6 +14,7 @@ Steps are timed by ``remat.measure.clock``.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import inspect
 import types
@@ -267,9 +268,10 @@ def storage_bytes(tensors: Any, *, seen: set[int] | None = None) -> int:
 
 
 def tensors_in(obj: Any, _seen: set[int] | None = None, *, attributes: bool = False) -> Iterator[torch.Tensor]:
-    """Every tensor in ``obj`` (a tensor, or mappings, tuples and lists of them), depth first;
-    each container walked once (one may hold itself). ``attributes``: also in the attributes of
-    other objects (``batch_tensors``)."""
+    """Every tensor in ``obj`` (a tensor, or mappings, tuples, lists and dataclasses of them), depth
+    first; each container walked once (one may hold itself). ``attributes``: also in the attributes
+    of other objects (``batch_tensors``). A dataclass is data wherever it is met: blocks that hand
+    each other a ``@dataclass`` state were refused (no gradient seemed to reach their outputs)."""
     if isinstance(obj, torch.Tensor):
         yield obj
         return
@@ -279,6 +281,8 @@ def tensors_in(obj: Any, _seen: set[int] | None = None, *, attributes: bool = Fa
         values: Any = obj.values()
     elif isinstance(obj, (tuple, list)):
         values = obj
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        values = [getattr(obj, f.name) for f in dataclasses.fields(obj)]
     elif attributes and hasattr(obj, "__dict__") and not isinstance(obj, _NOT_DATA):
         values = vars(obj).values()
     else:
