@@ -29,21 +29,6 @@ WAYS = ("nothing", "torch.profiler", "MemoryTracer", "MemoryTracer(kernels=True)
 MODELS = ("gpt (4 blocks)", "gpt (32 blocks)", "unet (12 blocks)")
 
 
-def _build(name: str) -> tuple[Any, Any, Any]:
-    import torch
-
-    from remat import models
-
-    torch.manual_seed(0)
-    if name.startswith("gpt"):
-        n_layer = int(name.split("(")[1].split()[0])
-        model = models.build_model(models.GPTConfig(n_layer=n_layer, n_embd=64, n_head=2, block_size=128,
-                                                    vocab_size=256))
-        return model, models.make_batch(model, batch_size=4, seq_len=128), models.loss_fn_for(model)
-    model = models.build_model(models.UNetConfig(image_size=32, channels=16))
-    return model, models.make_batch(model, batch_size=4), models.loss_fn_for(model)
-
-
 def _status(field: str) -> int:
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
@@ -52,12 +37,13 @@ def _status(field: str) -> int:
 def _child(model_name: str, way: str) -> dict[str, Any]:
     """One configuration, in this process: the record's events and the step's high-water mark."""
     import torch
+    from profile_cost import _models  # the same models, built alike (this folder is on sys.path)
 
     from remat.measure import step as _step
     from remat.measure.tracer import MemoryTracer
 
     torch.set_num_threads(1)
-    model, batch, loss_fn = _build(model_name)
+    model, batch, loss_fn = _models()[model_name]()
     fn = _step.resolve_loss_fn(loss_fn)
 
     def step() -> None:

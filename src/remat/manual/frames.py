@@ -66,22 +66,25 @@ class Field:
     name: str
 
 
+def is_data(obj: Any) -> bool:
+    """Whether ``obj`` is a dataclass instance: data wherever it is met, as a tuple is (a block may
+    hand the next a ``@dataclass`` state; ``remat.measure.step.tensors_in`` walks it too)."""
+    return dataclasses.is_dataclass(obj) and not isinstance(obj, type)
+
+
 def _rebuilt(obj: Any, value: Callable[[Any, Field], Any]) -> Any:
-    """A dataclass instance again, each field given to its ``__init__`` as ``value(field, step)``."""
+    """A dataclass instance again, each init field given to its ``__init__`` as ``value(its
+    value, its path step)``."""
     return dataclasses.replace(obj, **{f.name: value(getattr(obj, f.name), Field(f.name))
                                        for f in dataclasses.fields(obj) if f.init})
 
 
-def _is_data(obj: Any) -> bool:
-    return dataclasses.is_dataclass(obj) and not isinstance(obj, type)
-
-
 def walk(obj: Any, fn: Callable[[torch.Tensor, tuple[Any, ...]], Any], path: tuple[Any, ...] = ()) -> Any:
     """``obj`` with every tensor inside (tuples, lists, dicts, dataclasses) replaced by ``fn(tensor,
-    path)``: a block may hand the next a ``@dataclass`` state."""
+    path)``."""
     if isinstance(obj, torch.Tensor):
         return fn(obj, path)
-    if _is_data(obj):
+    if is_data(obj):
         return _rebuilt(obj, lambda v, step: walk(v, fn, (*path, step)))
     if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
         return tuple(walk(v, fn, (*path, i)) for i, v in enumerate(obj))
@@ -102,7 +105,7 @@ def resolve(obj: Any, parent: Frame | None, outs: list[Any], memo: dict[int, tor
             value = (obj.value if parent is None else parent.unpack(obj.value)).detach()
             memo[id(obj)] = value.requires_grad_(True) if obj.requires_grad else value
         return memo[id(obj)]
-    if _is_data(obj):
+    if is_data(obj):
         return _rebuilt(obj, lambda v, _: resolve(v, parent, outs, memo))
     if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
         return tuple(resolve(v, parent, outs, memo) for v in obj)

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from remat.errors import InvalidType, InvalidValue
+from remat.manual.frames import is_data
 from remat.manual.own_checkpointing import own_checkpointing_off
 from remat.models.hf import cache_off, every_layer
 
@@ -270,8 +271,9 @@ def storage_bytes(tensors: Any, *, seen: set[int] | None = None) -> int:
 def tensors_in(obj: Any, _seen: set[int] | None = None, *, attributes: bool = False) -> Iterator[torch.Tensor]:
     """Every tensor in ``obj`` (a tensor, or mappings, tuples, lists and dataclasses of them), depth
     first; each container walked once (one may hold itself). ``attributes``: also in the attributes
-    of other objects (``batch_tensors``). A dataclass is data wherever it is met: blocks that hand
-    each other a ``@dataclass`` state were refused (no gradient seemed to reach their outputs)."""
+    of other objects (``batch_tensors``). A dataclass is data wherever it is met (``is_data``):
+    blocks that hand each other a ``@dataclass`` state were refused (no gradient seemed to reach
+    their outputs)."""
     if isinstance(obj, torch.Tensor):
         yield obj
         return
@@ -281,7 +283,7 @@ def tensors_in(obj: Any, _seen: set[int] | None = None, *, attributes: bool = Fa
         values: Any = obj.values()
     elif isinstance(obj, (tuple, list)):
         values = obj
-    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+    elif is_data(obj):
         values = [getattr(obj, f.name) for f in dataclasses.fields(obj)]
     elif attributes and hasattr(obj, "__dict__") and not isinstance(obj, _NOT_DATA):
         values = vars(obj).values()

@@ -148,23 +148,25 @@ def sized(device: torch.device | str) -> Iterator[None]:
 #    (``std::bad_alloc`` in ``terminate``) where this one raises ``MemoryError``.
 
 
+_RECORD_CONFIG = ProfilerConfig(
+    state=ProfilerState.KINETO, report_input_shapes=False, profile_memory=True, with_stack=False,
+    with_flops=False, with_modules=False, experimental_config=_ExperimentalConfig(),
+)
+
+
 class _AllocatorRecord:
     """The CPU allocator's events while the block runs (NOTE [ The CPU record's own memory ]);
     ``events()`` after it: the memory events and the marks, with the ops when ``ops``."""
 
     def __init__(self, ops: bool = False) -> None:
         self.ops = ops
-        self._config = ProfilerConfig(
-            state=ProfilerState.KINETO, report_input_shapes=False, profile_memory=True, with_stack=False,
-            with_flops=False, with_modules=False, experimental_config=_ExperimentalConfig(),
-        )
         self._result: Any = None
 
     def __enter__(self) -> _AllocatorRecord:
         activities = {ProfilerActivity.CPU}
-        _prepare_profiler(self._config, activities)
+        _prepare_profiler(_RECORD_CONFIG, activities)
         scopes = {RecordScope.USER_SCOPE, RecordScope.FUNCTION} if self.ops else {RecordScope.USER_SCOPE}
-        _enable_profiler(self._config, activities, scopes)  # type: ignore[call-arg]  # the stub lacks scopes
+        _enable_profiler(_RECORD_CONFIG, activities, scopes)  # type: ignore[call-arg]  # the stub lacks scopes
         return self
 
     def __exit__(self, *exc: Any) -> None:
