@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from torch._prims_common import is_non_overlapping_and_dense_or_false
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import arg_tree_leaves, tree_leaves
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
 from remat.devices import ROOFLINE_EFFICIENCY, DeviceSpec
@@ -264,7 +264,7 @@ class FakeMeter(TorchDispatchMode):
                 and isinstance(args[1], (int, float)) and not isinstance(args[1], bool)
                 and isinstance(args[0], torch.Tensor) and args[0].requires_grad and isinstance(out, torch.Tensor)):
             self._numbers.append(weakref.ref(out))
-        inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        inputs = [t for t in arg_tree_leaves(*args, **kwargs) if isinstance(t, torch.Tensor)]
         in_keys = {storage_key(t) for t in inputs}
         summed = self._gradient_sum(func, args, kwargs, out)
         written = 0

@@ -5,6 +5,7 @@ fill ]). ``remat.measure.fake`` meters the steps."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import sys
 import warnings
@@ -13,7 +14,7 @@ from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import arg_tree_leaves
 
 from remat.measure.preserve import batch_grads
 
@@ -48,6 +49,12 @@ aten = torch.ops.aten
 # fake mode read ``.grad`` of a real tensor made from it is the fake mode's, not the user's.
 
 
+@functools.cache
+def _writes(func: Any) -> bool:
+    """Whether ``func`` writes into one of its arguments."""
+    return any(a.alias_info is not None and a.alias_info.is_write for a in func._schema.arguments)
+
+
 class _BatchValues(TorchDispatchMode):
     """Runs an op whose tensors are all real for real, under the fake mode (NOTE [ The batch's values ])."""
 
@@ -61,8 +68,8 @@ class _BatchValues(TorchDispatchMode):
         from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 
         kwargs = kwargs or {}
-        tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-        writes = any(a.alias_info is not None and a.alias_info.is_write for a in func._schema.arguments)
+        tensors = [t for t in arg_tree_leaves(*args, **kwargs) if isinstance(t, torch.Tensor)]
+        writes = _writes(func)
         made = bool(tensors) or func._overloadpacket is aten.arange  # positions from a length, too
         if made and not writes and func not in _LIFTS and not any(isinstance(t, FakeTensor) for t in tensors):
             with unset_fake_temporarily():
