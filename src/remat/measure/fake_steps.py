@@ -5,6 +5,7 @@ fill ]). ``remat.measure.fake`` meters the steps."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import math
 import sys
@@ -14,8 +15,9 @@ from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import arg_tree_leaves
+from torch.utils._pytree import arg_tree_leaves, tree_flatten, tree_leaves, tree_unflatten
 
+from remat.errors import out_of_memory
 from remat.measure.preserve import batch_grads
 
 __all__ = ["FakeSteps"]
@@ -81,6 +83,8 @@ class _BatchValues(TorchDispatchMode):
         if func in _READS and (read := self._known(args[0])) is not None:  # NOTE [ Every value finite ]
             return read
         out = func(*args, **kwargs)
+        if func in _SIZED_BY_THE_KERNEL:  # NOTE [ Outputs only the kernel sizes ]
+            return _kernel_sized(func, args, kwargs, out)
         if isinstance(out, FakeTensor) and out.dtype == torch.bool and (known := self._finite(func, args)) is not None:
             self.finite[id(out)] = (weakref.ref(out), known)
         return out
@@ -143,6 +147,61 @@ def _real_mask(index: Any) -> bool:
 
     return (isinstance(index, torch.Tensor) and not isinstance(index, FakeTensor)
             and index.dtype in (torch.bool, torch.uint8))
+
+
+# NOTE [ Outputs only the kernel sizes ]
+# An op's fake kernel gives each output the size its meta function computes; for an output whose
+# size only the real kernel knows, that is wrong. oneDNN's LSTM layer (``mkldnn_rnn_layer``, every
+# float ``nn.LSTM`` on the CPU) returns a workspace that its backward reads: fake, 0 bytes; real,
+# oneDNN's own padded layout (8,015,872 B for 512 steps of 4 x 64). A kept LSTM saves it, so plans
+# that kept one were predicted far below their step: encodec's SEANet at 40% of its plain step
+# predicted 13,685,672 B, measured 21,529,208 (helper 33). Such an op runs for real once per
+# signature (shapes, dtypes, arguments), on zeros, and its fake outputs take the real sizes: the
+# real step runs that op at those shapes anyway.
+
+_SIZED_BY_THE_KERNEL = frozenset({aten.mkldnn_rnn_layer.default})
+
+
+def _kernel_sized(func: Any, args: Any, kwargs: Any, out: Any) -> Any:
+    """``out``, each fake output with the size and dtype the real kernel gives it (NOTE [ Outputs
+    only the kernel sizes ]); as it is where the real op cannot run."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    leaves, spec = tree_flatten((args, kwargs))
+    key = tuple(_Zeros(tuple(t.shape), t.dtype, t.device) if isinstance(t, torch.Tensor) else t for t in leaves)
+    try:
+        sizes = _real_sizes(func, key, spec, torch.is_grad_enabled())
+    except Exception as e:  # the real kernel refused these arguments: the meta's sizes
+        if out_of_memory(e):  # the host's, as a fake step's own (NOTE [ Planning what does not fit ])
+            raise
+        return out
+    outs, out_spec = tree_flatten(out)
+    for i, (fake, size) in enumerate(zip(outs, sizes)):
+        if isinstance(fake, FakeTensor) and size is not None and (fake.numel(), fake.dtype) != size:
+            outs[i] = torch.empty(size[0], dtype=size[1], device=fake.device)  # fake: the fake mode is below
+    return tree_unflatten(outs, out_spec)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Zeros:
+    """A tensor argument, as the real op runs on it."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device
+
+
+@functools.lru_cache(maxsize=64)
+def _real_sizes(func: Any, key: tuple[Any, ...], spec: Any, grad: bool) -> tuple[tuple[int, torch.dtype] | None, ...]:
+    """(elements, dtype) of each output of ``func`` run for real on zeros of ``key``'s shapes, with
+    gradients on or off (oneDNN's LSTM makes its workspace only with them on)."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    with unset_fake_temporarily(), torch.set_grad_enabled(grad):
+        leaves = [torch.zeros(k.shape, dtype=k.dtype, device=k.device) if isinstance(k, _Zeros) else k for k in key]
+        args, kwargs = tree_unflatten(leaves, spec)
+        return tuple((t.numel(), t.dtype) if isinstance(t, torch.Tensor) else None
+                     for t in tree_leaves(func(*args, **kwargs)))
 
 
 # NOTE [ A cache the fake steps fill ]
