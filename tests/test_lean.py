@@ -674,3 +674,32 @@ def test_a_kept_lstm_is_planned_with_the_workspace_its_kernel_keeps() -> None:
         plan = remat.auto(model, (x,), round(plain * share), loss_fn=loss, repeats=1)
         assert not plan.plain_ran and "keep" in plan.choices.values(), plan.choices
         _within_prediction(model, (x,), loss, plan)
+
+
+class _SparseBuffer(torch.nn.Module):
+    """openai-whisper's shape: a sparse buffer (its ``alignment_heads``) the training step never
+    reads; a sparse tensor has no storage of its own (``remat.measure.step.strided_parts``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = torch.nn.Sequential(*(torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(),
+                                                                torch.nn.Linear(256, 64)) for _ in range(4)))
+        self.register_buffer("heads", torch.eye(16, dtype=torch.bool).to_sparse(), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.blocks(x)
+
+
+def test_a_model_with_a_sparse_buffer_is_profiled_and_planned() -> None:
+    torch.manual_seed(0)
+    model, x = _SparseBuffer(), torch.randn(256, 64)
+    loss = lambda out, b: out.square().mean()  # noqa: E731
+    plain = measure_step(model, (x,), loss_fn=loss, repeats=0).peak_bytes
+    prof = profile(model, (x,), loss_fn=loss, repeats=1)  # raised: cannot access storage of SparseTensorImpl
+    assert prof.plain_peak_bytes == plain
+    with pytest.raises(InfeasibleBudget) as refused:
+        remat.auto(model, (x,), 1, loss_fn=loss, repeats=1)
+    for budget in (round(plain * 0.6), refused.value.smallest_bytes):  # the fake copy's bytes: 272 B short before
+        plan = remat.auto(model, (x,), budget, loss_fn=loss, repeats=1)
+        assert not plan.plain_ran
+        _within_prediction(model, (x,), loss, plan)

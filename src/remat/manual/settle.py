@@ -89,6 +89,10 @@ RANDOM_SKIPS = ("step: turn off layerdrop, stochastic depth or other random laye
 #    plan fits a budget with it kept, the profile is made again with every call of it checkpointed
 #    (NOTE [ Every call of a tied module ] in remat.measure.tied); a ``remat.checkpoint_module`` of
 #    the user's on it is left in place (NOTE [ A module's own checkpointing ] in remat.manual.options).
+#    neuraloperator's FNO calls one module per layer with the layer's index (``fno_blocks(x, i)``),
+#    which runs once each of its per-layer lists: taken as blocks, the tied step replayed them and
+#    failed, and the floor was 45% above torch's checkpoint on every call of that module. Only
+#    where nothing else is a block are they blocks, and the module that holds them is not tied.
 # 7. A found block that keeps layers of its own in a stack (a UNet stage of several resnets and
 #    attentions, a Swin stage of several layers; not a stack inside one of its modules, an MoE's
 #    experts), or is one (enformer's tower and transformer, ``Sequential``s of layers in the ``Sequential``
@@ -176,17 +180,20 @@ class Calls:
         return name in self.grads and name not in self.idle and name not in self.mutates
 
 
-def by_calls(model: nn.Module, found: list[tuple[str, nn.Module]], calls: Calls
+def by_calls(model: nn.Module, found: list[tuple[str, nn.Module]], calls: Calls, *, around: bool = True
              ) -> tuple[list[tuple[str, nn.Module]], list[str]]:
     """The blocks found by containers, settled by what ran (NOTE [ Blocks by what runs ]), and the
-    modules left out because they ran more than once (rule 6)."""
+    modules left out because they ran more than once (rule 6); with ``around`` False, not those
+    in them (rule 6, where nothing else is a block)."""
     blocks: list[tuple[str, nn.Module]] = []
     stacks: dict[str, list[bool]] = {}
     repeated: list[str] = []  # rule 6
     canonical = {id(m): n for n, m in model.named_modules()}  # rule 5
+    held = False  # a found block in a module that ran more than once
     for name, module in _units(model, found, calls):
-        if calls.count.get(name, 0) > 1:
-            repeated.append(name)
+        if (outer := _repeated_around(name, calls) if around else name if calls.count.get(name, 0) > 1 else None):
+            repeated.append(outer)
+            held |= outer != name
             continue
         if name in calls.count and (not calls.replays(name) or param_count(module) == 0):
             continue  # rule 1: no backward, or the model's code
@@ -216,14 +223,24 @@ def by_calls(model: nn.Module, found: list[tuple[str, nn.Module]], calls: Calls
     blocks += _uncovered(model, "", taken, above, trunk)
     if not blocks:  # rule 3's last resort
         blocks = _uncovered(model, "", taken, above, dataclasses.replace(trunk, last_resort=True))
+    if not blocks and held:  # rule 6: nothing else is a block
+        return by_calls(model, found, calls, around=False)
     covered = {id(m) for _, b in blocks for m in b.modules()}
     for name, module in model.named_modules():  # rule 6 in the trunk: ALBERT's shared layer
         if (calls.count.get(name, 0) > 1 and calls.replays(name) and trunk.takes(name) and param_count(module) > 0
                 and any(True for _ in module.children()) and id(module) not in covered
-                and not any(inside(name, r) for r in repeated)):
+                and not any(inside(name, r) for r in repeated) and not any(inside(b, name) for b, _ in blocks)):
             repeated.append(name)
     order = {n: i for i, (n, _) in enumerate(model.named_modules())}
     return sorted(_outermost(blocks), key=lambda b: order[b[0]]), list(dict.fromkeys(repeated))
+
+
+def _repeated_around(name: str, calls: Calls) -> str | None:
+    """The outermost of ``name`` and the modules it is in that ran more than once (rule 6), or None:
+    neuraloperator's FNO calls one module per layer with the layer's index, which runs once each
+    of that module's per-layer lists of convolutions."""
+    path = name.split(".")
+    return next((p for k in range(1, len(path) + 1) if calls.count.get(p := ".".join(path[:k]), 0) > 1), None)
 
 
 def _outermost(blocks: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:

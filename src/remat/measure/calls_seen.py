@@ -17,7 +17,8 @@ from torch.utils.hooks import RemovableHandle
 from remat.errors import ProfileError
 from remat.manual.settle import Calls
 from remat.measure import step as _step
-from remat.measure.sides import first_tensor, storage_key
+from remat.measure.sides import first_tensor
+from remat.measure.step import storage_key
 
 __all__ = ["CallsSeen", "seen_calls"]
 

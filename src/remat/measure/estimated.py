@@ -248,9 +248,14 @@ def fake_copy(model: nn.Module, fake_mode: Any) -> nn.Module:
     memory. So are the tensors a module holds as plain attributes, alone or in lists, tuples and
     dicts: ``deepcopy`` under the fake mode cannot give a real tensor a storage (MONAI's attention
     keeps ``att_mat = torch.Tensor()``, its DynUNet a list of its deep supervision's heads). A
-    ``staticmethod`` held on an instance (rotary-embedding-torch's) is shared: no deepcopy takes it."""
+    ``staticmethod`` held on an instance (rotary-embedding-torch's) is shared: no deepcopy takes it,
+    and so is a sparse tensor (openai-whisper's ``alignment_heads``), whose fake twin holds none of
+    its values."""
     memo: dict[int, Any] = {}
     for t in (*model.parameters(), *model.buffers()):
+        if t.layout != torch.strided:  # a fake sparse tensor holds no values (its bytes 0): shared, as it is
+            memo[id(t)] = t
+            continue
         fake = fake_mode.from_tensor(t)
         memo[id(t)] = nn.Parameter(fake, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else fake
     for module in model.modules():

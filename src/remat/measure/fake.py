@@ -37,16 +37,12 @@ from torch.utils._pytree import arg_tree_leaves, tree_leaves
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
 from remat.devices import ROOFLINE_EFFICIENCY, DeviceSpec
+from remat.measure.step import storage_key
 from remat.measure.tracer import Mark, Trace
 
-__all__ = ["FakeMeter", "convertible_parameters", "storage_key"]
+__all__ = ["FakeMeter", "convertible_parameters"]
 
 aten = torch.ops.aten
-
-
-def storage_key(t: torch.Tensor) -> int:
-    """Identity of a tensor's storage, for real and fake tensors alike."""
-    return int(t.untyped_storage()._cdata)
 
 
 def _cpu_flash_flops(query: Any, key: Any, value: Any, *args: Any, **kwargs: Any) -> int:

@@ -33,7 +33,8 @@ import torch
 from remat.crossing import Crossing
 from remat.measure import step as _step
 from remat.measure.notes import StepNotes
-from remat.measure.sides import death_point, storage_key
+from remat.measure.sides import death_point
+from remat.measure.step import storage_key
 
 __all__ = ["note_handover_uses", "note_returned", "read_handovers"]
 

@@ -33,7 +33,7 @@ from remat.measure.sides import (
     read_held_firsts,
     read_side_inputs,
 )
-from remat.measure.sides import storage_key as _storage_key
+from remat.measure.step import storage_key as _storage_key
 from remat.units import format_bytes
 
 __all__ = [

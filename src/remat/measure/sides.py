@@ -37,15 +37,9 @@ __all__ = [
     "noting_deaths",
     "read_held_firsts",
     "read_side_inputs",
-    "storage_key",
     "storage_number",
     "with_skips",
 ]  # fmt: skip
-
-
-def storage_key(t: torch.Tensor) -> int:
-    """The identity of ``t``'s storage (views share it), valid while the storage lives."""
-    return int(t.untyped_storage()._cdata)
 
 
 def first_tensor(obj: Any) -> torch.Tensor | None:
@@ -59,7 +53,7 @@ def first_tensor(obj: Any) -> torch.Tensor | None:
 def storage_number(hooks: StepNotes, t: torch.Tensor) -> int:
     """The number of ``t``'s storage among those ``hooks`` noted in this step: unlike its key,
     never another storage's (NOTE [ Storage keys are reused ]); where it dies is noted."""
-    key, live = storage_key(t), hooks.live_numbers
+    key, live = _step.storage_key(t), hooks.live_numbers
     if key not in live:
         live[key] = number = hooks.numbered
         hooks.numbered += 1
@@ -79,7 +73,7 @@ def note_sides(hooks: StepNotes, i: int, x: torch.Tensor | None, inputs: Any) ->
     if x is not None:
         number = storage_number(hooks, x)
         hooks.firsts.add(number)
-        seen.add(storage_key(x))
+        seen.add(_step.storage_key(x))
         hooks.first_numbers[i] = number
         hooks.first_of[i] = -1 if (maker := output_of(hooks, number)) is None else maker
         if (j := next((j for j, (ref, version) in hooks.output_refs.items()
@@ -87,11 +81,11 @@ def note_sides(hooks: StepNotes, i: int, x: torch.Tensor | None, inputs: Any) ->
             hooks.handed_on[i] = j
     hooks.sides[i] = []
     for t in _step.tensors_in(inputs):
-        if storage_key(t) not in seen and (x is None or t.device == x.device):
-            seen.add(storage_key(t))
+        if _step.storage_key(t) not in seen and (x is None or t.device == x.device):
+            seen.add(_step.storage_key(t))
             number = storage_number(hooks, t)
-            hooks.sides[i].append(Side(storage_key(t), number, t.untyped_storage().nbytes()))
-            if (made := hooks.returned_alive.get(storage_key(t))) is not None:
+            hooks.sides[i].append(Side(_step.storage_key(t), number, t.untyped_storage().nbytes()))
+            if (made := hooks.returned_alive.get(_step.storage_key(t))) is not None:
                 hooks.side_makers.setdefault(number, made[0])
             if number in hooks.first_numbers.values():  # a block's first input (alive: here): a skip
                 hooks.skips_in.add((i, number))

@@ -254,17 +254,40 @@ def _drop_batch_grads(batch: Batch) -> None:
 # --- bytes ---------------------------------------------------------------------------------------
 
 
+def strided_parts(t: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The strided tensors whose storages hold ``t``: ``t``, or a sparse tensor's indices and values
+    (a sparse tensor has no storage of its own: openai-whisper keeps one as a buffer); none for a
+    layout remat cannot read (mkldnn's)."""
+    if t.layout == torch.strided:
+        return (t,)
+    if t.layout == torch.sparse_coo:
+        return (t._indices(), t._values())
+    if t.layout in (torch.sparse_csr, torch.sparse_bsr):
+        return (t.crow_indices(), t.col_indices(), t.values())
+    if t.layout in (torch.sparse_csc, torch.sparse_bsc):
+        return (t.ccol_indices(), t.row_indices(), t.values())
+    return ()
+
+
+def storage_key(t: torch.Tensor) -> int:
+    """The identity of ``t``'s storage (views share it; a sparse tensor's is its values'), for real
+    and fake tensors alike: the StorageImpl's address, valid while the storage lives."""
+    parts = strided_parts(t)
+    return int(parts[-1].untyped_storage()._cdata) if parts else id(t)
+
+
 def storage_bytes(tensors: Any, *, seen: set[int] | None = None) -> int:
     """Bytes of the distinct storages behind ``tensors`` (any nesting); each storage counted once."""
     seen = set() if seen is None else seen
     total = 0
     for t in tensors_in(tensors):
-        storage = t.untyped_storage()
-        key = int(storage._cdata)  # the StorageImpl's address: works for fake tensors too
-        if key in seen:
-            continue
-        seen.add(key)
-        total += storage.nbytes()
+        for part in strided_parts(t):
+            storage = part.untyped_storage()
+            key = int(storage._cdata)
+            if key in seen:
+                continue
+            seen.add(key)
+            total += storage.nbytes()
     return total
 
 
