@@ -9,11 +9,13 @@ budget (and none is the plain step), and a budget below the floor runs no real s
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
+import torch.utils.checkpoint
 
 import remat
 from remat import models
@@ -703,3 +705,39 @@ def test_a_model_with_a_sparse_buffer_is_profiled_and_planned() -> None:
         plan = remat.auto(model, (x,), budget, loss_fn=loss, repeats=1)
         assert not plan.plain_ran
         _within_prediction(model, (x,), loss, plan)
+
+
+class _Selects(torch.nn.Module):
+    """native-sparse-attention's fine selection: each query gathers keys from an expanded [B, T, T, d]
+    view, whose gradient torch's ``gather_backward`` makes in zeros of that size
+    (NOTE [ In place where the real kernel is ])."""
+
+    def __init__(self, d: int = 32, picked: int = 32) -> None:
+        super().__init__()
+        self.kv, self.out, self.picked = torch.nn.Linear(d, d), torch.nn.Linear(d, d), picked
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        every = self.kv(x)[:, None].expand(b, t, t, d)
+        index = (torch.arange(t)[:, None] + torch.arange(self.picked)) % t
+        picked = torch.gather(every, 2, index[None, :, :, None].expand(b, t, self.picked, d))
+        return x + self.out(picked.mean(2))
+
+
+def test_a_gather_backward_is_predicted_in_place_as_the_real_kernel_runs_it() -> None:
+    torch.manual_seed(0)
+    model, x = torch.nn.Sequential(*[_Selects() for _ in range(4)]), torch.randn(2, 128, 32)
+    loss = lambda out, b: out.square().mean()  # noqa: E731
+    plain = measure_step(model, (x,), loss_fn=loss, repeats=0).peak_bytes
+    forwards = [block.forward for block in model]
+    for block, forward in zip(model, forwards):
+        block.forward = functools.partial(torch.utils.checkpoint.checkpoint, forward, use_reentrant=False)
+    try:
+        every = measure_step(model, (x,), loss_fn=loss, repeats=0).peak_bytes
+    finally:
+        for block in model:
+            del block.forward
+    assert every < plain
+    plan = remat.auto(model, (x,), every, loss_fn=loss, repeats=1)  # refused before: a floor above the plain step
+    assert not plan.plain_ran and plan.estimate.peak_bytes <= every
+    _within_prediction(model, (x,), loss, plan)

@@ -57,19 +57,29 @@ def _writes(func: Any) -> bool:
     return any(a.alias_info is not None and a.alias_info.is_write for a in func._schema.arguments)
 
 
-class _BatchValues(TorchDispatchMode):
-    """Runs an op whose tensors are all real for real, under the fake mode (NOTE [ The batch's values ])."""
+class _AsTheRealStep(TorchDispatchMode):
+    """What the fake mode does otherwise than the real step, as the real step does it: an op whose
+    tensors are all real runs for real (NOTE [ The batch's values ]), a read of what every value
+    finite gives is answered (NOTE [ Every value finite ]), outputs only the kernel sizes are sized
+    by it (NOTE [ Outputs only the kernel sizes ]), an op the real kernel runs in place runs in
+    place (NOTE [ In place where the real kernel is ])."""
 
     def __init__(self) -> None:
         super().__init__()
         self.finite: dict[int, tuple[weakref.ref[torch.Tensor], bool]] = {}
         """Fake boolean tensors (by id, while they live) whose every element is known where every
         value is finite."""
+        self.zeros: weakref.ref[torch.Tensor] | None = None
+        """The zeros a backward formula made last (NOTE [ In place where the real kernel is ])."""
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 
         kwargs = kwargs or {}
+        if (func in _IN_PLACE and self.zeros is not None and self.zeros() is args[0]
+                and torch._C._current_autograd_node() is not None):
+            self.zeros = None
+            return _IN_PLACE[func](*args, **kwargs)
         tensors = [t for t in arg_tree_leaves(*args, **kwargs) if isinstance(t, torch.Tensor)]
         writes = _writes(func)
         made = bool(tensors) or func._overloadpacket is aten.arange  # positions from a length, too
@@ -83,6 +93,8 @@ class _BatchValues(TorchDispatchMode):
         if func in _READS and (read := self._known(args[0])) is not None:  # NOTE [ Every value finite ]
             return read
         out = func(*args, **kwargs)
+        if func in _ZEROS and torch._C._current_autograd_node() is not None:
+            self.zeros = weakref.ref(out)
         if func in _SIZED_BY_THE_KERNEL:  # NOTE [ Outputs only the kernel sizes ]
             return _kernel_sized(func, args, kwargs, out)
         if isinstance(out, FakeTensor) and out.dtype == torch.bool and (known := self._finite(func, args)) is not None:
@@ -204,6 +216,21 @@ def _real_sizes(func: Any, key: tuple[Any, ...], spec: Any, grad: bool) -> tuple
                      for t in tree_leaves(func(*args, **kwargs)))
 
 
+# NOTE [ In place where the real kernel is ]
+# Some backward formulas take an out-of-place op where a tensor is a subclass (for composite
+# compliance) and an in-place one otherwise: torch's ``gather_backward`` makes zeros the size of the
+# gathered tensor and, on real tensors, ``scatter_add_``s the gradient into them; on fake ones it
+# ``scatter_add``s into a second buffer of that size. native-sparse-attention gathers from an
+# expanded [B, T, T, d] per layer: the fake backward peaked 16 MiB a layer above the real one, and
+# ``auto`` refused torch's every-block peak, naming a floor above the plain step (helper 34). In a
+# backward, such an op on the zeros its formula made last runs in place on them, as the real one.
+
+_IN_PLACE = {aten.scatter_add.default: aten.scatter_add_.default, aten.index_add.default: aten.index_add_.default,
+             aten.index_put.default: aten.index_put_.default, aten.put.default: aten.put_.default}
+"""Out-of-place ops a backward formula takes on a subclass, and what it takes on real tensors."""
+_ZEROS = frozenset({aten.new_zeros.default, aten.zeros.default, aten.zeros_like.default})
+
+
 # NOTE [ A cache the fake steps fill ]
 # Model code may keep what it builds in a process-wide cache (``functools.lru_cache``: transformers'
 # BEiT relative position index, DETR's position embedding). A fake step fills it with fake tensors,
@@ -242,7 +269,7 @@ class FakeSteps:
         self._stack.enter_context(warnings.catch_warnings())
         warnings.filterwarnings("ignore", message=_NON_LEAF_GRAD, category=UserWarning)
         self._stack.enter_context(self.mode)
-        self._stack.enter_context(_BatchValues())
+        self._stack.enter_context(_AsTheRealStep())
         return self
 
     def __exit__(self, *exc: Any) -> None:
