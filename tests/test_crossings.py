@@ -26,7 +26,8 @@ from torch import nn
 import remat
 from remat.errors import CheckpointError
 from remat.measure.notes import StepNotes
-from remat.measure.sides import note_output, note_sides, read_side_inputs, storage_key, with_skips
+from remat.measure.sides import note_output, note_sides, read_side_inputs, with_skips
+from remat.measure.step import storage_key
 from remat.measure.step_memory import measure_step
 from remat.plan.handovers import handovers
 from remat.plan.segment_estimate import estimate_segments
