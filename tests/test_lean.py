@@ -741,3 +741,22 @@ def test_a_gather_backward_is_predicted_in_place_as_the_real_kernel_runs_it() ->
     plan = remat.auto(model, (x,), every, loss_fn=loss, repeats=1)  # refused before: a floor above the plain step
     assert not plan.plain_ran and plan.estimate.peak_bytes <= every
     _within_prediction(model, (x,), loss, plan)
+
+
+def test_an_output_only_the_kernel_sizes_is_left_to_the_meta_where_running_it_takes_too_much(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """NOTE [ Outputs only the kernel sizes ]: a model planned for a device this machine is not."""
+    from remat.measure import fake_steps
+    from remat.measure.estimated import plain_peak
+    from remat.measure.lean import lean_spec
+
+    torch.manual_seed(0)
+    model, x = torch.nn.Sequential(*[_Recurrent() for _ in range(2)]), torch.randn(64, 4, 32)
+    loss = lambda out, b: out.square().mean()  # noqa: E731
+    real = measure_step(model, (x,), loss_fn=loss, repeats=0).peak_bytes
+    spec = lean_spec(torch.device("cpu"))
+    assert plain_peak(model, (x,), loss, None, spec) > 0.9 * real
+    monkeypatch.setattr(fake_steps, "_REAL_RUN_BYTES", 0)
+    monkeypatch.setattr(fake_steps, "_LEFT_OUT", set())
+    assert plain_peak(model, (x,), loss, None, spec) < 0.9 * real  # without the workspace
+    assert "mkldnn_rnn_layer.default's outputs are sized as its meta function sizes them" in caplog.text

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import logging
 import math
 import sys
 import warnings
@@ -19,8 +20,11 @@ from torch.utils._pytree import arg_tree_leaves, tree_flatten, tree_leaves, tree
 
 from remat.errors import out_of_memory
 from remat.measure.preserve import batch_grads
+from remat.units import format_bytes
 
 __all__ = ["FakeSteps"]
+
+log = logging.getLogger(__name__)
 
 aten = torch.ops.aten
 
@@ -169,9 +173,15 @@ def _real_mask(index: Any) -> bool:
 # that kept one were predicted far below their step: encodec's SEANet at 40% of its plain step
 # predicted 13,685,672 B, measured 21,529,208 (helper 33). Such an op runs for real once per
 # signature (shapes, dtypes, arguments), on zeros, and its fake outputs take the real sizes: the
-# real step runs that op at those shapes anyway.
+# real step runs that op at those shapes anyway. Not where its arguments take more than
+# ``_REAL_RUN_BYTES`` (a model planned for a device this machine is not, on a laptop): there the
+# meta's sizes stand, and a warning says what is left out.
+
+_REAL_RUN_BYTES = 256 * 2**20
 
 _SIZED_BY_THE_KERNEL = frozenset({aten.mkldnn_rnn_layer.default})
+_LEFT_OUT: set[Any] = set()
+"""Those of ``_SIZED_BY_THE_KERNEL`` a warning said were too large to run, once per op."""
 
 
 def _kernel_sized(func: Any, args: Any, kwargs: Any, out: Any) -> Any:
@@ -181,6 +191,13 @@ def _kernel_sized(func: Any, args: Any, kwargs: Any, out: Any) -> Any:
 
     leaves, spec = tree_flatten((args, kwargs))
     key = tuple(_Zeros(tuple(t.shape), t.dtype, t.device) if isinstance(t, torch.Tensor) else t for t in leaves)
+    if (nbytes := sum(t.numel() * t.element_size() for t in leaves if isinstance(t, torch.Tensor))) > _REAL_RUN_BYTES:
+        if func not in _LEFT_OUT:
+            _LEFT_OUT.add(func)
+            log.warning("remat: %s's outputs are sized as its meta function sizes them (its workspace: 0 B), not by "
+                        "running it on zeros, which would take %s: plans that keep it are predicted below their "
+                        "step by its workspace", func, format_bytes(nbytes))
+        return out
     try:
         sizes = _real_sizes(func, key, spec, torch.is_grad_enabled())
     except Exception as e:  # the real kernel refused these arguments: the meta's sizes
