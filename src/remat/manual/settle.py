@@ -121,7 +121,10 @@ RANDOM_SKIPS = ("step: turn off layerdrop, stochastic depth or other random laye
 #    a stack of blocks: the unit is the block where it passes rule 3's test, and rule 7 leaves it
 #    whole. Split, the residual path was the model's code between blocks, and segments cannot span
 #    it: MONAI's UNet floored at 3.84 MiB where torch's checkpoint on its whole units reaches 3.68
-#    (3.65 now; ``test_libs_zoo``'s ``monai-unet``).
+#    (3.65 now; ``test_libs_zoo``'s ``monai-unet``). Parameters beside it are beside every found
+#    stack in the unit: kornia DISK's U-Net keeps its down path and its up path, each a stack of
+#    blocks of one convolution, and nothing else; each path was the other's parameters beside,
+#    and the whole U-Net one block (its floor 15.58 MB, torch's checkpoint on its 9 blocks 13.25).
 # 9. A stage whose own code does work for the backward (``Calls.work``: it saves a tensor, or makes
 #    the input of one of its modules: MONAI BasicUNet's max pooling before its convolutions, whose
 #    indices and output its split plan kept at every budget, and the concatenation of its up path's
@@ -288,14 +291,14 @@ def _holding(module: nn.Module, dims: int) -> int:
 def _units(model: nn.Module, found: list[tuple[str, nn.Module]], calls: Calls) -> list[tuple[str, nn.Module]]:
     """``found`` with each stack of single layers in a residual unit given way to the unit (rule 8)."""
     modules = dict(model.named_modules())
-    members: dict[str, list[str]] = {}
+    members: dict[str, list[str]] = {}  # a unit's found stacks' layers: every stack in it, one chain or not
     for name, _ in found:
-        members.setdefault(name.rpartition(".")[0], []).append(name)
-    unit_of: dict[str, str] = {}
-    for container, names in members.items():
-        unit = container
+        unit = name.rpartition(".")[0]
         while unit and isinstance(modules[unit], CONTAINERS):
             unit = unit.rpartition(".")[0]
+        members.setdefault(unit, []).append(name)
+    unit_of: dict[str, str] = {}
+    for unit, names in members.items():
         if (unit and unit in calls.made and all(_one_weight(modules[n]) for n in names)
                 and param_count(modules[unit]) > sum(param_count(modules[n]) for n in names)
                 and _Trunk(calls).holds(unit, modules[unit])):
