@@ -585,6 +585,47 @@ class TrunkTwice(nn.Module):
         return self.head(self.trunk(self.embed(ids)))
 
 
+class _Group(nn.Module):
+    """SwinIR's ``BasicLayer``: a stack of layers and nothing else."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([Attn(d), Attn(d)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+class _ResidualGroup(nn.Module):
+    """SwinIR's ``RSTB``: its group of layers, a closing layer, and a residual."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.residual_group, self.conv = _Group(d), nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.conv(self.residual_group(x)) + x
+
+
+class WrappedStacks(nn.Module):
+    """rule 7 of NOTE [ Blocks by what runs ]: each stage keeps its layers in a module that holds
+    nothing else; whole, SwinIR's stages floored at 9.83 MB where torch's checkpoint on every layer
+    reaches 7.68 and its own ``use_checkpoint`` 8.07."""
+
+    def __init__(self, d: int = 32) -> None:
+        super().__init__()
+        self.embed, self.head = nn.Embedding(64, d), nn.Linear(d, 64)
+        self.layers = nn.ModuleList([_ResidualGroup(d), _ResidualGroup(d)])
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
 class _Thin(nn.Module):
     """kornia DISK's U-Net block: one convolution, its norm and activation."""
 
@@ -651,6 +692,8 @@ CASES = {
     "shared-rotary": (SharedRotary, [f"layers.{i}" for i in range(4)]),
     "ema-lists": (EmaLists, [f"layers.{i}.{j}" for i in range(1, 6) for j in range(2)]),
     "trunk-twice": (TrunkTwice, ["stem", "tower.0", "tower.1", *(f"transformer.{i}" for i in range(4))]),
+    "wrapped-stacks": (WrappedStacks, [f"layers.{i}.{p}" for i in range(2)
+                                       for p in ("residual_group.blocks.0", "residual_group.blocks.1", "conv")]),
     "thin-paths": (ThinPaths, [*(f"unet.path_down.{i}" for i in range(3)), "unet.path_up.0", "unet.path_up.1"]),
     "vnet-stages": (VStages, [f"{s}.{p}" for s, n in (("one", 2), ("two", 3)) for p in ["down", "norm", *(f"ops.{i}" for i in range(n))]]),
 }
