@@ -12,7 +12,8 @@ from typing import Literal
 from torch import nn
 
 from remat.errors import ProfileError
-from remat.manual.blocks import CONTAINERS, inside, is_block_stack, param_count, stack_candidates
+from remat.manual.blocks import CONTAINERS, inside, param_count
+from remat.manual.shapes import bare_layer, keeps_a_stack, one_weight, wraps_a_stack
 
 __all__ = ["RANDOM_SKIPS", "Calls", "by_calls"]
 
@@ -273,24 +274,6 @@ def _running_within(name: str, module: nn.Module, calls: Calls, canonical: dict[
     return found
 
 
-def _bare_layer(module: nn.Module) -> bool:
-    """Whether ``module`` is one layer, bare or wrapped: at most one of its modules holds
-    parameters of its own (an ``nn.Conv2d``, a ``Sequential`` around one; rule 4)."""
-    return _holding(module, dims=1) <= 1
-
-
-def _one_weight(module: nn.Module) -> bool:
-    """Whether at most one of ``module``'s modules holds a weight (a parameter of two or more
-    dimensions; norms and activations hold vectors): a layer of a chain, as MONAI's ``Convolution``
-    with its PReLU (rule 8)."""
-    return _holding(module, dims=2) <= 1
-
-
-def _holding(module: nn.Module, dims: int) -> int:
-    """How many of ``module``'s modules hold a parameter of their own of ``dims`` or more dimensions."""
-    return sum(1 for m in module.modules() if any(p.dim() >= dims for p in m.parameters(recurse=False)))
-
-
 def _units(model: nn.Module, found: list[tuple[str, nn.Module]], calls: Calls) -> list[tuple[str, nn.Module]]:
     """``found`` with each stack of single layers in a residual unit given way to the unit (rule 8)."""
     modules = dict(model.named_modules())
@@ -302,7 +285,7 @@ def _units(model: nn.Module, found: list[tuple[str, nn.Module]], calls: Calls) -
         members.setdefault(unit, []).append(name)
     unit_of: dict[str, str] = {}
     for unit, names in members.items():
-        if (unit and unit in calls.made and all(_one_weight(modules[n]) for n in names)
+        if (unit and unit in calls.made and all(one_weight(modules[n]) for n in names)
                 and param_count(modules[unit]) > sum(param_count(modules[n]) for n in names)
                 and _Trunk(calls).holds(unit, modules[unit])):
             unit_of |= dict.fromkeys(names, unit)
@@ -355,7 +338,7 @@ def _uncovered(model: nn.Module, prefix: str, taken: set[str], above: set[str], 
         if full in taken:
             continue
         if (full in above or (isinstance(child, CONTAINERS) and (whole or full not in trunk.calls.count))
-                or (stage and _wraps_a_stack(child))):
+                or (stage and wraps_a_stack(child))):
             found += _uncovered(child, full, taken, above, trunk, stage, whole)
         elif trunk.holds(full, child, bare=stage or (prefix in trunk.stages and not isinstance(child, nn.Embedding))):
             bare = not any(True for _ in child.children())  # a stack's stage's own layer (rule 7)
@@ -370,33 +353,12 @@ def _split(name: str, module: nn.Module, taken: set[str], above: set[str], trunk
     parts = _uncovered(module, name, taken, above, trunk, whole=True)
     while len(parts) == 1:
         parts = _uncovered(parts[0][1], parts[0][0], taken, above, trunk, whole=True)
-    return parts if len(parts) >= 2 and not all(_bare_layer(m) for _, m in parts) else [(name, module)]
+    return parts if len(parts) >= 2 and not all(bare_layer(m) for _, m in parts) else [(name, module)]
 
 
 def _stage_parts(name: str, module: nn.Module, calls: Calls) -> list[tuple[str, nn.Module]]:
     """The parts of a found block that keeps a stack of layers of its own (rule 7), or none."""
-    if not _keeps_a_stack(module):
+    if not keeps_a_stack(module):
         return []
     parts = _uncovered(module, name, set(), set(), _Trunk(calls), stage=True)
     return parts if sum(param_count(m) for _, m in parts) == param_count(module) else []
-
-
-def _keeps_a_stack(stage: nn.Module) -> bool:
-    """Whether ``stage`` keeps a stack of layers of its own: held in containers, or in a module that
-    holds nothing else (SwinIR's residual group), not inside one of its modules (an MoE's experts
-    are its MoE's, beside its router; rule 7)."""
-    modules = dict(stage.named_modules())
-
-    def own(name: str, stack: nn.Module) -> bool:
-        path = name.split(".")
-        return all(isinstance(m := modules[".".join(path[:k])], CONTAINERS) or param_count(m) == param_count(stack)
-                   for k in range(1, len(path)))
-
-    return any((not n or own(n, c)) and is_block_stack(c) and not all(_one_weight(m) for m in c.children())
-               for n, c, _ in stack_candidates(stage))
-
-
-def _wraps_a_stack(module: nn.Module) -> bool:
-    """Whether ``module`` holds a stack of layers and nothing else: a stage's part that is its
-    stack's wrapper, whose layers are the parts (rule 7)."""
-    return any(n and param_count(c) == param_count(module) for n, c, _ in stack_candidates(module)) and _keeps_a_stack(module)
