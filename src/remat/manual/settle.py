@@ -198,7 +198,8 @@ def by_calls(model: nn.Module, found: list[tuple[str, nn.Module]], calls: Calls,
     canonical = {id(m): n for n, m in model.named_modules()}  # rule 5
     held = False  # a found block in a module that ran more than once
     for name, module in _units(model, found, calls):
-        if (outer := _repeated_around(name, calls) if around else name if calls.count.get(name, 0) > 1 else None):
+        outer = _repeated_around(name, calls) if around else (name if calls.count.get(name, 0) > 1 else None)
+        if outer is not None:
             repeated.append(outer)
             held |= outer != name
             continue
