@@ -46,14 +46,17 @@ def note_returned(hooks: StepNotes, i: int, output: Any, y: torch.Tensor | None)
     skip = {*hooks.base_keys, *hooks.input_keys.get(i, ())}
     found = hooks.returned.setdefault(i, [])
     alive = hooks.returned_alive
+    hidden = storage_key(y)
     for t in _step.tensors_in(output):
-        if t.layout != torch.strided or t.device != y.device or storage_key(t) in skip | alive.keys():
-            continue  # a sparse tensor has no storage; one another block returned is that block's
-        skip.add(storage_key(t))
-        if storage_key(t) == storage_key(y):  # NOTE [ A hidden output the model's code holds ]
+        if t.layout != torch.strided or t.device != y.device:
+            continue  # a sparse tensor has no storage of its own to follow
+        if (key := storage_key(t)) in skip or key in alive:
+            continue  # one another block returned is that block's
+        skip.add(key)
+        if key == hidden:  # NOTE [ A hidden output the model's code holds ]
             hooks.returned_hidden.add((i, len(found)))
-        alive[storage_key(t)] = (i, len(found))
-        weakref.finalize(t.untyped_storage(), _freed, hooks, i, len(found), storage_key(t))
+        alive[key] = (i, len(found))
+        weakref.finalize(t.untyped_storage(), _freed, hooks, i, len(found), key)
         found.append(t.untyped_storage().nbytes())
 
 

@@ -81,11 +81,11 @@ def note_sides(hooks: StepNotes, i: int, x: torch.Tensor | None, inputs: Any) ->
             hooks.handed_on[i] = j
     hooks.sides[i] = []
     for t in _step.tensors_in(inputs):
-        if _step.storage_key(t) not in seen and (x is None or t.device == x.device):
-            seen.add(_step.storage_key(t))
+        if (key := _step.storage_key(t)) not in seen and (x is None or t.device == x.device):
+            seen.add(key)
             number = storage_number(hooks, t)
-            hooks.sides[i].append(Side(_step.storage_key(t), number, t.untyped_storage().nbytes()))
-            if (made := hooks.returned_alive.get(_step.storage_key(t))) is not None:
+            hooks.sides[i].append(Side(key, number, t.untyped_storage().nbytes()))
+            if (made := hooks.returned_alive.get(key)) is not None:
                 hooks.side_makers.setdefault(number, made[0])
             if number in hooks.first_numbers.values():  # a block's first input (alive: here): a skip
                 hooks.skips_in.add((i, number))

@@ -282,12 +282,9 @@ def storage_bytes(tensors: Any, *, seen: set[int] | None = None) -> int:
     total = 0
     for t in tensors_in(tensors):
         for part in strided_parts(t):
-            storage = part.untyped_storage()
-            key = int(storage._cdata)
-            if key in seen:
-                continue
-            seen.add(key)
-            total += storage.nbytes()
+            if (key := storage_key(part)) not in seen:
+                seen.add(key)
+                total += part.untyped_storage().nbytes()
     return total
 
 
