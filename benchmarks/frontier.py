@@ -82,6 +82,7 @@ from _peers import (
 
 from remat.measure import clock
 from remat.measure import step as _step
+from remat.measure import storages as _storages
 from remat.measure.preserve import preserved
 from remat.measure.profiler import profile
 from remat.measure.step_memory import measure_step
@@ -418,7 +419,7 @@ def run_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
         "clock": args.clock,
         "repeats": args.repeats,
         "blocks": [b for b, _ in case.blocks],
-        "batch_shape": _step.batch_shape(case.batch),
+        "batch_shape": _storages.batch_shape(case.batch),
         "plain": {"peak_bytes": peaks[configs[0].name], "step_ms": base_ms,
                   "wall_ms": statistics.median(walls[configs[0].name]),
                   "noise": _noise(times[configs[0].name])},

@@ -28,6 +28,7 @@ import torch
 from remat import models
 from remat.measure import collector
 from remat.measure import step as _step
+from remat.measure import storages as _storages
 from remat.measure.profiler import profile
 from remat.measure.step_memory import measure_step
 
@@ -72,7 +73,7 @@ class _Count:
         from torch._subclasses.fake_tensor import FakeTensor
 
         def counted(model: Any, batch: Any, *args: Any, **kwargs: Any) -> Any:
-            if any(isinstance(t, FakeTensor) for t in _step.tensors_in(batch)):
+            if any(isinstance(t, FakeTensor) for t in _storages.tensors_in(batch)):
                 self.fake += 1
             else:
                 self.real += 1

@@ -27,8 +27,8 @@ import remat
 from remat.errors import CheckpointError
 from remat.measure.notes import StepNotes
 from remat.measure.sides import note_output, note_sides, read_side_inputs, with_skips
-from remat.measure.step import storage_key
 from remat.measure.step_memory import measure_step
+from remat.measure.storages import storage_key
 from remat.plan.handovers import handovers
 from remat.plan.segment_estimate import estimate_segments
 from remat.plan.sides import side_inputs
@@ -322,7 +322,7 @@ def test_a_view_made_between_blocks_ends_segments() -> None:
 
 
 def test_blocks_that_hand_each_other_a_dataclass_are_planned_to_the_byte() -> None:
-    # remat.measure.step.tensors_in and remat.manual.frames.walk look into a dataclass: before,
+    # remat.measure.storages.tensors_in and remat.manual.frames.walk look into a dataclass: before,
     # "no gradient reached the outputs of blocks [...]" (a ProfileError naming the user's blocks=),
     # and once found, a segment's frame held its blocks' states whole (2 * HIDDEN over here).
     model, prof = _profiled(Stateful)

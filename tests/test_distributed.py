@@ -470,7 +470,7 @@ def test_per_rank_profile_with_uneven_shards(world_size: int) -> None:
 def test_ddp_buckets_hold_one_copy_of_the_parameters() -> None:
     from torch.nn.parallel import DistributedDataParallel
 
-    from remat.measure.step import param_bytes
+    from remat.measure.storages import param_bytes
     from remat.measure.tracer import MemoryTracer
 
     model = tiny()

@@ -680,7 +680,7 @@ def test_a_kept_lstm_is_planned_with_the_workspace_its_kernel_keeps() -> None:
 
 class _SparseBuffer(torch.nn.Module):
     """openai-whisper's shape: a sparse buffer (its ``alignment_heads``) the training step never
-    reads; a sparse tensor has no storage of its own (``remat.measure.step.strided_parts``)."""
+    reads; a sparse tensor has no storage of its own (``remat.measure.storages.strided_parts``)."""
 
     def __init__(self) -> None:
         super().__init__()

@@ -330,7 +330,7 @@ def verify_cmd(
       remat verify --model remat.demo:full --plan remat-out/plan.json --json
     """
     from remat.applier import apply, remove
-    from remat.measure import step as _step
+    from remat.measure import storages as _storages
     from remat.records import Plan
     from remat.report import ComparisonRow, comparison_table
     from remat.verifier import verify
@@ -348,7 +348,7 @@ def verify_cmd(
     target = load_target(args, device=device)
     apply(target.model, plan)  # a plan for another model fails here, before anything runs
     remove(target.model)
-    shape = _step.batch_shape(target.batch)
+    shape = _storages.batch_shape(target.batch)
     if shape != plan.batch_shape:
         raise InvalidValue(
             f"the plan was made for a batch of shape {plan.batch_shape}; this batch has shape "

@@ -68,7 +68,7 @@ class Field:
 
 def is_data(obj: Any) -> bool:
     """Whether ``obj`` is a dataclass instance: data wherever it is met, as a tuple is (a block may
-    hand the next a ``@dataclass`` state; ``remat.measure.step.tensors_in`` walks it too)."""
+    hand the next a ``@dataclass`` state; ``remat.measure.storages.tensors_in`` walks it too)."""
     return dataclasses.is_dataclass(obj) and not isinstance(obj, type)
 
 

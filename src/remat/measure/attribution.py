@@ -68,7 +68,7 @@ from remat.crossing import Crossing
 from remat.errors import ProfileError
 from remat.manual.batchnorm import snapshot_bytes
 from remat.manual.blocks import fingerprint
-from remat.measure import step as _step
+from remat.measure import storages as _storages
 from remat.measure.handovers import read_handovers
 from remat.measure.notes import PartNumbers, StepNotes
 from remat.measure.phases import block_times, span
@@ -220,7 +220,7 @@ def assemble(
     if sides and "recompute" in runs:  # as if the handovers freed in the head were saved as kept
         held += sum(h.size_bytes * (saved_under(h, "keep") - saved_under(h, "recompute"))
                     for h in handed if h.dies_after is None)
-    param_bytes = [_step.storage_bytes(list(m.parameters())) for _, m in named]
+    param_bytes = [_storages.storage_bytes(list(m.parameters())) for _, m in named]
     kinds = [(type(m).__name__, param_bytes[i], hooks_keep.in_bytes[i], keep_blocks[i].kept)
              for i, (_, m) in enumerate(named)]
     fwd, bwd, sel_extra = block_times(times, len(named), kinds if smooth else None)

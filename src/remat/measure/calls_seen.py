@@ -17,8 +17,9 @@ from torch.utils.hooks import RemovableHandle
 from remat.errors import ProfileError
 from remat.manual.settle import Calls
 from remat.measure import step as _step
+from remat.measure import storages as _storages
 from remat.measure.sides import first_tensor
-from remat.measure.step import storage_key
+from remat.measure.storages import storage_key
 
 __all__ = ["CallsSeen", "seen_calls"]
 
@@ -94,7 +95,7 @@ class CallsSeen:
             self.worked()
         self.first.append(name)
         if name in self.holding:
-            self.inputs[name] = {id(t) for t in _step.tensors_in((args, kwargs))}
+            self.inputs[name] = {id(t) for t in _storages.tensors_in((args, kwargs))}
         if x is not None:
             calls.inputs[name] = "grad" if x.requires_grad else "batch" if id(x) in self.batch_ids else "made"
 
@@ -112,7 +113,7 @@ class CallsSeen:
                 calls.made.add(name)  # rule 8
             if y is not None and (parent := name.rpartition(".")[0]) in calls.start and parent not in calls.end:
                 self.returned.setdefault(parent, []).append(weakref.ref(y))
-            for t in _step.tensors_in(output):
+            for t in _storages.tensors_in(output):
                 if t.requires_grad:  # a backward runs through it only where a gradient reaches it
                     self.handles.append(t.register_hook(lambda _, name=name: calls.grads.add(name)))
         self.done = self.done or module is self.model
@@ -145,7 +146,7 @@ def seen_calls(model: nn.Module, batch: Any, loss_fn: Any, optimizer: Any) -> Ca
 
 
 def _watched(model: nn.Module, batch: Any, loss_fn: Any, optimizer: Any) -> CallsSeen:
-    seen = CallsSeen(model, batch_ids={id(t) for t in _step.batch_tensors(batch)})
+    seen = CallsSeen(model, batch_ids={id(t) for t in _storages.batch_tensors(batch)})
     seen.handles += [h for m in model.modules()
                      for h in (m.register_forward_pre_hook(seen.pre, with_kwargs=True), m.register_forward_hook(seen.post))]
     try:

@@ -26,6 +26,7 @@ from remat.devices import ROOFLINE_EFFICIENCY, DeviceSpec
 from remat.errors import InvalidType, InvalidValue
 from remat.manual.blocks import find_blocks
 from remat.measure import step as _step
+from remat.measure import storages as _storages
 from remat.measure.attribution import assemble
 from remat.measure.heads import HeadMeasures, add_heads, measure_heads
 from remat.measure.marked import (
@@ -158,10 +159,10 @@ def fake_run(make_model: Callable[[Any], nn.Module], batch: Any, loss_fn: Any,
         times = {option: phase_times({m.label: m.t_ms for m in meter.marks}, hooks.order)
                  for option, (meter, hooks) in runs.items()}
         sides, unsaved = sides_of(model, named, step_batch, loss_fn, opt, keys, traces["keep"][1])
-        param_bytes = _step.param_bytes(model)
-        opt_bytes = _step.optimizer_bytes(opt)
-        data = _step.batch_bytes(step_batch)
-        buffers = _step.storage_bytes(list(model.buffers()))
+        param_bytes = _storages.param_bytes(model)
+        opt_bytes = _storages.optimizer_bytes(opt)
+        data = _storages.batch_bytes(step_batch)
+        buffers = _storages.storage_bytes(list(model.buffers()))
         marked = functools.partial(marked_step, model, named, step_batch, loss_fn, opt, base_keys=keys)
         runner = StepRunner(marked, model, spec=spec)
         heads, tiles = measure_heads(model, named, runner), measure_tiles(named, runner, times["keep"])
@@ -171,7 +172,7 @@ def fake_run(make_model: Callable[[Any], nn.Module], batch: Any, loss_fn: Any,
         host_link_bytes_per_s=spec.host_link_bytes_per_s * ROOFLINE_EFFICIENCY["host_link"]
         if spec.name != "cpu" else None,
         fixed=dict(
-            device=spec.name, mode="estimated", dtype=dtype_name(model), batch_shape=_step.batch_shape(step_batch),
+            device=spec.name, mode="estimated", dtype=dtype_name(model), batch_shape=_storages.batch_shape(step_batch),
             base_bytes=param_bytes + buffers + opt_bytes + data, param_bytes=param_bytes,
             optimizer_bytes=opt_bytes, batch_bytes=data, device_memory_bytes=spec.memory_bytes,
             layerdrop=[n for n, _ in named if n in skipped], repeated=repeated,
@@ -225,8 +226,8 @@ def plain_peak(model: nn.Module, batch: Any, loss_fn: Any, optimizer: torch.opti
         meter = FakeMeter(spec)
         with meter:
             _step.train_step(fake, batch, loss_fn, opt)
-        base = (_step.param_bytes(fake) + _step.storage_bytes(list(fake.buffers()))
-                + _step.optimizer_bytes(opt) + _step.batch_bytes(batch))
+        base = (_storages.param_bytes(fake) + _storages.storage_bytes(list(fake.buffers()))
+                + _storages.optimizer_bytes(opt) + _storages.batch_bytes(batch))
     return base + meter.peak
 
 
@@ -259,7 +260,7 @@ def fake_copy(model: nn.Module, fake_mode: Any) -> nn.Module:
         fake = fake_mode.from_tensor(t)
         memo[id(t)] = nn.Parameter(fake, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else fake
     for module in model.modules():
-        for value in _step.tensors_in(list(vars(module).values())):
+        for value in _storages.tensors_in(list(vars(module).values())):
             if id(value) not in memo:
                 memo[id(value)] = fake_mode.from_tensor(value)
         for value in vars(module).values():  # a function held on an instance: shared, as functions are

@@ -37,7 +37,7 @@ from torch.utils._pytree import arg_tree_leaves, tree_leaves
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
 from remat.devices import ROOFLINE_EFFICIENCY, DeviceSpec
-from remat.measure.step import storage_key
+from remat.measure.storages import storage_key
 from remat.measure.tracer import Mark, Trace
 
 __all__ = ["FakeMeter", "convertible_parameters"]

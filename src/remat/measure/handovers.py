@@ -31,10 +31,10 @@ from typing import Any
 import torch
 
 from remat.crossing import Crossing
-from remat.measure import step as _step
+from remat.measure import storages as _storages
 from remat.measure.notes import StepNotes
 from remat.measure.sides import death_point
-from remat.measure.step import storage_key
+from remat.measure.storages import storage_key
 
 __all__ = ["note_handover_uses", "note_returned", "read_handovers"]
 
@@ -47,7 +47,7 @@ def note_returned(hooks: StepNotes, i: int, output: Any, y: torch.Tensor | None)
     found = hooks.returned.setdefault(i, [])
     alive = hooks.returned_alive
     hidden = storage_key(y)
-    for t in _step.tensors_in(output):
+    for t in _storages.tensors_in(output):
         if t.layout != torch.strided or t.device != y.device:
             continue  # a sparse tensor has no storage of its own to follow
         if (key := storage_key(t)) in skip or key in alive:
@@ -64,7 +64,7 @@ def note_handover_uses(hooks: StepNotes, i: int, inputs: Any) -> None:
     """Note block i's inputs (the pre-hook's): a returned storage entering a block is a side
     input there, not a handover."""
     alive = hooks.returned_alive
-    keys = [storage_key(t) for t in _step.tensors_in(inputs) if t.layout == torch.strided]
+    keys = [storage_key(t) for t in _storages.tensors_in(inputs) if t.layout == torch.strided]
     hooks.input_keys[i] = keys
     for key in keys:
         if (who := alive.get(key)) is not None:

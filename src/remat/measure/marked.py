@@ -21,6 +21,7 @@ from remat.crossing import Crossing
 from remat.errors import ProfileError
 from remat.manual.settle import RANDOM_SKIPS
 from remat.measure import step as _step
+from remat.measure import storages as _storages
 from remat.measure.handovers import note_handover_uses, note_returned
 from remat.measure.notes import StepNotes
 from remat.measure.runner import every_block
@@ -33,7 +34,7 @@ from remat.measure.sides import (
     read_held_firsts,
     read_side_inputs,
 )
-from remat.measure.step import storage_key as _storage_key
+from remat.measure.storages import storage_key as _storage_key
 from remat.units import format_bytes
 
 __all__ = [
@@ -112,7 +113,7 @@ class Hooks(StepNotes):
             note_returned(self, i, output, y)
             self.out_bytes[i] = y.untyped_storage().nbytes() if y is not None else 0
             began = backward_mark(self, i, self.mark)  # at the first gradient any output receives
-            for t in _step.tensors_in(output):  # the first may get none (Flux's last single block)
+            for t in _storages.tensors_in(output):  # the first may get none (Flux's last single block)
                 if t.requires_grad:
                     self.handles.append(t.register_hook(began))
 
@@ -211,9 +212,9 @@ def _warn_no_selective(error: RuntimeError) -> None:
 
 
 def base_keys(model: nn.Module, optimizer: Any, batch: Any) -> set[int]:
-    tensors = [*model.parameters(), *model.buffers(), *_step.batch_tensors(batch)]
+    tensors = [*model.parameters(), *model.buffers(), *_storages.batch_tensors(batch)]
     if optimizer is not None:
-        tensors += list(_step.tensors_in([dict(s) for s in optimizer.state.values()]))
+        tensors += list(_storages.tensors_in([dict(s) for s in optimizer.state.values()]))
     return {_storage_key(t) for t in tensors}
 
 
@@ -272,7 +273,7 @@ def carried(model: nn.Module) -> Carried:
     out: Carried = {}
     for name, module in model.named_modules():
         for attr, value in vars(module).items():
-            storages = [t.untyped_storage() for t in _step.tensors_in(value)] if attr not in _MODULE_STATE else []
+            storages = [t.untyped_storage() for t in _storages.tensors_in(value)] if attr not in _MODULE_STATE else []
             if storages:
                 out[(name, attr)] = [(StorageWeakRef(st), st.nbytes()) for st in storages]
     return out

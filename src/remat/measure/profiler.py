@@ -31,6 +31,7 @@ from remat.errors import InvalidType, InvalidValue, ProfileError, out_of_memory
 from remat.manual.blocks import find_blocks
 from remat.manual.options import as_written
 from remat.measure import step as _step
+from remat.measure import storages as _storages
 from remat.measure.attribution import assemble
 from remat.measure.collector import collecting_once
 from remat.measure.compiled import add_options, check_budgets, measure_compiled, without_compiled
@@ -211,7 +212,7 @@ def _measured(
                                                        lean_spec(device)))
         model.zero_grad(set_to_none=True)
         base = base_bytes(model, optimizer, batch, device)
-        opt_bytes = _step.optimizer_bytes(optimizer)
+        opt_bytes = _storages.optimizer_bytes(optimizer)
         keys = base_keys(model, optimizer, batch)
         runs = option_runs(model, named, batch, loss_fn, optimizer, keys, lambda: MemoryTracer(device))
         traces = {option: (tracer.trace, hooks) for option, (tracer, hooks) in runs.items()}
@@ -236,11 +237,11 @@ def _measured(
         device=str(device),
         mode="measured",
         dtype=dtype_name(model),
-        batch_shape=_step.batch_shape(batch),
+        batch_shape=_storages.batch_shape(batch),
         base_bytes=base,
-        param_bytes=_step.param_bytes(model),
+        param_bytes=_storages.param_bytes(model),
         optimizer_bytes=opt_bytes,
-        batch_bytes=_step.batch_bytes(batch),
+        batch_bytes=_storages.batch_bytes(batch),
         device_memory_bytes=torch.cuda.get_device_properties(device).total_memory if cuda else None,
         repeated=repeated,
     ), heads), tiles)), extra))

@@ -15,7 +15,7 @@ import torch
 from remat.crossing import Crossing
 from remat.measure.notes import StepNotes
 from remat.measure.sides import first_death
-from remat.measure.step import storage_key
+from remat.measure.storages import storage_key
 
 __all__ = ["backward_mark", "cached_skips", "noting_saved", "replay_holds_output"]
 

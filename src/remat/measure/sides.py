@@ -23,7 +23,7 @@ import torch
 
 from remat.crossing import Crossing
 from remat.errors import ProfileError
-from remat.measure import step as _step
+from remat.measure import storages as _storages
 from remat.measure.notes import DeathPoint, Side, StepNotes
 from remat.records import Profile
 
@@ -44,7 +44,7 @@ __all__ = [
 
 def first_tensor(obj: Any) -> torch.Tensor | None:
     """The first floating-point tensor in ``obj``: a block's hidden input or output."""
-    for t in _step.tensors_in(obj):
+    for t in _storages.tensors_in(obj):
         if t.is_floating_point():
             return t
     return None
@@ -53,7 +53,7 @@ def first_tensor(obj: Any) -> torch.Tensor | None:
 def storage_number(hooks: StepNotes, t: torch.Tensor) -> int:
     """The number of ``t``'s storage among those ``hooks`` noted in this step: unlike its key,
     never another storage's (NOTE [ Storage keys are reused ]); where it dies is noted."""
-    key, live = _step.storage_key(t), hooks.live_numbers
+    key, live = _storages.storage_key(t), hooks.live_numbers
     if key not in live:
         live[key] = number = hooks.numbered
         hooks.numbered += 1
@@ -73,15 +73,15 @@ def note_sides(hooks: StepNotes, i: int, x: torch.Tensor | None, inputs: Any) ->
     if x is not None:
         number = storage_number(hooks, x)
         hooks.firsts.add(number)
-        seen.add(_step.storage_key(x))
+        seen.add(_storages.storage_key(x))
         hooks.first_numbers[i] = number
         hooks.first_of[i] = -1 if (maker := output_of(hooks, number)) is None else maker
         if (j := next((j for j, (ref, version) in hooks.output_refs.items()
                        if ref() is x and x._version == version), None)) is not None:
             hooks.handed_on[i] = j
     hooks.sides[i] = []
-    for t in _step.tensors_in(inputs):
-        if (key := _step.storage_key(t)) not in seen and (x is None or t.device == x.device):
+    for t in _storages.tensors_in(inputs):
+        if (key := _storages.storage_key(t)) not in seen and (x is None or t.device == x.device):
             seen.add(key)
             number = storage_number(hooks, t)
             hooks.sides[i].append(Side(key, number, t.untyped_storage().nbytes()))

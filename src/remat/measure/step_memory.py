@@ -15,6 +15,7 @@ from remat.errors import InvalidValue
 from remat.manual.module_form import expect_module
 from remat.measure import clock
 from remat.measure import step as _step
+from remat.measure import storages as _storages
 from remat.measure.collector import collecting_once
 from remat.measure.preserve import preserved
 from remat.measure.tracer import MemoryTracer, Trace, sized
@@ -111,14 +112,14 @@ def _measure_once(
     if optimizer is not None:
         optimizer.zero_grad(set_to_none=True)
     model.zero_grad(set_to_none=True)
-    params = _step.param_bytes(model)
-    opt = _step.optimizer_bytes(optimizer)
-    data = _step.batch_bytes(batch)
+    params = _storages.param_bytes(model)
+    opt = _storages.optimizer_bytes(optimizer)
+    data = _storages.batch_bytes(batch)
     base = base_bytes(model, optimizer, batch, device)
     with MemoryTracer(device) as tracer:
         _step.train_step(model, batch, loss_fn, optimizer, mark=tracer.mark)
     trace = tracer.trace
-    grads = _step.storage_bytes([p.grad for p in model.parameters() if p.grad is not None])
+    grads = _storages.storage_bytes([p.grad for p in model.parameters() if p.grad is not None])
     return {
         "device": str(device),
         "peak_bytes": base + trace.peak_bytes,
@@ -144,11 +145,11 @@ def base_bytes(
         torch.cuda.synchronize(device)
         return torch.cuda.memory_allocated(device)
     seen: set[int] = set()
-    total = _step.storage_bytes(list(model.parameters()), seen=seen)
-    total += _step.storage_bytes(list(model.buffers()), seen=seen)
+    total = _storages.storage_bytes(list(model.parameters()), seen=seen)
+    total += _storages.storage_bytes(list(model.buffers()), seen=seen)
     if optimizer is not None:
-        total += _step.storage_bytes([dict(s) for s in optimizer.state.values()], seen=seen)
-    total += _step.storage_bytes(list(_step.batch_tensors(batch)), seen=seen)
+        total += _storages.storage_bytes([dict(s) for s in optimizer.state.values()], seen=seen)
+    total += _storages.storage_bytes(list(_storages.batch_tensors(batch)), seen=seen)
     return total
 
 

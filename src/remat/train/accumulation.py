@@ -17,6 +17,7 @@ from torch import nn
 from remat.errors import InfeasibleBudget, ProfileError
 from remat.measure import clock
 from remat.measure import step as _step
+from remat.measure import storages as _storages
 from remat.measure.estimated import plain_peak
 from remat.measure.lean import lean_spec
 from remat.measure.preserve import preserved
@@ -92,7 +93,7 @@ def plan_accumulation(
         return profiles[m]
 
     return choose(sizes, get, budget_bytes=budget_bytes, global_batch=global_batch, seq_len=seq_len,
-                  grad_bytes=_step.trainable_bytes(model),
+                  grad_bytes=_storages.trainable_bytes(model),
                   opt_ms=_optimizer_ms(model, make_optimizer, device))
 
 

@@ -17,6 +17,7 @@ from torch import nn
 
 from remat.errors import InvalidValue
 from remat.measure import step as _step
+from remat.measure import storages as _storages
 from remat.measure.tracer import MemoryTracer
 from remat.models import lm_loss
 from remat.train.config import PRECISIONS, TrainConfig
@@ -158,8 +159,8 @@ class PeakMeter:
 def base_bytes(model: nn.Module, optimizer: torch.optim.Optimizer, ids: torch.Tensor) -> int:
     """What is live before a step starts: weights, buffers, the batch, the optimizer's state."""
     seen: set[int] = set()
-    base = _step.storage_bytes([*model.parameters(), *model.buffers(), ids], seen=seen)
-    return base + _step.storage_bytes([dict(s) for s in optimizer.state.values()], seen=seen)
+    base = _storages.storage_bytes([*model.parameters(), *model.buffers(), ids], seen=seen)
+    return base + _storages.storage_bytes([dict(s) for s in optimizer.state.values()], seen=seen)
 
 
 @contextlib.contextmanager
