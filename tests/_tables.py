@@ -229,6 +229,9 @@ def chains(
     # checkpoint holds no side input (BlockProfile.saves)
     blocks = [dataclasses.replace(b, stats_bytes=nbytes() if rng.random() < 0.3 else 0, saves=rng.random() < 0.8)
               for b in blocks]
+    # what a kept maker's forward saved for a handover's graph alone (NOTE [ A handover's graph ]),
+    # drawn last too
+    handed = [dataclasses.replace(h, graph_bytes=nbytes() if rng.random() < 0.5 else 0) for h in handed]
     p = profile(
         blocks, base=base, pre=pre, post=post, optimizer_peak=optimizer_peak, gather=gather,
         crossings=[*side_inputs, *handed], post_fwd_held=held if side_inputs else post.fwd_peak_bytes,

@@ -342,3 +342,82 @@ def test_an_offloaded_maker_leaves_the_device_tensor_to_the_loop_until_it_drops_
     for combo in itertools.product(range(3), repeat=4):
         choices = {n: chain.options[o] for n, o in zip(names, combo)}
         assert chain.peak_bytes(list(combo)) == estimate(prof, choices).peak_bytes, choices
+
+
+class _Cached(nn.Module):
+    """Returns its output and a cache cut from its keys by a ``gather``, which saves its int64
+    index (twice the cache's bytes) for a backward the cache never gets (Griffin's, NSA's)."""
+
+    def __init__(self, dim: int, window: int = 16) -> None:
+        super().__init__()
+        self.k = nn.Linear(dim, dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, 2 * dim), nn.GELU(), nn.Linear(2 * dim, dim))
+        self.window = window
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        k = self.k(x)
+        index = (torch.arange(self.window) + x.shape[1] - self.window).roll(3)
+        cache = torch.gather(k, 1, index[None, :, None].repeat(x.shape[0], 1, x.shape[2]))
+        return x + self.mlp(k), cache
+
+
+class _CacheLoop(nn.Module):
+    """``hold``: "all" keeps every block's cache in a dict until the forward returns, "next" until
+    the next block returns."""
+
+    def __init__(self, hold: str, n: int = 4, dim: int = 32) -> None:
+        super().__init__()
+        self.hold = hold
+        self.embed = nn.Linear(8, dim)
+        self.blocks = nn.ModuleList(_Cached(dim) for _ in range(n))
+        self.head = nn.Linear(dim, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h, caches = self.embed(x), {}
+        for i, block in enumerate(self.blocks):
+            h, caches[i if self.hold == "all" else 0] = block(h)
+        return self.head(h).pow(2).mean()
+
+
+@pytest.mark.parametrize("hold", ["all", "next"])
+def test_a_handover_whose_graph_saves_more_than_itself_is_predicted_to_the_byte(hold: str) -> None:
+    # NOTE [ A handover's graph ] in remat.measure.handovers: counted as its storage alone, every
+    # plan mixing keep and recompute here missed by the index of each maker (RKKK 64 KiB under
+    # its measured peak, KKKR 192 KiB over; Griffin's plan at 60% 33,104 B over its budget).
+    torch.manual_seed(0)
+    model, batch = _CacheLoop(hold).train(), torch.randn(4, 64, 8)
+    prof = profile(model, batch, repeats=1)
+    cache, index = 4 * 16 * 32 * 4, 4 * 16 * 32 * 8
+    assert [(h.size_bytes, h.graph_bytes) for h in handovers(prof)] == [(cache, index)] * 4
+    assert profile(model, batch, repeats=1, budget=prof.plain_peak_bytes * 7 // 10).crossings == prof.crossings  # fake steps
+    names = [b.name for b in prof.blocks]
+    off = {}
+    for combo in itertools.product(["keep", "recompute", "selective"], repeat=len(names)):
+        choices = dict(zip(names, combo))
+        if (d := _measured(model, batch, choices) - estimate(prof, choices).peak_bytes) != 0:
+            off["".join(o[0] for o in combo)] = d
+    # "all": the caches die as the forward returns, after the head's peak, but the cost model
+    # cannot tell (plan.handovers): there plans whose makers checkpoint are over-predicted, 20 of 81
+    # by 1,936 to 18,320 B.
+    assert (off == {}) if hold == "next" else (all(d < 0 for d in off.values()) and len(off) <= 20), off
+    plan = solve(prof, (prof.plain_peak_bytes + smallest_any(prof)[0]) // 2)
+    assert _measured_plan(model, batch, plan) <= plan.estimate.peak_bytes <= plan.budget_bytes
+
+
+@pytest.mark.parametrize("hold", ["all", "next"])
+def test_no_segment_over_a_handover_with_a_graph_measures_over_its_prediction(hold: str) -> None:
+    # NOTE [ Handovers in a segment ] in remat.plan.segment_estimate: a replay counts the graph in
+    # the kept numbers it reads, on the safe side. Counted as the cache's storage alone, four of
+    # these 18 plans measured over their prediction by 8 or 16 KiB.
+    torch.manual_seed(0)
+    model, batch = _CacheLoop(hold).train(), torch.randn(4, 64, 8)
+    prof = profile(model, batch, repeats=1)
+    names, rng = [b.name for b in prof.blocks], random.Random(0)
+    over = {}
+    for a, b in itertools.combinations(range(len(names)), 2):
+        for _ in range(3):
+            choices = {n: "keep" if a <= i <= b else rng.choice(prof.options) for i, n in enumerate(names)}
+            plan = _plan(prof, choices, [[names[a], names[b]]])
+            if (d := _measured_plan(model, batch, plan) - plan.estimate.peak_bytes) > 0:
+                over[f"{''.join(o[0] for o in choices.values())} {a}..{b}"] = d
+    assert over == {}

@@ -31,6 +31,13 @@ it (``dies_after``). Two shapes, one record:
    (``remat.plan.handovers``; one freed in the head's forward counts as live at the head's peak,
    which may come first). Inside a segment its maker is recomputed in the forward and kept in the
    replay (NOTE [ Handovers in a segment ] in ``remat.plan.segment_estimate``).
+   Its autograd graph may hold more than itself (``graph_bytes``): Griffin's cache, cut from the
+   keys by a ``gather`` whose backward saves the int64 index (twice the cache's bytes); a kept
+   maker's forward saves the index, a checkpointed one's saves nothing, and its death frees the
+   index with it. So a maker's option decides what its death frees: its bytes when the option does
+   not save it, and its graph's when the option keeps the graph (``keep``). Counted as its storage
+   alone, every plan mixing options missed by one index per maker (NOTE [ A handover's graph ] in
+   ``remat.measure.handovers``).
 The searches carry both as state bits set by the block that decides them, by one rule (NOTE [ What
 crosses a block boundary, as state ] in ``remat.plan.crossings``).
 """
@@ -69,6 +76,10 @@ class Crossing:
     maker does not save it) frees it, when that comes before the head: T5's position bias dies
     where its stack ends, BLOOM's probabilities in the next block (NOTE [ Where a side input dies ]
     in ``remat.plan.sides``); None: in the head's forward, or, saved, in the backward."""
+    graph_bytes: int = 0
+    """For one that enters no block: bytes its maker's kept forward (``keep``) saved for the
+    backward that only its autograd graph held, freed with it where it dies (shape 2 of the
+    NOTE); a checkpointed maker saves none."""
 
     @property
     def enters_blocks(self) -> bool:
@@ -100,6 +111,8 @@ class Crossing:
         holders = {*self.consumers, *filter(None, [self.made_by])}
         if strangers := sorted(set(self.saved_by) - holders):
             return f"is saved by {strangers}, expected only by the blocks that hold it ({sorted(map(str, holders))})"
+        if self.graph_bytes and self.consumers:
+            return f"holds graph_bytes={self.graph_bytes} and enters blocks; expected graph bytes only on one that enters none"
         if self.made_by is not None and self.dies_after is not None and (
                 blocks.index(self.dies_after) <= blocks.index(self.made_by)):
             return f"dies in {self.dies_after!r}, which does not come after {self.made_by!r}, its maker"

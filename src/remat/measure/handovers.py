@@ -20,6 +20,19 @@ output in its replay's cache until the block's backward, ``keep`` and ``recomput
 handover when some option saves it (one no option saves moves nothing): before, a selective
 upsampler put a plan 256 KiB over its prediction (tests/test_libs_zoo.py), and a selective block
 after it 256 KiB under.
+
+# NOTE [ A handover's graph ]
+# A handover's autograd graph may hold what the maker's forward saved for it alone (shape 2 of NOTE
+# [ Tensors that cross a block boundary ] in remat.crossing): Griffin's and native-sparse-attention's
+# caches, cut from the keys by a ``gather`` that saves its int64 index. The model's code lets the
+# cache go, and the index goes with it, in the kept run only (a checkpoint saves nothing). So the
+# kept run notes where each storage a block saves dies (``note_saved``); those a block saved that
+# die in the forward where one of its handovers dies are that handover's graph (``graph_bytes``).
+# A storage the block took or returned is no graph's: its own record counts it, or the model's
+# code holds it (a VQ quantizer's ``cdist`` saves its input, which the code frees as the forward
+# returns, where its index handover dies too). Before, plans mixing options
+# missed by one index per maker: Griffin's at 60% 33,104 B over, NSA's 262,144
+# (tests/test_handovers.py keeps a model in that shape).
 """
 
 from __future__ import annotations
@@ -32,11 +45,11 @@ import torch
 
 from remat.crossing import Crossing
 from remat.measure import storages as _storages
-from remat.measure.notes import StepNotes
+from remat.measure.notes import DeathPoint, StepNotes
 from remat.measure.sides import death_point
 from remat.measure.storages import storage_key
 
-__all__ = ["note_handover_uses", "note_returned", "read_handovers"]
+__all__ = ["note_handover_uses", "note_returned", "note_saved", "read_handovers"]
 
 def note_returned(hooks: StepNotes, i: int, output: Any, y: torch.Tensor | None) -> None:
     """Note what block i returned besides its inputs, its hidden output ``y`` among them (the
@@ -53,6 +66,8 @@ def note_returned(hooks: StepNotes, i: int, output: Any, y: torch.Tensor | None)
         if (key := storage_key(t)) in skip or key in alive:
             continue  # one another block returned is that block's
         skip.add(key)
+        if key in hooks.saved_alive:  # NOTE [ A handover's graph ]
+            hooks.saved_alive[key] = None
         if key == hidden:  # NOTE [ A hidden output the model's code holds ]
             hooks.returned_hidden.add((i, len(found)))
         alive[key] = (i, len(found))
@@ -69,6 +84,25 @@ def note_handover_uses(hooks: StepNotes, i: int, inputs: Any) -> None:
     for key in keys:
         if (who := alive.get(key)) is not None:
             hooks.returned_used.add(who)
+
+
+def note_saved(hooks: StepNotes, i: int, t: torch.Tensor) -> None:
+    """Note that block i's forward saved ``t`` for the backward, to learn where it dies (NOTE
+    [ A handover's graph ])."""
+    if t.layout != torch.strided or (key := storage_key(t)) in hooks.saved_alive or key in hooks.base_keys:
+        return
+    if any(key in hooks.input_keys.get(b, ()) for b in hooks.running):
+        return  # made before the block: the model's code may hold it (VQ's hidden input)
+    token = hooks.saved_alive[key] = object()
+    weakref.finalize(t.untyped_storage(), _saved_freed, hooks, i, key, token, t.untyped_storage().nbytes())
+
+
+def _saved_freed(hooks: StepNotes, i: int, key: int, token: object, nbytes: int) -> None:
+    mine = hooks.saved_alive.get(key, False)
+    if mine is token or mine is None:
+        del hooks.saved_alive[key]
+    if mine is token and (at := death_point(hooks)) is not None:
+        hooks.graph_deaths[(i, at)] = hooks.graph_deaths.get((i, at), 0) + nbytes
 
 
 def _freed(hooks: StepNotes, i: int, n: int, key: int) -> None:
@@ -106,9 +140,14 @@ def read_handovers(names: list[str], runs: Mapping[str, StepNotes]) -> list[Cros
             if kept != saved:
                 continue  # one record per maker and place: these live as one
             found[key] = (total + nbytes, saved)
+    graphs: dict[tuple[int, int | None], int] = {}
+    for (i, died), nbytes in keep.graph_deaths.items():  # NOTE [ A handover's graph ]
+        if (place := _place(order, i, died)) is not None:
+            key = (i, place if isinstance(place, int) else None)
+            graphs[key] = graphs.get(key, 0) + nbytes
     return [
         Crossing(size_bytes=nbytes, made_by=names[i], dies_after=None if at is None else names[at],
-                 saved_by={names[i]: kept} if kept else {})
+                 saved_by={names[i]: kept} if kept else {}, graph_bytes=graphs.get((i, at), 0))
         for (i, at), (nbytes, kept) in found.items()
     ]
 
@@ -119,8 +158,11 @@ def _death(hooks: StepNotes, order: list[int], i: int, n: int) -> int | str | No
     later block's), ``"head"`` (after the last block, one made before it), or None (anywhere else:
     in the phase that made it, inside a block)."""
     died = hooks.returned_deaths.get((i, n))
-    if died is None:
-        return "saved"
+    return "saved" if died is None else _place(order, i, died)
+
+
+def _place(order: list[int], i: int, died: DeathPoint) -> int | str | None:
+    """Where a storage of block i that died at ``died`` died: ``_death``'s places but ``"saved"``."""
     position, ended = died
     if position == len(order) - 1 and ended:
         return "head"  # the last block's too: the head's numbers are the kept run's

@@ -105,6 +105,13 @@ class StepNotes:
     """(block, n) that entered a later block (a side input there, not a handover)."""
     input_keys: dict[int, list[int]] = field(default_factory=dict)
     """[block]: the storage keys of all its inputs."""
+    saved_alive: dict[int, object | None] = field(default_factory=dict)
+    """Storage key -> the token of the finalizer that notes its death, for a storage a block's
+    forward saved, while it lives; None once a block returned it (it is no graph's alone: NOTE
+    [ A handover's graph ] in ``remat.measure.handovers``)."""
+    graph_deaths: dict[tuple[int, DeathPoint], int] = field(default_factory=dict)
+    """(block, death point) -> bytes that block's forward saved and that died there, in the
+    forward: a graph branch the model's code let go."""
 
 
 @dataclass(kw_only=True)

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from remat.crossing import Crossing
+from remat.measure.handovers import note_saved
 from remat.measure.notes import StepNotes
 from remat.measure.sides import first_death
 from remat.measure.storages import storage_key
@@ -61,7 +62,8 @@ def noting_saved(
     after block i started); with ``mark``, mark ``sv{i}`` each time block i saves one
     (the last such mark is where a replay of the block stops: ``BlockProfile.stop_peak_bytes``)
     and ``un{i}`` each time the backward reads one (the first is where a replay of the block
-    starts: ``BlockProfile.unpack_bytes``); nothing without either. The tensors are saved as they
+    starts: ``BlockProfile.unpack_bytes``), and note where each dies (``note_saved``); nothing
+    without either. The tensors are saved as they
     are, so the step's memory is unchanged (NOTE [ What the saving hook holds ]); ``hold=False``:
     nothing is saved (a forward with no backward after it)."""
     if saved is None and mark is None and hold:
@@ -74,6 +76,7 @@ def noting_saved(
             saved.setdefault(who, set()).add(storage_key(t))
         if mark is not None and hooks.running:
             mark(f"sv{who}")
+            note_saved(hooks, hooks.running[-1], t)  # NOTE [ A handover's graph ] in remat.measure.handovers
             return who, t.detach()  # whose it is, for the mark when it is read
         return t.detach() if hold else None
 

@@ -9,9 +9,11 @@ a bit mask, and every number of block i depends on the blocks before it only thr
 mask. The rule, for both kinds:
 1. A bit is set by the option of the block that decides it: a side-input group's by the first
    block whose option holds it (NOTE [ A side input's extra life ] in ``remat.plan.sides``); a
-   handover's (shape 2 of NOTE [ Tensors that cross a block boundary ] in ``remat.crossing``) by its maker: one bit for "its option
-   saves it", one for "its option offloads it". A bit the maker's options all set alike is no
-   bit: its value is a constant.
+   handover's (shape 2 of NOTE [ Tensors that cross a block boundary ] in ``remat.crossing``) by
+   its maker: bits that count up through the values of what its death leaves held under the
+   maker's options (``held_under``: itself when saved, less its graph when kept; one bit for two
+   values, two for three), one for "its option offloads it". Where the maker's options all agree
+   there is no bit: the value is a constant.
 2. A bit lives while it can still move a number: a side-input group's and a handover's that dies
    in the head to the end of the forward; one that dies in block k's forward is dropped after
    block k (``clears``), so BLOOM's and x-transformers' one handover per layer cost two bits at a
@@ -20,17 +22,17 @@ mask. The rule, for both kinds:
 3. Per block and state the bits add bytes to the block's kept bytes, its forward candidate and
    its backward candidate; per state, to the head's candidate. Against each option's own run
    (where the maker ran the same option), a handover of size s that dies in block k moves k's
-   kept bytes by s * (saved by the maker - saved by k's option), and k's forward by s when the
+   kept bytes by (held under the maker's option - held under k's), and k's forward by s when the
    maker offloads it; one that dies in the head moves the backward of every block from its maker
-   on by s * (saved by the maker - saved by that block's option), and the head as
+   on by (held under the maker's - held under that block's option), and the head as
    ``remat.plan.handovers`` says. The part that depends on the block's own option alone is folded
    into its numbers (``static``), the part of the maker's bits is the state's.
 4. A bit set never lowers a number (a held side input, a saved or offloaded handover only add),
    so the lowest state is a lower bound for every state: the floors, bounds and relaxations of
    the searches rely on it.
-5. Handovers take at most ``HANDOVER_BITS`` bits at a time; one that finds none free takes none,
-   and reads as saved and offloaded wherever an option of its maker does either (``PINNED``): by
-   rule 4 the highest its numbers can be, so a plan the search finds fits is never predicted
+5. Handovers take at most ``HANDOVER_BITS`` bits at a time; one that finds too few free takes
+   none, and reads as the most held and offloaded wherever an option of its maker does either
+   (pinned): by rule 4 the highest its numbers can be, so a plan the search finds fits is never predicted
    under its cost (``estimate`` prices the plan itself). BS-RoFormer hands the outputs of its 65
    band-split MLPs to the code after the last of them, all alive together: the search asked for
    2**65 states and crashed (OverflowError).
@@ -45,58 +47,71 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TypeAlias
 
-from remat.plan.handovers import OFFLOADS, placed, saved_under
+from remat.plan.handovers import OFFLOADS, held_under, placed
 from remat.plan.sides import SideGroups, side_groups
 from remat.records import OptionCost, Profile
 
-__all__ = ["HANDOVER_BITS", "PINNED", "Crossings", "StateTables"]
+__all__ = ["HANDOVER_BITS", "Crossings", "StateTables"]
 
 HANDOVER_BITS = 10
 """The most bits handovers take at a time (rule 5): 1,024 states times the side groups'."""
-PINNED = -2
-"""A handover's bit past ``HANDOVER_BITS``: read as set wherever an option sets it (rule 5)."""
 
 Rows: TypeAlias = Sequence[Sequence[int]]
 Table: TypeAlias = tuple[tuple[int, ...], ...]
 
 
 @dataclass(frozen=True)
-class _Handed:
-    """One handover in the state (rule 1): its bytes, maker, the block it dies in (None: the
-    head), per chain option whether the maker saves and offloads it, and its bits (-1: none)."""
+class _Field:
+    """A number of a handover that its maker's option decides (rule 1): per chain option its value,
+    and the state bits that say which of its values holds (none: a constant), or ``pinned`` (rule
+    5). The bits count up through its values from the lowest."""
 
-    size: int
-    maker: int
-    dies: int | None
-    saves: tuple[int, ...]
-    copies: tuple[int, ...]
-    kept_saves: int
-    """Whether ``keep``'s run saves it: the run the head's numbers come from."""
-    save_bit: int = -1
-    copy_bit: int = -1
+    values: tuple[int, ...]
+    bits: tuple[int, ...] = ()
+    pinned: bool = False
 
-    def mine(self, state: int) -> int:
-        return _read(self.saves, self.save_bit, state)
-
-    def copied(self, state: int) -> int:
-        return _read(self.copies, self.copy_bit, state)
+    def read(self, state: int) -> int:
+        levels = sorted(set(self.values))
+        if self.pinned or not self.bits:
+            return levels[-1]
+        k = sum((state >> b & 1) << n for n, b in enumerate(self.bits))
+        return levels[min(k, len(levels) - 1)]
 
     def sets(self, o: int) -> int:
         """The bits the maker's option ``o`` sets."""
-        return (self.saves[o] << self.save_bit if self.save_bit >= 0 else 0) | (
-            self.copies[o] << self.copy_bit if self.copy_bit >= 0 else 0
-        )
+        k = sorted(set(self.values)).index(self.values[o])
+        return sum((k >> n & 1) << b for n, b in enumerate(self.bits))
+
+    @property
+    def mask(self) -> int:
+        return sum(1 << b for b in self.bits)
+
+
+@dataclass(frozen=True)
+class _Handed:
+    """One handover in the state (rule 1): its maker, the block it dies in (None: the head), what
+    its death leaves held and what its maker copies to the host, per the maker's option."""
+
+    maker: int
+    dies: int | None
+    holds: _Field
+    copies: _Field
+    kept_holds: int
+    """What ``keep``'s run holds: the run the head's numbers come from."""
+
+    def mine(self, state: int) -> int:
+        return self.holds.read(state)
+
+    def copied(self, state: int) -> int:
+        return self.copies.read(state)
+
+    def sets(self, o: int) -> int:
+        """The bits the maker's option ``o`` sets."""
+        return self.holds.sets(o) | self.copies.sets(o)
 
     @property
     def bits(self) -> int:
-        return (1 << self.save_bit if self.save_bit >= 0 else 0) | (1 << self.copy_bit if self.copy_bit >= 0 else 0)
-
-
-def _read(values: tuple[int, ...], bit: int, state: int) -> int:
-    """A handover's value in ``state``: its bit's, the constant (rule 1), or the highest (rule 5)."""
-    if bit == PINNED:
-        return max(values)
-    return values[0] if bit < 0 else state >> bit & 1
+        return self.holds.mask | self.copies.mask
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -130,27 +145,28 @@ class Crossings:
         handed: list[_Handed] = []
         free_after: list[int] = []  # per bit above the side groups': the last block that uses it
 
-        def bit(values: tuple[int, ...], maker: int, dies: int | None) -> int:
-            """A bit free from ``maker`` until ``dies`` (rule 2), or -1 when ``values`` agree (rule 1)."""
-            if len(set(values)) == 1:
-                return -1
-            at = next((b for b, last in enumerate(free_after) if last < maker), len(free_after))
-            if at >= HANDOVER_BITS:
-                return PINNED  # rule 5
-            free_after[at:at + 1] = [self.n if dies is None else dies]
-            return len(self.sides.size_bytes) + at
+        def field(values: tuple[int, ...], maker: int, dies: int | None) -> _Field:
+            """``values`` with bits free from ``maker`` until ``dies`` to tell them apart (rule 2):
+            none when they agree (rule 1), pinned when too few are free (rule 5)."""
+            width = (len(set(values)) - 1).bit_length()
+            free = [b for b, last in enumerate(free_after) if last < maker]
+            free += range(len(free_after), len(free_after) + width - len(free))
+            if width == 0 or free[width - 1] >= HANDOVER_BITS:
+                return _Field(values, pinned=width > 0)
+            for b in free[:width]:
+                free_after[b:b + 1] = [self.n if dies is None else dies]
+            return _Field(values, tuple(len(self.sides.size_bytes) + b for b in free[:width]))
 
         for p in sorted(placed(profile), key=lambda p: p.maker):
             maker, dies, h = p.maker, p.dies, p.record
             assert dies is None or dies > maker, f"a handover dies after its maker: {h}"
-            saves = tuple(saved_under(h, o) for o in options)
-            copies = tuple(int(o in OFFLOADS) for o in options)
-            handed.append(_Handed(size=p.size, maker=maker, dies=dies, saves=saves, copies=copies,
-                                  kept_saves=saved_under(h, "keep"), save_bit=bit(saves, maker, dies),
-                                  copy_bit=bit(copies, maker, dies)))
+            holds = field(tuple(held_under(h, o) for o in options), maker, dies)
+            copies = field(tuple(p.size * (o in OFFLOADS) for o in options), maker, dies)
+            handed.append(_Handed(maker=maker, dies=dies, holds=holds, copies=copies,
+                                  kept_holds=held_under(h, "keep")))
         self.handed = handed
         self.states = self.sides.masks << len(free_after)
-        self.pinned = any(PINNED in (h.save_bit, h.copy_bit) for h in handed)
+        self.pinned = any(h.holds.pinned or h.copies.pinned for h in handed)
         """Whether a handover took no bit (rule 5)."""
 
     def static(self, columns: Sequence[Sequence[OptionCost]]) -> list[list[OptionCost]]:
@@ -160,10 +176,10 @@ class Crossings:
         for h in self.handed:
             for o in range(len(columns)):
                 if h.dies is not None:
-                    kept[o][h.dies] -= h.size * h.saves[o]
+                    kept[o][h.dies] -= h.holds.values[o]
                 else:
                     for b in range(h.maker, self.n):
-                        bwd[o][b] -= h.size * h.saves[o]
+                        bwd[o][b] -= h.holds.values[o]
         return [[dataclasses.replace(c, kept_bytes=c.kept_bytes + kept[o][i],
                                      bwd_peak_bytes=c.bwd_peak_bytes + bwd[o][i]) for i, c in enumerate(col)]
                 for o, col in enumerate(columns)]
@@ -184,7 +200,7 @@ class Crossings:
             for o in range(width):
                 holds[h.maker][o] |= h.sets(o)
             for s in states:
-                mine, copied = h.size * h.mine(s), h.size * h.copied(s)
+                mine, copied = h.mine(s), h.copied(s)
                 if h.dies is not None:
                     kept[h.dies][s] += mine
                     fwd[h.dies][s] += copied
@@ -192,7 +208,7 @@ class Crossings:
                     continue
                 for b in range(h.maker, n):
                     bwd[b][s] += mine
-                moved = mine - h.size * h.kept_saves
+                moved = mine - h.kept_holds
                 tail_f[s] += max(0, moved) + copied  # freed in the head, maybe after its peak
                 tail_b[s] += moved
             if h.dies is not None:

@@ -4,10 +4,10 @@ where they were measured under another saving of a handover than the plan's, for
 (``estimate``); the searches carry the same rule as state (``remat.plan.crossings``). Pure numbers.
 
 Each option's numbers come from a step with every block on that option. A handover of block j
-that dies in block k's forward phase (freed there when j's option does not save it) is in the
-kept bytes of block k as the run of k's option had it: freed there when that run's option of j
-does not save it. Under the plan it is freed when j's own option does not save it. So k's kept
-bytes move by the handover's bytes times (saved under j's option - saved under k's). One that
+that dies in block k's forward phase (freed there when j's option does not save it, and its graph
+with it when j's option keeps that: ``held_under``) is in the kept bytes of block k as the run of
+k's option had it. Under the plan its death frees what j's own option has it free. So k's kept
+bytes move by (held under j's option - held under k's). One that
 dies in the head's forward (after the last block) moves the head's kept bytes the same way against
 the kept run, whose numbers the head's are, and its forward peak only up: it may be freed after
 the head's peak, so it counts as live there (on the safe side: a language model's head peaks at
@@ -17,7 +17,7 @@ it go (the maker's gradient bytes move back), and the backward peaks of the make
 after it, measured over the level their own run's head left, move back by what that run saved
 beyond the kept run.
 Options not run are judged as the run their numbers come from: ``tiled`` and the offloads as
-``keep`` and ``recompute``. An offloaded maker's numbers keep nothing on the device, but the
+``keep`` and ``recompute``, but an offloaded graph is on the host. An offloaded maker's numbers keep nothing on the device, but the
 model's code still holds the device tensor until it drops it (the copy is the saved one): that
 counts as one more transient in the forward phase where it dies (derived, not measured: no GPU
 has run it).
@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from remat.crossing import Crossing
 from remat.records import Profile
 
-__all__ = ["OFFLOADS", "Placed", "handed_over", "handovers", "placed", "saved_under"]
+__all__ = ["OFFLOADS", "Placed", "handed_over", "handovers", "held_under", "placed", "saved_under"]
 
 _RUN_OF = {"tiled": "keep", "offload": "keep", "recompute_offload": "recompute"}
 #: The options whose block leaves a device copy of what it saves to the host.
@@ -44,7 +44,7 @@ def handed_over(profile: Profile, options: Sequence[str]) -> Profile:
     (one per block); ``profile`` itself when it has none."""
     if not handovers(profile):
         return profile
-    return _corrected(profile, lambda h: saved_under(h.record, options[h.maker]),
+    return _corrected(profile, lambda h: held_under(h.record, options[h.maker]),
                       lambda h: int(options[h.maker] in OFFLOADS))
 
 
@@ -71,9 +71,9 @@ def placed(profile: Profile) -> list[Placed]:
                    size=h.size_bytes, record=h) for h in handovers(profile)]
 
 
-def _corrected(profile: Profile, saved: Callable[[Placed], int], copied: Callable[[Placed], int]) -> Profile:
-    """``profile`` with every option's numbers moved for handovers whose makers save them as
-    ``saved`` says (1 or 0; the module's docstring) and offload them as ``copied`` says (their
+def _corrected(profile: Profile, held: Callable[[Placed], int], copied: Callable[[Placed], int]) -> Profile:
+    """``profile`` with every option's numbers moved for handovers whose makers hold them past
+    their death as ``held`` says (``held_under``: the module's docstring) and offload them as ``copied`` says (their
     numbers count none of it on the device, but the model's code holds the device tensor until it
     drops it: one more transient in the forward where it dies), and no handovers left."""
     kept = [dict.fromkeys(b.options, 0) for b in profile.blocks]
@@ -81,19 +81,19 @@ def _corrected(profile: Profile, saved: Callable[[Placed], int], copied: Callabl
     grad, head, head_peak = [0] * len(profile.blocks), 0, 0
     peak = [0] * len(profile.blocks)
     for p in placed(profile):
-        h, j, mine, extra = p.record, p.maker, saved(p), p.size * copied(p)
+        h, j, mine, extra = p.record, p.maker, held(p), p.size * copied(p)
         if p.dies is not None:
             peak[p.dies] += extra
             for o in kept[p.dies]:
-                kept[p.dies][o] += h.size_bytes * (mine - saved_under(h, o))
+                kept[p.dies][o] += mine - held_under(h, o)
             continue
-        moved = h.size_bytes * (mine - saved_under(h, "keep"))
+        moved = mine - held_under(h, "keep")
         head += moved
         head_peak += max(0, moved) + extra  # freed in the head, maybe after its peak: live there
         grad[j] -= moved  # from the maker's backward on, every run has let it go
         for b in range(j, len(profile.blocks)):  # backwards up to the maker's: over the levels
             for o in bwd[b]:  # their runs held, which freed it in the head when they saved it not
-                bwd[b][o] -= h.size_bytes * (saved_under(h, o) - saved_under(h, "keep"))
+                bwd[b][o] -= held_under(h, o) - held_under(h, "keep")
     blocks = [dataclasses.replace(b, grad_bytes=b.grad_bytes + grad[i], options={
         o: dataclasses.replace(c, kept_bytes=c.kept_bytes + kept[i][o], fwd_peak_bytes=c.fwd_peak_bytes + peak[i],
                                bwd_peak_bytes=c.bwd_peak_bytes + bwd[i][o])
@@ -104,6 +104,14 @@ def _corrected(profile: Profile, saved: Callable[[Placed], int], copied: Callabl
     crossings = [c for c in profile.crossings if c.enters_blocks]
     return dataclasses.replace(profile, blocks=blocks, post=post, crossings=crossings,
                                post_fwd_peak_held_bytes=profile.post_fwd_peak_held_bytes + head_peak)
+
+
+def held_under(h: Crossing, option: str) -> int:
+    """Bytes of ``h`` that its death leaves held when its maker runs ``option``, less those its
+    graph frees there: its own when the option saves it, less its graph's when the option keeps
+    that on the device (shape 2 of NOTE [ Tensors that cross a block boundary ] in remat.crossing)."""
+    graph = h.graph_bytes if _RUN_OF.get(option, option) == "keep" and option not in OFFLOADS else 0
+    return h.size_bytes * saved_under(h, option) - graph
 
 
 def saved_under(h: Crossing, option: str) -> int:
