@@ -310,6 +310,45 @@ def test_a_forward_that_guards_against_overflow_is_predicted_as_finite(bart: boo
     _within_prediction(model, batch, loss_fn, solve(prof, int(0.6 * plain)))
 
 
+class _PadsLabels(torch.nn.Module):
+    """segment-anything's prompt encoder: pads the batch's point labels with ``-torch.ones`` and
+    writes and adds into the points' embeddings by the labels' masks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.not_a_point, self.kinds = torch.nn.Linear(2, 32), torch.nn.Embedding(1, 32), torch.nn.Embedding(2, 32)
+        self.layers = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(32, 128), torch.nn.GELU(),
+                                                              torch.nn.Linear(128, 32)) for _ in range(4))
+
+    def forward(self, points: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        points = torch.cat([points, torch.zeros(points.shape[0], 1, 2)], dim=1)
+        labels = torch.cat([labels, -torch.ones(labels.shape[0], 1)], dim=1)
+        x = self.embed(points)
+        x[labels == -1] = 0.0
+        x[labels == -1] += self.not_a_point.weight
+        x[labels == 1] += self.kinds.weight[1]
+        for layer in self.layers:
+            x = x + layer(x)
+        return x
+
+
+def test_a_forward_that_pads_the_batch_with_a_constant_and_writes_by_its_mask_is_predicted() -> None:
+    """NOTE [ The batch's values ] in remat.measure.fake_steps: a small constant made from nothing
+    is real in the fake steps. Fake, its mask raised (``nonzero``), and a profile below the plain
+    step ran that step (segment-anything's, helper 36)."""
+    torch.manual_seed(0)
+    model = _PadsLabels()
+    batch = (torch.randn(16, 255, 2), torch.randint(0, 2, (16, 255)).float())
+
+    def loss_fn(out: torch.Tensor, b: Any) -> torch.Tensor:
+        return out.square().mean()
+
+    plain = measure_step(model, batch, loss_fn=loss_fn, repeats=0).peak_bytes
+    prof = profile(model, batch, loss_fn=loss_fn, repeats=1, budget=int(0.6 * plain))
+    assert not prof.plain_ran and prof.plain_peak_bytes == plain
+    _within_prediction(model, batch, loss_fn, solve(prof, int(0.6 * plain)))
+
+
 def test_a_fake_step_that_runs_out_of_host_memory_runs_no_real_step(monkeypatch: pytest.MonkeyPatch) -> None:
     """A fake step that runs out of the host's memory is no forward that reads tensor values: the
     profile once fell back to running the plain step for real (19 real steps before refusing, in a

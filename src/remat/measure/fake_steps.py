@@ -40,7 +40,10 @@ aten = torch.ops.aten
 # meter counts what it makes. Every op that meets a fake tensor (a weight) is fake. Not an op that
 # writes into a real tensor (the batch is the user's), nor one that makes a tensor from nothing
 # or from Python data (``torch.tensor``: an optimizer's step counter stayed real, and its steps were
-# timed as kernels), but ``arange``: positions the model makes from a length. transformers' Llama
+# timed as kernels), but ``arange``: positions the model makes from a length, and a small constant
+# (``ones``, ``zeros``, ``full`` of at most ``_CONSTANT_BYTES``): segment-anything's prompt encoder
+# pads the batch's point labels with ``-torch.ones`` and writes by ``labels == -1``, which on a
+# fake padding raised, and its step was run for real. transformers' Llama
 # without its cache makes its ``position_ids`` so, and its mask code asks whether they are packed
 # sequences; on a fake ``arange`` it cannot tell (``is_tracing``), builds the causal mask, and SDPA
 # repeats K and V: the plain step predicted 3 x [B, S, D] per layer above the real one (helpers 23
@@ -86,7 +89,7 @@ class _AsTheRealStep(TorchDispatchMode):
             return _IN_PLACE[func](*args, **kwargs)
         tensors = [t for t in arg_tree_leaves(*args, **kwargs) if isinstance(t, torch.Tensor)]
         writes = _writes(func)
-        made = bool(tensors) or func._overloadpacket is aten.arange  # positions from a length, too
+        made = bool(tensors) or func._overloadpacket is aten.arange or _small_constant(func, args, kwargs)
         if made and not writes and func not in _LIFTS and not any(isinstance(t, FakeTensor) for t in tensors):
             with unset_fake_temporarily():
                 return func(*args, **kwargs)
@@ -145,6 +148,19 @@ _NOT = frozenset({aten.logical_not.default, aten.bitwise_not.default})
 _ALL_OR_ANY = frozenset({aten.all.default, aten.any.default, aten.all.dim, aten.any.dim, aten.all.dims, aten.any.dims})
 _AND_OR = frozenset({aten.mul.Tensor, aten.bitwise_and.Tensor, aten.logical_and.default, aten.bitwise_or.Tensor,
                      aten.logical_or.default})
+
+
+_CONSTANTS = frozenset({aten.ones.default, aten.zeros.default, aten.full.default})
+_CONSTANT_BYTES = 1 << 20
+"""The most bytes of a constant made from nothing that runs for real (NOTE [ The batch's values ]):
+masks and paddings, never an activation's buffer."""
+
+
+def _small_constant(func: Any, args: Any, kwargs: Any) -> bool:
+    if func not in _CONSTANTS or torch.device(kwargs.get("device") or "cpu").type != "cpu":
+        return False  # a constant for a device this machine may not have stays fake
+    dtype = kwargs.get("dtype") or torch.get_default_dtype()
+    return math.prod(args[0]) * dtype.itemsize <= _CONSTANT_BYTES
 
 
 _LIFTS = frozenset({aten.lift_fresh.default, aten.lift_fresh_copy.default, aten.lift.default})
