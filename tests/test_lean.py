@@ -349,6 +349,42 @@ def test_a_forward_that_pads_the_batch_with_a_constant_and_writes_by_its_mask_is
     _within_prediction(model, batch, loss_fn, solve(prof, int(0.6 * plain)))
 
 
+class _Spectrogram(torch.nn.Module):
+    """demucs' spectrogram branch: ``stft`` of the batch's audio and ``istft`` of what the layers
+    made, each with a ``hann_window`` made in the forward."""
+
+    def __init__(self, n_fft: int = 62) -> None:
+        super().__init__()
+        self.n_fft, bins = n_fft, n_fft // 2 + 1
+        self.layers = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(2 * bins, 128), torch.nn.GELU(),
+                                                              torch.nn.Linear(128, 2 * bins)) for _ in range(4))
+
+    def forward(self, audio: torch.Tensor) -> torch.Tensor:
+        z = torch.stft(audio, self.n_fft, window=torch.hann_window(self.n_fft), return_complex=True)
+        x = torch.view_as_real(z).transpose(1, 2).flatten(2)  # [B, frames, 2 * bins]
+        for layer in self.layers:
+            x = x + layer(x)
+        z = torch.view_as_complex(x.unflatten(2, (-1, 2)).transpose(1, 2).contiguous())
+        return torch.istft(z, self.n_fft, window=torch.hann_window(self.n_fft).to(z.real), length=audio.shape[-1])
+
+
+def test_a_forward_with_a_spectrogram_is_predicted() -> None:
+    """NOTE [ The batch's values ] in remat.measure.fake_steps: ``istft`` reads its window's
+    envelope, and ``stft`` transposes in place what a real op made; on a fake window and with no
+    write into a real tensor, the fake step raised, and a profile below the plain step ran that
+    step (demucs' HTDemucs, helper 36)."""
+    torch.manual_seed(0)
+    model, batch = _Spectrogram(), (torch.randn(8, 4096),)
+
+    def loss_fn(out: torch.Tensor, b: Any) -> torch.Tensor:
+        return (out - b[0]).square().mean()
+
+    plain = measure_step(model, batch, loss_fn=loss_fn, repeats=0).peak_bytes
+    prof = profile(model, batch, loss_fn=loss_fn, repeats=1, budget=int(0.6 * plain))
+    assert not prof.plain_ran and prof.plain_peak_bytes == plain
+    _within_prediction(model, batch, loss_fn, solve(prof, int(0.6 * plain)))
+
+
 def test_a_fake_step_that_runs_out_of_host_memory_runs_no_real_step(monkeypatch: pytest.MonkeyPatch) -> None:
     """A fake step that runs out of the host's memory is no forward that reads tensor values: the
     profile once fell back to running the plain step for real (19 real steps before refusing, in a

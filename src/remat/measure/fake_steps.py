@@ -38,12 +38,14 @@ aten = torch.ops.aten
 # steps take the user's batch as it is, real, and an op whose tensors are all real (the batch's, and
 # what the model makes of them alone: a mask, a count) runs for real, as in the real step: the
 # meter counts what it makes. Every op that meets a fake tensor (a weight) is fake. Not an op that
-# writes into a real tensor (the batch is the user's), nor one that makes a tensor from nothing
-# or from Python data (``torch.tensor``: an optimizer's step counter stayed real, and its steps were
-# timed as kernels), but ``arange``: positions the model makes from a length, and a small constant
-# (``ones``, ``zeros``, ``full`` of at most ``_CONSTANT_BYTES``): segment-anything's prompt encoder
-# pads the batch's point labels with ``-torch.ones`` and writes by ``labels == -1``, which on a
-# fake padding raised, and its step was run for real. transformers' Llama
+# writes into a real tensor the steps did not make (the batch is the user's; ``stft`` transposes
+# what a real op made in place), nor one that makes a tensor from nothing or from Python data
+# (``torch.tensor``: an optimizer's step counter stayed real, and its steps were timed as kernels),
+# but ``arange``: positions the model makes from a length, and a small constant (``ones``,
+# ``zeros``, ``full``, a window function, of at most ``_CONSTANT_BYTES``): segment-anything's prompt
+# encoder pads the batch's point labels with ``-torch.ones`` and writes by ``labels == -1``, and
+# ``istft`` checks the envelope of its ``hann_window`` (demucs): on fake constants both raised, and
+# the steps were run for real. transformers' Llama
 # without its cache makes its ``position_ids`` so, and its mask code asks whether they are packed
 # sequences; on a fake ``arange`` it cannot tell (``is_tracing``), builds the causal mask, and SDPA
 # repeats K and V: the plain step predicted 3 x [B, S, D] per layer above the real one (helpers 23
@@ -64,6 +66,17 @@ def _writes(func: Any) -> bool:
     return any(a.alias_info is not None and a.alias_info.is_write for a in func._schema.arguments)
 
 
+def _written(func: Any, args: Any, kwargs: Any) -> list[torch.Tensor]:
+    """The tensors ``func`` writes into."""
+    named = dict(zip((a.name for a in func._schema.arguments), args)) | kwargs
+    return [t for a in func._schema.arguments if a.alias_info is not None and a.alias_info.is_write
+            for t in tree_leaves(named.get(a.name)) if isinstance(t, torch.Tensor)]
+
+
+def _address(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
 class _AsTheRealStep(TorchDispatchMode):
     """What the fake mode does otherwise than the real step, as the real step does it: an op whose
     tensors are all real runs for real (NOTE [ The batch's values ]), a read of what every value
@@ -78,6 +91,9 @@ class _AsTheRealStep(TorchDispatchMode):
         value is finite."""
         self.zeros: weakref.ref[torch.Tensor] | None = None
         """The zeros a backward formula made last (NOTE [ In place where the real kernel is ])."""
+        self.made: set[int] = set()
+        """The storages (by address) of the real tensors the steps made: never the user's, so a
+        write into them runs for real (NOTE [ The batch's values ])."""
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
@@ -90,9 +106,12 @@ class _AsTheRealStep(TorchDispatchMode):
         tensors = [t for t in arg_tree_leaves(*args, **kwargs) if isinstance(t, torch.Tensor)]
         writes = _writes(func)
         made = bool(tensors) or func._overloadpacket is aten.arange or _small_constant(func, args, kwargs)
-        if made and not writes and func not in _LIFTS and not any(isinstance(t, FakeTensor) for t in tensors):
+        if (made and func not in _LIFTS and not any(isinstance(t, FakeTensor) for t in tensors)
+                and (not writes or all(_address(t) in self.made for t in _written(func, args, kwargs)))):
             with unset_fake_temporarily():
-                return func(*args, **kwargs)
+                out = func(*args, **kwargs)
+            self.made.update(_address(t) for t in tree_leaves(out) if isinstance(t, torch.Tensor))
+            return out
         if func in _MASKED and any(_real_mask(i) for i in args[1]):  # ``logits[mask]``: a shape from the mask
             with unset_fake_temporarily():
                 indices = [j for i in args[1] for j in (i.nonzero(as_tuple=True) if _real_mask(i) else [i])]
@@ -150,7 +169,9 @@ _AND_OR = frozenset({aten.mul.Tensor, aten.bitwise_and.Tensor, aten.logical_and.
                      aten.logical_or.default})
 
 
-_CONSTANTS = frozenset({aten.ones.default, aten.zeros.default, aten.full.default})
+_WINDOWS = (aten.hann_window, aten.hamming_window, aten.blackman_window, aten.bartlett_window, aten.kaiser_window)
+_CONSTANTS = frozenset({aten.ones.default, aten.zeros.default, aten.full.default,
+                        *(getattr(w, o) for w in _WINDOWS for o in w.overloads())})
 _CONSTANT_BYTES = 1 << 20
 """The most bytes of a constant made from nothing that runs for real (NOTE [ The batch's values ]):
 masks and paddings, never an activation's buffer."""
@@ -160,7 +181,8 @@ def _small_constant(func: Any, args: Any, kwargs: Any) -> bool:
     if func not in _CONSTANTS or torch.device(kwargs.get("device") or "cpu").type != "cpu":
         return False  # a constant for a device this machine may not have stays fake
     dtype = kwargs.get("dtype") or torch.get_default_dtype()
-    return math.prod(args[0]) * dtype.itemsize <= _CONSTANT_BYTES
+    numel = args[0] if isinstance(args[0], int) else math.prod(args[0])  # a window's length, or a size
+    return numel * dtype.itemsize <= _CONSTANT_BYTES
 
 
 _LIFTS = frozenset({aten.lift_fresh.default, aten.lift_fresh_copy.default, aten.lift.default})
