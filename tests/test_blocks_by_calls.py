@@ -674,6 +674,49 @@ def _loss(out: torch.Tensor, batch: tuple[torch.Tensor]) -> torch.Tensor:
     return torch.nn.functional.cross_entropy(out.flatten(0, 1), batch[-1].flatten())
 
 
+class _DConv(nn.Module):
+    """demucs' ``DConv``: a stack of residual branches, and nothing else."""
+
+    def __init__(self, c: int) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Sequential(nn.Conv1d(c, c // 2, 3, padding=1), nn.GELU(), nn.Conv1d(c // 2, c, 1))
+                                    for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = x + layer(x)
+        return x
+
+
+class _EncLayer(nn.Module):
+    """demucs' ``HEncLayer``: a convolution, its activation, the ``DConv`` stack, a rewrite and a GLU."""
+
+    def __init__(self, c: int) -> None:
+        super().__init__()
+        self.conv, self.dconv, self.rewrite = nn.Conv1d(c, c, 3, padding=1), _DConv(c), nn.Conv1d(c, 2 * c, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.glu(self.rewrite(self.dconv(nn.functional.gelu(self.conv(x)))), dim=1)
+
+
+class DemucsLayers(nn.Module):
+    """Rule 9 of NOTE [ Blocks by what runs ]: stages that do work of their own nest (the layer
+    around its ``DConv``); whole at the innermost only, demucs' floored 9% above its layers whole."""
+
+    shares = (0.6, 0.5)
+
+    def __init__(self, d: int = 32) -> None:
+        super().__init__()
+        self.embed, self.head = nn.Embedding(64, d), nn.Linear(d, 64)
+        self.encoder = nn.ModuleList(_EncLayer(d) for _ in range(3))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids).transpose(1, 2)
+        for layer in self.encoder:
+            x = layer(x)
+        return self.head(x.transpose(1, 2))
+
+
 CASES = {
     "lists-of-lists": (ListsOfLists, [f"layers.{i}.{j}" for i in range(6) for j in range(2)]),
     "repeated-stages": (RepeatedStages, [f"stages.{i}.{p}" for i in range(2) for p in ("layers.0", "layers.1", "out")]
@@ -695,6 +738,7 @@ CASES = {
     "wrapped-stacks": (WrappedStacks, [f"layers.{i}.{p}" for i in range(2)
                                        for p in ("residual_group.blocks.0", "residual_group.blocks.1", "conv")]),
     "thin-paths": (ThinPaths, [*(f"unet.path_down.{i}" for i in range(3)), "unet.path_up.0", "unet.path_up.1"]),
+    "demucs-layers": (DemucsLayers, [f"encoder.{i}" for i in range(3)]),
     "vnet-stages": (VStages, [f"{s}.{p}" for s, n in (("one", 2), ("two", 3)) for p in ["down", "norm", *(f"ops.{i}" for i in range(n))]]),
 }
 

@@ -294,6 +294,15 @@ class _GuardsOverflow(torch.nn.Module):
         return x
 
 
+def _planned_from_fake_steps(model: torch.nn.Module, batch: Any, loss_fn: Any) -> None:
+    """A profile at 60% of the plain step runs no real step, predicts that step to the byte, and
+    its plan measures within its prediction."""
+    plain = measure_step(model, batch, loss_fn=loss_fn, repeats=0).peak_bytes
+    prof = profile(model, batch, loss_fn=loss_fn, repeats=1, budget=int(0.6 * plain))
+    assert not prof.plain_ran and prof.plain_peak_bytes == plain
+    _within_prediction(model, batch, loss_fn, solve(prof, int(0.6 * plain)))
+
+
 @pytest.mark.parametrize("bart", [False, True], ids=["isfinite-all", "isinf-or-isnan"])
 def test_a_forward_that_guards_against_overflow_is_predicted_as_finite(bart: bool) -> None:
     """NOTE [ Every value finite ] in remat.measure.fake_steps: transformers' DETR ran no step on
@@ -301,13 +310,7 @@ def test_a_forward_that_guards_against_overflow_is_predicted_as_finite(bart: boo
     torch.manual_seed(0)
     model, batch = _GuardsOverflow(bart), (torch.randn(16, 256, 32),)
 
-    def loss_fn(out: torch.Tensor, b: Any) -> torch.Tensor:
-        return out.square().mean()
-
-    plain = measure_step(model, batch, loss_fn=loss_fn, repeats=0).peak_bytes
-    prof = profile(model, batch, loss_fn=loss_fn, repeats=1, budget=int(0.6 * plain))
-    assert not prof.plain_ran and prof.plain_peak_bytes == plain
-    _within_prediction(model, batch, loss_fn, solve(prof, int(0.6 * plain)))
+    _planned_from_fake_steps(model, batch, lambda out, b: out.square().mean())
 
 
 class _PadsLabels(torch.nn.Module):
@@ -340,13 +343,7 @@ def test_a_forward_that_pads_the_batch_with_a_constant_and_writes_by_its_mask_is
     model = _PadsLabels()
     batch = (torch.randn(16, 255, 2), torch.randint(0, 2, (16, 255)).float())
 
-    def loss_fn(out: torch.Tensor, b: Any) -> torch.Tensor:
-        return out.square().mean()
-
-    plain = measure_step(model, batch, loss_fn=loss_fn, repeats=0).peak_bytes
-    prof = profile(model, batch, loss_fn=loss_fn, repeats=1, budget=int(0.6 * plain))
-    assert not prof.plain_ran and prof.plain_peak_bytes == plain
-    _within_prediction(model, batch, loss_fn, solve(prof, int(0.6 * plain)))
+    _planned_from_fake_steps(model, batch, lambda out, b: out.square().mean())
 
 
 class _Spectrogram(torch.nn.Module):
@@ -376,13 +373,7 @@ def test_a_forward_with_a_spectrogram_is_predicted() -> None:
     torch.manual_seed(0)
     model, batch = _Spectrogram(), (torch.randn(8, 4096),)
 
-    def loss_fn(out: torch.Tensor, b: Any) -> torch.Tensor:
-        return (out - b[0]).square().mean()
-
-    plain = measure_step(model, batch, loss_fn=loss_fn, repeats=0).peak_bytes
-    prof = profile(model, batch, loss_fn=loss_fn, repeats=1, budget=int(0.6 * plain))
-    assert not prof.plain_ran and prof.plain_peak_bytes == plain
-    _within_prediction(model, batch, loss_fn, solve(prof, int(0.6 * plain)))
+    _planned_from_fake_steps(model, batch, lambda out, b: (out - b[0]).square().mean())
 
 
 def test_a_fake_step_that_runs_out_of_host_memory_runs_no_real_step(monkeypatch: pytest.MonkeyPatch) -> None:

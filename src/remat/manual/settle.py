@@ -132,13 +132,16 @@ RANDOM_SKIPS = ("step: turn off layerdrop, stochastic depth or other random laye
 # 9. A stage whose own code does work for the backward (``Calls.work``: it saves a tensor, or makes
 #    the input of one of its modules: MONAI BasicUNet's max pooling before its convolutions, whose
 #    indices and output its split plan kept at every budget, and the concatenation of its up path's
-#    skip, whose output ended segments) is one block in the other candidate list (``coarser``:
-#    each such stage whole, the innermost where they nest, one holding at most half of the
-#    blocks; ``remat.manual.stages``). The profiler takes the list with the lower floor, from the
-#    steps on fake tensors, the finer one when they tie within 1% (a diffusers UNet's up stages
-#    whole floored 1 KiB lower, where split ones are planned per part above the floor) or cannot run
-#    there (``remat.measure.warmup.by_floor``). BasicUNet floored at 47.63 MB split, 37.80 as
-#    stages, torch's checkpoint on its stages (``test_libs_zoo``'s ``monai-basicunet``).
+#    skip, whose output ended segments) is one block in the other candidate lists (``coarser``:
+#    each such stage whole, one holding at most half of the blocks; where they nest, the
+#    innermost in one list and the outermost in another; ``remat.manual.stages``). The profiler
+#    takes the list with the lowest floor, from the steps on fake tensors, the finer one when they
+#    tie within 1% (a diffusers UNet's up stages whole floored 1 KiB lower, where split ones are
+#    planned per part above the floor) or cannot run there (``remat.measure.warmup.by_floor``).
+#    BasicUNet floored at 47.63 MB split, 37.80 as stages, torch's checkpoint on its stages
+#    (``test_libs_zoo``'s ``monai-basicunet``); demucs' encoder layers, each a convolution and a
+#    ``DConv`` stack between activations of its own, at 8.76 MB with the stack whole, 8.01 with
+#    the layer whole (torch's checkpoint on the layers: 7.96).
 # So every block remat chooses has run once in that forward: a block that does not run is never the
 # user's error. One that runs with gradients only after the forward (in the model's own backward: a
 # reversible network) has nothing to checkpoint, and is refused with that reason.

@@ -147,7 +147,7 @@ def fake_run(make_model: Callable[[Any], nn.Module], batch: Any, loss_fn: Any,
         cache_off(model)  # on a fake model, thrown away after: nothing to remove
         _create_state(model, opt)
         named, coarse, repeated = running(model, named, blocks is not None, step_batch, loss_fn, opt)
-    if coarse is not None:  # rule 9, outside the fake mode, whose tensors another one's steps cannot take
+    if coarse:  # rule 9, outside the fake mode, whose tensors another one's steps cannot take
         floors = FakeFloors(make_model, batch, loss_fn, make_optimizer, spec)
         named = by_floor(named, coarse, floors)
         if (chosen := floors.runs.get(tuple(n for n, _ in named))) is not None:

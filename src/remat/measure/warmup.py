@@ -37,10 +37,10 @@ Blocks = list[tuple[str, nn.Module]]
 
 
 def running(model: nn.Module, named: Blocks, explicit: bool, batch: Any, loss_fn: Any,
-            optimizer: Any) -> tuple[Blocks, Blocks | None, list[str]]:
+            optimizer: Any) -> tuple[Blocks, list[Blocks], list[str]]:
     """The blocks, settled by what runs in a warm-up step on ``batch``: named ones must run; found
     ones are settled by the module calls (NOTE [ Blocks by what runs ] in remat.manual.settle),
-    with the other candidate list of rule 9 (``coarser``), or None; and the modules that ran more
+    with the other candidate lists of rule 9 (``coarser``); and the modules that ran more
     than once, not checkpointed (``Profile.repeated``; rule 6)."""
     _refuse_users_checkpoints_over(model, named)
     seen = seen_calls(model, batch, loss_fn, optimizer)
@@ -58,7 +58,7 @@ def running(model: nn.Module, named: Blocks, explicit: bool, batch: Any, loss_fn
                 f"blocks {changing[:4]} change a buffer in place in their forward ({calls.mutates[changing[0]]}: an "
                 "EMA codebook, a step counter), which a recompute would run again, replaying on the changed "
                 "values; remat plans blocks that can be replayed: leave them out of blocks=")
-        return named, None, []
+        return named, [], []
     kept, repeated = by_calls(model, named, calls)
     modules = dict(model.named_modules())
     # inside a block, one replays them (rule 6); the advice taken: quiet
@@ -110,27 +110,32 @@ def _refuse_users_checkpoints_over(model: nn.Module, blocks: Blocks) -> None:
 
 
 NEAR_TIE = 0.01
-"""How much lower than the finer list's floor the coarser's must be to be taken (rule 9): a
+"""How much lower than the finer list's floor a coarser one's must be to be taken (rule 9): a
 diffusers UNet's up stages whole floored 1 KiB lower than split, where the finer list's plans choose
 per part above the floor."""
 
 
-def by_floor(finer: Blocks, coarser: Blocks | None, floor_of: Callable[[list[str]], int]) -> Blocks:
-    """Of rule 9's two candidate lists, the one with the lower floor (``floor_of`` block names, from
-    steps on fake tensors); the finer where they (nearly) tie, or where the model runs no step on fake
-    tensors (NOTE [ Blocks by what runs ] in remat.manual.settle)."""
-    if coarser is None:
+def by_floor(finer: Blocks, coarser: list[Blocks], floor_of: Callable[[list[str]], int]) -> Blocks:
+    """Of rule 9's candidate lists, finest first, the one with the lowest floor (``floor_of`` block
+    names, from steps on fake tensors); a coarser one only where it floors lower than the one
+    taken by more than a near tie; the finest where the model runs no step on fake tensors (NOTE
+    [ Blocks by what runs ] in remat.manual.settle)."""
+    if not coarser:
         return finer
     try:
-        floors = [floor_of([n for n, _ in blocks]) for blocks in (finer, coarser)]
+        floors = [floor_of([n for n, _ in blocks]) for blocks in (finer, *coarser)]
     except Exception as e:  # a forward that reads tensor values, a model deepcopy cannot copy: a choice lost
+        whole = sorted({n for blocks in coarser for n, _ in blocks} - {n for n, _ in finer})
         log.info("remat: the blocks %s cannot be compared on fake tensors (%s: %s); keeping their parts",
-                 sorted({n for n, _ in coarser} - {n for n, _ in finer}), type(e).__name__, str(e).split("\n")[0][:200])
+                 whole, type(e).__name__, str(e).split("\n")[0][:200])
         return finer
-    chosen = coarser if floors[1] < floors[0] * (1 - NEAR_TIE) else finer
-    log.info("remat: stages whole floor at %d bytes, split at %d: taking them %s", floors[1], floors[0],
-             "whole" if chosen is coarser else "split")
-    return chosen
+    taken = 0
+    for i in range(1, len(floors)):
+        if floors[i] < floors[taken] * (1 - NEAR_TIE):
+            taken = i
+    log.info("remat: blocks floor at %s bytes, finest first: taking the %s", floors,
+             "finest" if taken == 0 else f"stages whole ({taken} of {len(coarser)})")
+    return (finer, *coarser)[taken]
 
 
 def _in_backward(names: list[str]) -> ProfileError:
