@@ -178,7 +178,10 @@ def test_prefix_form_with_crossings_equals_the_simulation(p: Profile, data: st.D
     chain = chain_constraints(p)
     picks = [data.draw(st.integers(0, len(chain.options) - 1)) for _ in p.blocks]
     choices = {b.name: chain.options[o] for b, o in zip(p.blocks, picks)}
-    assert chain.peak_bytes(picks) == estimate(p, choices).peak_bytes
+    if chain.bound:  # a handover past HANDOVER_BITS reads as its most held (rule 5): never under
+        assert chain.peak_bytes(picks) >= estimate(p, choices).peak_bytes
+    else:
+        assert chain.peak_bytes(picks) == estimate(p, choices).peak_bytes
 
 
 @settings(max_examples=150, deadline=None)

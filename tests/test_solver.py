@@ -458,7 +458,9 @@ def test_optimal_with_handovers_equals_brute_force(p: Profile, data: st.DataObje
         return
     plan = solve(p, budget)
     assert plan.estimate.peak_bytes <= budget
-    if not plan.segments:
+    if not plan.segments and chain_constraints(p).bound:  # its peak read as the most held (rule 5)
+        assert _extra_ms(p, plan) == best[0] and plan.estimate.peak_bytes <= best[1]
+    elif not plan.segments:
         assert (_extra_ms(p, plan), plan.estimate.peak_bytes) == best
     else:  # segments only where they beat every per-block plan
         assert plan.estimate.step_ms - p.plain_step_ms < best[0]
@@ -470,8 +472,11 @@ def test_the_smallest_peak_with_handovers_is_a_budget_solve_meets(p: Profile) ->
     # A plan with segments is judged by ``estimate_segments`` (remat.plan.solver._counted): the
     # floor it names, with segments or without, is one ``solve`` finds a plan for, and no lower.
     low = smallest_any(p)[0]
-    assert low <= int(brute_force(p).peak_bytes.min())
     plan = solve(p, low)
+    if chain_constraints(p).bound:  # a handover past HANDOVER_BITS reads as its most held (rule 5)
+        assert plan.estimate.peak_bytes <= low
+        return
+    assert low <= int(brute_force(p).peak_bytes.min())
     assert plan.estimate.peak_bytes == low
     with pytest.raises(InfeasibleBudget):
         solve(p, low - 1, segments=False)

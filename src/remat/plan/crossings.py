@@ -28,8 +28,10 @@ mask. The rule, for both kinds:
    ``remat.plan.handovers`` says. The part that depends on the block's own option alone is folded
    into its numbers (``static``), the part of the maker's bits is the state's.
 4. A bit set never lowers a number (a held side input, a saved or offloaded handover only add),
-   so the lowest state is a lower bound for every state: the floors, bounds and relaxations of
-   the searches rely on it.
+   and the lowest state adds nothing (a handover's lowest value, below 0 where a kept graph dies
+   with it, is in the static columns), so the lowest state is a lower bound for every state: the
+   floors, bounds and relaxations of the searches rely on it (the bounded search lost the plan
+   it had found where a state added a graph's negative bytes).
 5. Handovers take at most ``HANDOVER_BITS`` bits at a time; one that finds too few free takes
    none, and reads as the most held and offloaded wherever an option of its maker does either
    (pinned): by rule 4 the highest its numbers can be, so a plan the search finds fits is never predicted
@@ -69,6 +71,11 @@ class _Field:
     values: tuple[int, ...]
     bits: tuple[int, ...] = ()
     pinned: bool = False
+
+    @property
+    def low(self) -> int:
+        """Its lowest value, which the static columns hold (rule 4: a graph's bytes make one below 0)."""
+        return min(self.values)
 
     def read(self, state: int) -> int:
         levels = sorted(set(self.values))
@@ -176,10 +183,10 @@ class Crossings:
         for h in self.handed:
             for o in range(len(columns)):
                 if h.dies is not None:
-                    kept[o][h.dies] -= h.holds.values[o]
+                    kept[o][h.dies] -= h.holds.values[o] - h.holds.low
                 else:
                     for b in range(h.maker, self.n):
-                        bwd[o][b] -= h.holds.values[o]
+                        bwd[o][b] -= h.holds.values[o] - h.holds.low
         return [[dataclasses.replace(c, kept_bytes=c.kept_bytes + kept[o][i],
                                      bwd_peak_bytes=c.bwd_peak_bytes + bwd[o][i]) for i, c in enumerate(col)]
                 for o, col in enumerate(columns)]
@@ -201,13 +208,14 @@ class Crossings:
                 holds[h.maker][o] |= h.sets(o)
             for s in states:
                 mine, copied = h.mine(s), h.copied(s)
+                over = mine - h.holds.low  # rule 4: what the state adds is never below 0
                 if h.dies is not None:
-                    kept[h.dies][s] += mine
+                    kept[h.dies][s] += over
                     fwd[h.dies][s] += copied
-                    bwd[h.dies][s] += mine  # its backward holds its own kept bytes
+                    bwd[h.dies][s] += over  # its backward holds its own kept bytes
                     continue
                 for b in range(h.maker, n):
-                    bwd[b][s] += mine
+                    bwd[b][s] += over
                 moved = mine - h.kept_holds
                 tail_f[s] += max(0, moved) + copied  # freed in the head, maybe after its peak
                 tail_b[s] += moved
