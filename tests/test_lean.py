@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import pickle
 from collections.abc import Callable
 from typing import Any
 
@@ -374,6 +375,47 @@ def test_a_forward_with_a_spectrogram_is_predicted() -> None:
     model, batch = _Spectrogram(), (torch.randn(8, 4096),)
 
     _planned_from_fake_steps(model, batch, lambda out, b: (out - b[0]).square().mean())
+
+
+class _Constant(torch.nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.register_buffer("w3j", torch.randn(d, d))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.w3j
+
+
+class _PicklesItsKernel(torch.nn.Module):
+    """e3nn's ``CodeGenMixin``: copied, it pickles its generated kernel, a submodule with buffers."""
+
+    def __init__(self, d: int = 32) -> None:
+        super().__init__()
+        self.lin, self.kernel, self.out = torch.nn.Linear(d, 4 * d), _Constant(4 * d), torch.nn.Linear(4 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.out(torch.tanh(self.kernel(self.lin(x))))
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_modules"] = dict(state["_modules"])
+        state["kernel_pickled"] = pickle.dumps(state["_modules"].pop("kernel"))
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        state = dict(state)
+        kernel = pickle.loads(state.pop("kernel_pickled"))
+        self.__dict__.update(state)
+        self.kernel = kernel
+
+
+def test_a_module_that_copies_itself_through_pickle_is_predicted() -> None:
+    """remat.measure.estimated.fake_copy: a kernel's buffers, rebuilt by ``pickle.loads`` in the
+    fake mode, came back on the meta device; the fake step failed, and a profile below the plain
+    step ran that step (e3nn, helper 37)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(_PicklesItsKernel() for _ in range(4)), torch.nn.Linear(32, 1))
+    _planned_from_fake_steps(model, (torch.randn(4096, 32),), lambda out, b: out.square().mean())
 
 
 def test_a_fake_step_that_runs_out_of_host_memory_runs_no_real_step(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -244,7 +244,6 @@ def assemble(
     t_keep = times["keep"]
     return Profile(
         model=type(model).__name__,
-        fingerprint=fingerprint(model),
         pre=_with_times(pre, t_keep["pre_fwd"], t_keep["pre_bwd"]),
         post=_with_times(post, t_keep["post_fwd"], t_keep["post_bwd"]),
         blocks=[blocks[i] for i in order],
@@ -254,7 +253,7 @@ def assemble(
         crossings=[*(sides or []), *handed],
         post_fwd_peak_held_bytes=held,
         post_bwd_peak_held_bytes=held_bwd,
-        **fixed,
+        **{"fingerprint": fingerprint(model), **fixed},  # a lean profile's is the user's model's
     )
 
 

@@ -267,13 +267,30 @@ def fake_copy(model: nn.Module, fake_mode: Any) -> nn.Module:
             if isinstance(value, (staticmethod, classmethod)):
                 memo[id(value)] = value
     try:
-        return copy.deepcopy(model, memo)
+        twin = copy.deepcopy(model, memo)
     except Exception as e:
         raise InvalidType(
             f"remat plans a step that does not fit on a copy of the model whose tensors are fake, "
             f"and {type(model).__name__} could not be copied ({type(e).__name__}: {e}); make it "
             "copyable with copy.deepcopy, or give a budget the plain step fits"
         ) from e
+    _put_back_fakes(model, twin, memo)
+    return twin
+
+
+def _put_back_fakes(model: nn.Module, twin: nn.Module, memo: dict[int, Any]) -> None:
+    """Give ``twin`` the fakes of ``memo`` where its module's own ``__getstate__`` copied a tensor
+    without them: e3nn's kernels pickle a submodule, whose buffers ``pickle.loads`` rebuilt on the
+    meta device, and the fake step failed (meta and cpu), so a budget below the plain step ran it."""
+    twins = dict(twin.named_modules(remove_duplicate=False))
+    for name, module in model.named_modules(remove_duplicate=False):
+        if (copied := twins.get(name)) is None:
+            continue
+        for kind in ("_parameters", "_buffers"):
+            mine, theirs = getattr(module, kind), getattr(copied, kind)
+            for key, t in mine.items():
+                if t is not None and id(t) in memo and key in theirs and theirs[key] is not memo[id(t)]:
+                    theirs[key] = memo[id(t)]
 
 
 def fake_optimizer(optimizer: torch.optim.Optimizer,

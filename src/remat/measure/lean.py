@@ -51,7 +51,7 @@ from torch import nn
 
 from remat.devices import DeviceSpec, get_device
 from remat.errors import InfeasibleBudget, RematError, out_of_memory
-from remat.manual.blocks import find_blocks
+from remat.manual.blocks import find_blocks, fingerprint
 from remat.measure import step as _step
 from remat.measure.estimated import (
     FAKE_LIMITS,
@@ -140,7 +140,9 @@ def lean_profile(model: nn.Module, batch: Any, loss_fn: Any, optimizer: torch.op
         blocks = [name for name, _ in find_blocks(model, blocks)]
     cuda = device.type == "cuda"
     fixed: dict[str, Any] = dict(device=str(device), mode="measured", plain_ran=False,
-                                 device_memory_bytes=lean.spec.memory_bytes if cuda else None)
+                                 device_memory_bytes=lean.spec.memory_bytes if cuda else None,
+                                 fingerprint=fingerprint(model))  # the user's: a module's own copy may
+    # order its submodules otherwise (e3nn's kernels, pickled, come back last: estimated.fake_copy)
 
     given = module_states(model)
 
