@@ -30,9 +30,8 @@ after it 256 KiB under.
 # die in the forward where one of its handovers dies are that handover's graph (``graph_bytes``).
 # A storage the block took or returned is no graph's: its own record counts it, or the model's
 # code holds it (a VQ quantizer's ``cdist`` saves its input, which the code frees as the forward
-# returns, where its index handover dies too). Before, plans mixing options
-# missed by one index per maker: Griffin's at 60% 33,104 B over, NSA's 262,144
-# (tests/test_handovers.py keeps a model in that shape).
+# returns, where its index handover dies too). Before, plans mixing options missed by one index
+# per maker: Griffin's at 60% 33,104 B over (tests/test_handovers.py keeps a model in that shape).
 """
 
 from __future__ import annotations

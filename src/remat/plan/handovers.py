@@ -7,20 +7,19 @@ Each option's numbers come from a step with every block on that option. A handov
 that dies in block k's forward phase (freed there when j's option does not save it, and its graph
 with it when j's option keeps that: ``held_under``) is in the kept bytes of block k as the run of
 k's option had it. Under the plan its death frees what j's own option has it free. So k's kept
-bytes move by (held under j's option - held under k's). One that
-dies in the head's forward (after the last block) moves the head's kept bytes the same way against
-the kept run, whose numbers the head's are, and its forward peak only up: it may be freed after
-the head's peak, so it counts as live there (on the safe side: a language model's head peaks at
-its logits, after the loop let it go); the level that stays after the head's
-backward moves with them (its gradient bytes) until the maker's backward, where every run has let
-it go (the maker's gradient bytes move back), and the backward peaks of the maker and the blocks
-after it, measured over the level their own run's head left, move back by what that run saved
-beyond the kept run.
+bytes move by (held under j's option - held under k's). One that dies in the head's forward (after
+the last block) moves the head's kept bytes the same way against the kept run, whose numbers the
+head's are, and its forward peak only up: it may be freed after the head's peak, so it counts as
+live there (on the safe side: a language model's head peaks at its logits, after the loop let it
+go); the level that stays after the head's backward moves with them (its gradient bytes) until
+the maker's backward, where every run has let it go (the maker's gradient bytes move back), and the
+backward peaks of the maker and the blocks after it, measured over the level their own run's head
+left, move back by what that run saved beyond the kept run.
 Options not run are judged as the run their numbers come from: ``tiled`` and the offloads as
-``keep`` and ``recompute``, but an offloaded graph is on the host. An offloaded maker's numbers keep nothing on the device, but the
-model's code still holds the device tensor until it drops it (the copy is the saved one): that
-counts as one more transient in the forward phase where it dies (derived, not measured: no GPU
-has run it).
+``keep`` and ``recompute``, but an offloaded graph is on the host. An offloaded maker's numbers
+keep nothing on the device, but the model's code still holds the device tensor until it drops it
+(the copy is the saved one): that counts as one more transient in the forward phase where it dies
+(derived, not measured: no GPU has run it).
 """
 
 from __future__ import annotations
