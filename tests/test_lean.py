@@ -418,6 +418,31 @@ def test_a_module_that_copies_itself_through_pickle_is_predicted() -> None:
     _planned_from_fake_steps(model, (torch.randn(4096, 32),), lambda out, b: out.square().mean())
 
 
+class _Contrastive(torch.nn.Module):
+    """x-clip's loss: the diagonal of the similarities by ``masked_select`` with an ``arange ==
+    arange`` mask (its ``matrix_diag``)."""
+
+    def __init__(self, d: int = 64) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(d, 4 * d), torch.nn.GELU(),
+                                                              torch.nn.Linear(4 * d, d)) for _ in range(4))
+
+    def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            a = a + layer(a)
+        sim = a.mean(1) @ b.mean(1).t()
+        i = torch.arange(sim.shape[0])
+        return (sim.logsumexp(-1) - sim.masked_select(i[:, None] == i[None, :])).mean()
+
+
+def test_a_loss_that_masked_selects_by_a_real_mask_is_predicted() -> None:
+    """NOTE [ The batch's values ] in remat.measure.fake_steps: fake tensors cannot size
+    ``masked_select``; a real mask gives way to its positions, as ``x[mask]`` does. Before, a
+    profile below the plain step ran that step (x-clip, helper 37)."""
+    torch.manual_seed(0)
+    _planned_from_fake_steps(_Contrastive(), (torch.randn(8, 256, 64), torch.randn(8, 256, 64)), lambda out, b: out)
+
+
 def test_a_fake_step_that_runs_out_of_host_memory_runs_no_real_step(monkeypatch: pytest.MonkeyPatch) -> None:
     """A fake step that runs out of the host's memory is no forward that reads tensor values: the
     profile once fell back to running the plain step for real (19 real steps before refusing, in a

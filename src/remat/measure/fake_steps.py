@@ -51,7 +51,8 @@ aten = torch.ops.aten
 # repeats K and V: the plain step predicted 3 x [B, S, D] per layer above the real one (helpers 23
 # and 25: a peft LoRA Llama's floor named 11% high, and budgets torch's checkpoint meets refused).
 # A boolean mask from the batch that selects from what the weights made (a masked language model's
-# loss, ``logits[mask]``) gives way to the positions it selects, which fix the output's shape; the
+# loss, ``logits[mask]``, or ``masked_select``: x-clip's diagonal of its similarities by an
+# ``arange == arange`` mask) gives way to the positions it selects, which fix the output's shape; the
 # conversion is a transient of the real kernel too, which the lean steps measure as what no tensor
 # holds. A read of what the weights made still raises, and the profile falls back as before. The
 # RNG state a real op draws from is put back when the fake steps end. A tensor of the batch that
@@ -116,6 +117,11 @@ class _AsTheRealStep(TorchDispatchMode):
             with unset_fake_temporarily():
                 indices = [j for i in args[1] for j in (i.nonzero(as_tuple=True) if _real_mask(i) else [i])]
             return func(args[0], indices, *args[2:], **kwargs)
+        if func is aten.masked_select.default and _real_mask(args[1]):  # x-clip's diagonal: as ``x[mask]``
+            shape = torch.broadcast_shapes(args[0].shape, args[1].shape)
+            with unset_fake_temporarily():
+                positions = args[1].expand(shape).nonzero(as_tuple=True)
+            return aten.index.Tensor(args[0].expand(shape), list(positions))
         if func in _READS and (read := self._known(args[0])) is not None:  # NOTE [ Every value finite ]
             return read
         out = func(*args, **kwargs)
