@@ -45,6 +45,7 @@ groups' methods); tests/test_costmodel.py checks the two forms equal on random c
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TypeAlias
@@ -72,21 +73,25 @@ class _Field:
     bits: tuple[int, ...] = ()
     pinned: bool = False
 
+    @functools.cached_property
+    def levels(self) -> list[int]:
+        """Its values, each once, lowest first: the bits count through them."""
+        return sorted(set(self.values))
+
     @property
     def low(self) -> int:
         """Its lowest value, which the static columns hold (rule 4: a graph's bytes make one below 0)."""
-        return min(self.values)
+        return self.levels[0]
 
     def read(self, state: int) -> int:
-        levels = sorted(set(self.values))
         if self.pinned or not self.bits:
-            return levels[-1]
+            return self.levels[-1]
         k = sum((state >> b & 1) << n for n, b in enumerate(self.bits))
-        return levels[min(k, len(levels) - 1)]
+        return self.levels[min(k, len(self.levels) - 1)]
 
     def sets(self, o: int) -> int:
         """The bits the maker's option ``o`` sets."""
-        k = sorted(set(self.values)).index(self.values[o])
+        k = self.levels.index(self.values[o])
         return sum((k >> n & 1) << b for n, b in enumerate(self.bits))
 
     @property
