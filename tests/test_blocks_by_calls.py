@@ -1009,6 +1009,20 @@ def test_a_model_that_runs_every_block_twice_is_refused_with_the_reason() -> Non
         remat.profile(Twin(), (torch.randn(4, 8, 32), torch.randn(4, 8, 32)), repeats=1)
 
 
+def test_a_twin_whose_blocks_the_user_checkpointed_as_the_refusal_advised_is_refused_as_theirs() -> None:
+    """The refusal above advises ``remat.checkpoint_module`` on the shared blocks; taken (a
+    recurrent-memory transformer's layers, run once per segment), the next refusal called their
+    replays a reversible network's."""
+    torch.manual_seed(0)
+    model = Twin()
+    for layer in model.encoder:
+        remat.checkpoint_module(layer)
+    with pytest.warns(UserWarning, match="ran more than once"), \
+            pytest.raises(ProfileError, match=r"every module remat would plan runs inside modules checkpointed with "
+                       r"remat.checkpoint_module \(\['encoder.0', 'encoder.1', 'encoder.2'\]\)"):
+        remat.profile(model, (torch.randn(4, 8, 32), torch.randn(4, 8, 32)), repeats=1)
+
+
 def test_named_blocks_no_gradient_reaches_are_refused_with_the_reason() -> None:
     torch.manual_seed(0)
     batch = (torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1)),)

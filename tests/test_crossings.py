@@ -17,6 +17,7 @@ import copy
 import dataclasses
 import gc
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
@@ -890,7 +891,11 @@ def test_a_block_output_changed_in_place_between_blocks_ends_segments() -> None:
     assert remat.applied_plan(model) is None
 
 
-def test_handovers_past_the_states_bits_read_as_held() -> None:
+def test_handovers_past_the_states_bits_read_as_held(tmp_path: Path) -> None:
     model, prof = _profiled(BandSplit)
     assert len(handovers(prof)) >= 64
     _plans_fit(model, prof)
+    # numbers over a level the bands' outputs leave below (their unpack bytes): a record read back
+    assert min(b.unpack_bytes for b in prof.blocks) < 0
+    prof.save(tmp_path / "profile.json")
+    assert remat.Profile.load(tmp_path / "profile.json") == prof

@@ -360,7 +360,12 @@ def test_a_writer_killed_mid_write_leaves_a_whole_file(tmp_path: Path, sig: int)
     assert proc.stdout is not None and proc.stdout.readline() == b"ready\n"
     threading.Event().wait(0.05)  # a few writes later: most of the time is spent inside one
     proc.send_signal(sig)
-    _, err = proc.communicate(timeout=60)
+    try:
+        _, err = proc.communicate(timeout=60)
+    finally:  # a writer that did not stop is no later test's unclosed pipe
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
     assert proc.returncode != 0
     data = path.read_bytes()
     assert len(data) == size and data == data[:1] * size, "a torn file"

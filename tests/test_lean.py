@@ -893,3 +893,69 @@ def test_an_output_only_the_kernel_sizes_is_left_to_the_meta_where_running_it_ta
     monkeypatch.setattr(fake_steps, "_LEFT_OUT", set())
     assert plain_peak(model, (x,), loss, None, spec) < 0.9 * real  # without the workspace
     assert "mkldnn_rnn_layer.default's outputs are sized as its meta function sizes them" in caplog.text
+
+
+class _KeepsItsLatents(torch.nn.Module):
+    """vit-pytorch's ``Extractor`` (CoCa's image encoder): the encoder keeps its output on itself,
+    not detached, until the next step replaces it."""
+
+    def __init__(self, d: int = 64) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.LayerNorm(d), torch.nn.Linear(d, 4 * d),
+                                                              torch.nn.GELU(), torch.nn.Linear(4 * d, d)) for _ in range(3))
+        self.head = torch.nn.Linear(d, d)
+        self.latents: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = x + layer(x)
+        self.latents = x
+        return self.head(x)
+
+
+@pytest.mark.filterwarnings("ignore:the model keeps tensors of each training step")
+def test_a_tensor_the_model_carries_into_the_next_step_is_predicted_from_fake_steps() -> None:
+    """Rule 4 of NOTE [ A tensor carried from one step into the next ] in remat.measure.marked: the
+    fake steps counted the carried latents twice, once as the step's and once as the last's, and
+    the floor was named that much above torch's checkpoint on every layer (CoCa's, 131,072 B)."""
+    torch.manual_seed(0)
+    model, batch = _KeepsItsLatents(), torch.randn(8, 256, 64)
+
+    def loss_fn(out: torch.Tensor, b: Any) -> torch.Tensor:
+        return out.square().mean()
+
+    for layer in model.layers:
+        layer.forward = functools.partial(torch.utils.checkpoint.checkpoint, layer.forward, use_reentrant=False)
+    every = measure_step(model, batch, loss_fn=loss_fn, repeats=0).peak_bytes
+    for layer in model.layers:
+        del layer.forward
+    with pytest.raises(InfeasibleBudget) as refused:
+        profile(model, batch, loss_fn=loss_fn, repeats=1, budget=1)
+    assert refused.value.smallest_bytes <= every
+    for budget in (every, refused.value.smallest_bytes):
+        prof = profile(model, batch, loss_fn=loss_fn, repeats=1, budget=budget)
+        assert not prof.plain_ran
+        plan = solve(prof, budget)
+        remat.apply(model, plan)
+        try:
+            assert measure_step(model, batch, loss_fn=loss_fn, repeats=0).peak_bytes == plan.estimate.peak_bytes
+        finally:
+            remat.remove(model)
+
+
+def test_running_out_of_host_memory_on_fake_tensors_is_no_refusal_of_the_budget(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A capped process ran out of memory in the fake steps, before any real step (BS-RoFormer's,
+    with 46 MiB of headroom), and remat refused the budget of 1 B as below a floor of 2 B: the floor
+    plan's step, it said, had run out."""
+    import remat.measure.lean
+
+    def bad_alloc(*args: Any, **kwargs: Any) -> Any:
+        raise MemoryError("std::bad_alloc")
+
+    torch.manual_seed(0)
+    model = models.build_model(models.GPTConfig(n_layer=2, n_embd=32, n_head=2, block_size=32, vocab_size=64))
+    batch = models.make_batch(model, batch_size=2, seq_len=32)
+    monkeypatch.setattr(remat.measure.lean, "fake_run", bad_alloc)
+    with pytest.raises(remat.errors.ProfileError, match=r"ran out of host memory planning on fake tensors, before "
+                       r"any real step \(MemoryError: std::bad_alloc\).*Give the process more memory"):
+        profile(model, batch, loss_fn=models.loss_fn_for(model), repeats=1, budget=1)

@@ -6,6 +6,7 @@ import dataclasses
 import json
 import subprocess
 import sys
+import unittest.mock
 
 import pytest
 from _tables import (
@@ -23,8 +24,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from remat.plan import bounds as solver
+from remat.plan import crossings
 from remat.plan.chain import chain_constraints
-from remat.plan.costmodel import smallest_feasible
+from remat.plan.costmodel import estimate, priced_picks, smallest_feasible
 from remat.plan.optimum import defined
 from remat.plan.segment_estimate import estimate_segments
 from remat.plan.solver import METHODS, InfeasibleBudget, frontier, smallest_any, solve
@@ -480,6 +482,22 @@ def test_the_smallest_peak_with_handovers_is_a_budget_solve_meets(p: Profile) ->
     assert plan.estimate.peak_bytes == low
     with pytest.raises(InfeasibleBudget):
         solve(p, low - 1, segments=False)
+
+
+@settings(max_examples=100, deadline=None)
+@given(p=_HANDED_CHAINS)
+def test_pinned_handovers_name_no_floor_above_a_plan_priced_exactly(p: Profile) -> None:
+    # Rule 5 of NOTE [ What crosses a block boundary, as state ]: with one bit for all handovers,
+    # most are pinned, and the searches read plans above their cost; the floor named is still at or
+    # below every block on one option (every block recomputed: torch's checkpoint on each), and
+    # ``solve`` meets it.
+    with unittest.mock.patch.object(crossings, "HANDOVER_BITS", 1):
+        if not chain_constraints(p).bound:
+            return
+        low = smallest_any(p)[0]
+        chain, names = chain_constraints(p), [b.name for b in p.blocks]
+        assert all(low <= estimate(p, dict(zip(names, chain.chosen(picks)))).peak_bytes for picks in priced_picks(chain))
+        assert solve(p, low).estimate.peak_bytes <= low
 
 
 @pytest.mark.parametrize("inputs", [2, 4])

@@ -109,7 +109,11 @@ def build_record(cls: Any, data: Any, where: str) -> Any:
 #: and low enough that the solvers' sums over thousands of blocks stay exact in int64.
 _MAX_FIELD_BYTES = 2**50
 _MAX_FIELD_MS = 1e9
-_SIGNED = ("grad_bytes", "extra_ms", "step_ms")  # net changes, measured differences, and sums of them
+# Net changes, measured differences, and sums of them: a block's numbers are over the level the cost
+# model holds where it runs, which a block that frees more than it makes leaves below (the last of
+# BS-RoFormer's band-split MLPs, whose outputs the model's code frees after it: kept -128,512 B).
+_SIGNED = ("grad_bytes", "kept_bytes", "fwd_peak_bytes", "bwd_peak_bytes", "unpack_bytes", "stop_peak_bytes",
+           "optimizer_peak_bytes", "post_fwd_peak_held_bytes", "post_bwd_peak_held_bytes", "extra_ms", "step_ms")
 
 
 def _in_range(cls: Any, name: str, value: Any, where: str) -> Any:
@@ -129,8 +133,7 @@ def _in_range(cls: Any, name: str, value: Any, where: str) -> Any:
         raise FieldError(f"{where}: {value!r} is out of range (at most {shown} in size)")
     if name == "world_size" and value < 1:
         raise FieldError(f"{where}: expected at least 1 rank, got {value}")
-    signed = name in _SIGNED or (cls.__name__ == "Segment" and name == "kept_bytes")
-    if value < 0 and not signed and name.endswith(("_bytes", "_ms")):
+    if value < 0 and name not in _SIGNED and name.endswith(("_bytes", "_ms")):
         raise FieldError(f"{where}: cannot be negative, got {value!r}")
     return value
 

@@ -154,7 +154,7 @@ def fake_run(make_model: Callable[[Any], nn.Module], batch: Any, loss_fn: Any,
             return dataclasses.replace(chosen, fixed=chosen.fixed | {"repeated": repeated})  # its blocks named
     with steps:
         keys = base_keys(model, opt, step_batch)
-        runs = option_runs(model, named, step_batch, loss_fn, opt, keys, lambda: FakeMeter(spec))
+        runs = option_runs(model, named, step_batch, loss_fn, opt, keys, lambda: FakeMeter(spec, carrier=model))
         traces = {option: (meter.trace, hooks) for option, (meter, hooks) in runs.items()}
         times = {option: phase_times({m.label: m.t_ms for m in meter.marks}, hooks.order)
                  for option, (meter, hooks) in runs.items()}

@@ -37,7 +37,7 @@ from torch.utils._pytree import arg_tree_leaves, tree_leaves
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
 from remat.devices import ROOFLINE_EFFICIENCY, DeviceSpec
-from remat.measure.storages import storage_key
+from remat.measure.storages import carried_tensors, storage_key
 from remat.measure.tracer import Mark, Trace
 
 __all__ = ["FakeMeter", "convertible_parameters"]
@@ -130,9 +130,12 @@ class FakeMeter(TorchDispatchMode):
     previous mark and the clock; ``trace`` has the marks; ``clock_ms`` is the time so far.
     """
 
-    def __init__(self, spec: DeviceSpec) -> None:
+    def __init__(self, spec: DeviceSpec, carrier: torch.nn.Module | None = None) -> None:
         super().__init__()
         self.spec = spec
+        self.carrier = carrier
+        """The model whose carried tensors' frees count (rule 4 of NOTE [ A tensor carried from one
+        step into the next ] in remat.measure.marked)."""
         self.live = 0
         self.peak = 0
         self._peak_since = 0
@@ -210,10 +213,22 @@ class FakeMeter(TorchDispatchMode):
             self._get_rng_state = torch.get_rng_state
             torch.get_rng_state = self._counted_rng_state
         try:
-            return super().__enter__()  # type: ignore[no-any-return]
+            entered = super().__enter__()
         except BaseException:
             self._restore()
             raise
+        for *_, t in carried_tensors(self.carrier) if self.carrier is not None else ():
+            self._carry(t)
+        return entered  # type: ignore[no-any-return]
+
+    def _carry(self, t: torch.Tensor) -> None:
+        """Count the free of a storage made before the meter, as the live bytes' drop (rule 4 of NOTE
+        [ A tensor carried from one step into the next ] in remat.measure.marked)."""
+        storage = t.untyped_storage()
+        key = int(storage._cdata)
+        if key not in self._storages:
+            self._storages[key] = int(storage.nbytes())
+            self._refs[key] = weakref.ref(storage, functools.partial(self._free_ref, key))
 
     def __exit__(self, *exc: Any) -> None:
         try:

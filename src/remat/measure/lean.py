@@ -50,7 +50,7 @@ import torch
 from torch import nn
 
 from remat.devices import DeviceSpec, get_device
-from remat.errors import InfeasibleBudget, RematError, out_of_memory
+from remat.errors import InfeasibleBudget, ProfileError, RematError, out_of_memory
 from remat.manual.blocks import find_blocks, fingerprint
 from remat.measure import step as _step
 from remat.measure.estimated import (
@@ -154,7 +154,16 @@ def lean_profile(model: nn.Module, batch: Any, loss_fn: Any, optimizer: torch.op
             run.host_link_bytes_per_s = host_link_bytes_per_s(device)
         return run, run.profile(**fixed)
 
-    run, fake = fake_profile({})
+    try:
+        run, fake = fake_profile({})
+    except (RuntimeError, MemoryError) as e:
+        if not out_of_memory(e):
+            raise
+        raise ProfileError(
+            f"remat ran out of host memory planning on fake tensors, before any real step ({type(e).__name__}: "
+            f"{str(e)[:200]}): the fake copy of the model and its steps take host memory, tens of MB on the CPU, "
+            "where the budget's memory is that memory too. Give the process more memory than the budget, or "
+            "plan where there is more and apply the saved plan here (Plan.save, Plan.load, remat.apply)") from e
     try:
         solve(fake, lean.budget_bytes)  # InfeasibleBudget before any real step (rule 3)
     except InfeasibleBudget as e:

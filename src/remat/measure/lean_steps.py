@@ -23,7 +23,7 @@ from remat.measure.heads import HeadMeasures, head_option
 from remat.measure.notes import PartNumbers
 from remat.measure.runner import StepRunner, every_block
 from remat.measure.scratch import Scratch
-from remat.measure.tracer import KernelKey
+from remat.measure.tracer import KernelKey, sized
 from remat.plan.head import estimate_with_head
 from remat.plan.solver import smallest_any, solve
 from remat.records import OptionCost, Profile
@@ -153,10 +153,12 @@ class LeanSteps:
         """The floor plan's step (the lowest predicted peak): the scratch every later step is
         gated with (NOTE [ What no tensor holds ])."""
         plan = solve(self.fake, smallest_any(self.fake)[0])
-        # warm-up: lazy state, the allocator; a selective block recomputed instead, whose replay met an
-        # op its forward had not recorded where that forward made lazy state (CoCa's rotary table)
+        # warm-up: lazy state, the allocator, sized frees (NOTE [ A free the CPU trace cannot size ] in
+        # remat.measure.tracer); a selective block recomputed instead, whose replay met an op its forward
+        # had not recorded where that forward made lazy state (CoCa's rotary table)
         warm = ["recompute" if plan.choices[n] == "selective" else plan.choices[n] for n in self.names]
-        with self._config(self.runner.model, self.named, warm, plan.head, plan.segments):
+        assert self.runner.device is not None  # the user's model's real steps
+        with sized(self.runner.device), self._config(self.runner.model, self.named, warm, plan.head, plan.segments):
             self.runner.marked(lambda _: None)
         blocks, parts = self._measure([plan.choices[n] for n in self.names], plan.head, plan.segments, kernels=True)
         s = self.scratch

@@ -248,19 +248,23 @@ def sides_of(model: nn.Module, named: list[tuple[str, nn.Module]], batch: Any, l
 # NOTE [ A tensor carried from one step into the next ]
 # 1. A module may keep a tensor of the step on itself (``self.cache = ...``: a bucket cache, the
 #    last attention map kept for a plot), replaced, dropped or set to None in a later step. Its
-#    storage is allocated before the measured step starts and freed inside it, and the tracer (the
-#    profiler's memory events, or the fake meter) sees no size for a free whose allocation it did
-#    not see. So the step's numbers miss those frees, unevenly across the runs of each option, and
-#    plans mixing options miss their prediction (by tens of MiB on a small MLP:
-#    tests/test_profiler.py keeps the numbers).
+#    storage is allocated before the measured step starts and freed inside it. A trace that cannot
+#    size that free (NOTE [ A free the CPU trace cannot size ] in remat.measure.tracer) stays that
+#    storage's bytes too high from there on, unevenly across the runs of each option, and plans
+#    mixing options miss their prediction (by tens of MiB on a small MLP: tests/test_profiler.py).
 # 2. remat notes the storages behind the modules' plain attributes (tensors, and lists, tuples and
 #    dicts of them; not parameters, buffers, or tensors inside other objects) after its warm-up
 #    step, and warns, naming them, when the runs of its options freed any: a cache made once and
 #    kept, or a new view of a storage that lives on, frees nothing and is not named. Under 1 KiB
 #    in all (a step counter) it does not warn.
 # 3. The warning says how to be sure: verify the plan, which measures it.
+# 4. Every traced run sizes those frees: a real one after a warm-up under a memory profiler
+#    (``sized``: the profiler's warm-up, and the lean steps' before their first), a fake one by its
+#    meter, which takes the storages the modules hold as it starts (``FakeMeter(carrier=)``).
+#    Without, vit-pytorch's ``Extractor`` (CoCa's image encoder keeps its output, not detached) was
+#    counted twice on fake tensors, and the floor was named 131,072 B above torch's checkpoint on
+#    every layer; the lean steps' first, after a warm-up that sized nothing, read it as scratch.
 
-_MODULE_STATE = ("_parameters", "_buffers", "_modules")
 _QUIET_BYTES = 1024  # rule 2
 
 Carried = dict[tuple[str, str], list[tuple[StorageWeakRef, int]]]
@@ -271,11 +275,9 @@ def carried(model: nn.Module) -> Carried:
     """The storages ``model``'s modules hold in plain attributes (NOTE [ A tensor carried from one
     step into the next ], rule 2); taking them keeps nothing alive."""
     out: Carried = {}
-    for name, module in model.named_modules():
-        for attr, value in vars(module).items():
-            storages = [t.untyped_storage() for t in _storages.tensors_in(value)] if attr not in _MODULE_STATE else []
-            if storages:
-                out[(name, attr)] = [(StorageWeakRef(st), st.nbytes()) for st in storages]
+    for name, attr, t in _storages.carried_tensors(model):
+        storage = t.untyped_storage()
+        out.setdefault((name, attr), []).append((StorageWeakRef(storage), storage.nbytes()))
     return out
 
 

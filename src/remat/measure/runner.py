@@ -57,7 +57,7 @@ class StepRunner:
         if self.spec is not None:
             from remat.measure.fake import FakeMeter
 
-            meter = FakeMeter(self.spec)
+            meter = FakeMeter(self.spec, carrier=self.model)
             with meter:
                 hooks = self.marked(meter.mark)
             stamps = {m.label: m.t_ms for m in meter.marks}

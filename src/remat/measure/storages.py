@@ -19,6 +19,7 @@ __all__ = [
     "batch_bytes",
     "batch_shape",
     "batch_tensors",
+    "carried_tensors",
     "optimizer_bytes",
     "param_bytes",
     "storage_bytes",
@@ -99,6 +100,21 @@ def batch_tensors(batch: Any) -> Iterator[torch.Tensor]:
     before the step starts: the step's peak counts it (a ``Data`` batch's 384,000 B were left out,
     and every plan's peak with them)."""
     return tensors_in(batch, attributes=True)
+
+
+_MODULE_STATE = ("_parameters", "_buffers", "_modules")
+
+
+def carried_tensors(model: nn.Module) -> Iterator[tuple[str, str, torch.Tensor]]:
+    """(module name, attribute, tensor) for the tensors ``model``'s modules hold in plain attributes
+    (tensors, and lists, tuples and dicts of them; not parameters or buffers): what a module may
+    carry from one step into the next (NOTE [ A tensor carried from one step into the next ] in
+    remat.measure.marked)."""
+    for name, module in model.named_modules():
+        for attr, value in vars(module).items():
+            if attr not in _MODULE_STATE:
+                for t in tensors_in(value):
+                    yield name, attr, t
 
 
 def param_bytes(model: nn.Module) -> int:

@@ -75,6 +75,9 @@ def running(model: nn.Module, named: Blocks, explicit: bool, batch: Any, loss_fn
     if not kept:
         if in_backward := [b for b, _ in named if b in late] or sorted(
                 n for n in late if any(n.startswith(b + ".") for b, _ in named)):
+            theirs = [n for n, m in modules.items() if n and checkpointed(m)]
+            if all(any(inside(n, c) for c in theirs) for n in in_backward):
+                raise _all_theirs(theirs)
             raise _in_backward(in_backward)
         if repeated:
             raise ProfileError(
@@ -136,6 +139,15 @@ def by_floor(finer: Blocks, coarser: list[Blocks], floor_of: Callable[[list[str]
     log.info("remat: blocks floor at %s bytes, finest first: taking the %s", floors,
              "finest" if taken == 0 else f"stages whole ({taken} of {len(coarser)})")
     return (finer, *coarser)[taken]
+
+
+def _all_theirs(checkpointed: list[str]) -> ProfileError:
+    """The refusal where every module remat would plan runs inside the user's checkpoints."""
+    return ProfileError(
+        f"every module remat would plan runs inside modules checkpointed with remat.checkpoint_module "
+        f"({first_names(checkpointed)}), whose replays run them again in the backward: nothing is left for remat "
+        "to plan. The step with those checkpoints is the plan (remat.measure_step measures it); or take some "
+        "off (remat.uncheckpoint_module) and let remat plan what they hold")
 
 
 def _in_backward(names: list[str]) -> ProfileError:

@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from remat.errors import InvalidType, InvalidValue, did_you_mean
-from remat.plan.chain import chain_constraints
+from remat.plan.chain import ChainConstraints, chain_constraints
 from remat.plan.handovers import handed_over, handovers
 from remat.plan.schedule import phase_bytes, step_phases
 from remat.plan.sides import side_groups
@@ -21,7 +21,7 @@ from remat.records import Estimate, OptionCost, Profile
 from remat.units import format_bytes
 from remat.vocabulary import OPTIONS
 
-__all__ = ["estimate", "overhead", "smallest_feasible"]
+__all__ = ["estimate", "overhead", "priced_picks", "smallest_feasible"]
 
 
 def estimate(profile: Profile, choices: Mapping[str, str]) -> Estimate:
@@ -161,9 +161,19 @@ def smallest_feasible(profile: Profile) -> tuple[int, str]:
     """The lowest peak any assignment of the common options reaches, and what dominates it, e.g.
     ``(2_900_000_000, "parameters and optimizer state take 2.10 GiB")``."""
     chain = chain_constraints(profile)
+    peak, picks = _floor(chain)
+    top = _top(profile, chain.chosen(picks))
+    assert top.peak_bytes == peak or (chain.bound and top.peak_bytes < peak), (top.peak_bytes, peak)
+    if chain.bound:  # the bound's floor is no plan's: the lowest of the plans priced exactly
+        top = min((_top(profile, chain.chosen(p)) for p in priced_picks(chain)), key=lambda p: p.peak_bytes)
+    return top.peak_bytes, _dominant(profile, top)
+
+
+def _floor(chain: ChainConstraints) -> tuple[int, list[int]]:
+    """The chain's lowest peak, and one assignment that reaches it: the cheapest option at each
+    step that keeps the rest feasible."""
     floors = chain.suffix_floors()  # [i][side-input state]
     peak = max(chain.fixed_bytes, floors[0][0])
-    # One assignment that reaches it, the cheapest option at each step that keeps the rest feasible.
     picks, prefix, held = [], 0, 0
     for i, ms in enumerate(chain.extra_ms):
         now = [chain.entering(i, o, held) for o in range(len(ms))]
@@ -176,12 +186,25 @@ def smallest_feasible(profile: Profile) -> tuple[int, str]:
         o = min(fits, key=lambda o: (ms[o], o))
         picks.append(o)
         prefix, held = prefix + chain.kept_at(i, o, now[o]), chain.leaving(i, now[o])
-    names = chain.chosen(picks)
+    return peak, picks
+
+
+def priced_picks(chain: ChainConstraints) -> list[list[int]]:
+    """Where handovers are pinned (rule 5 of NOTE [ What crosses a block boundary, as state ] in
+    remat.plan.crossings), the searches read plans above their cost; ``estimate`` prices these
+    exactly: the chain's floor plan, and one option on every block, for each of keep, selective
+    and recompute it offers. BS-RoFormer's 16 band outputs, 6 pinned, put the floor 31,048 B above
+    every block recomputed (torch's checkpoint on every block, to the byte)."""
+    n = len(chain.extra_ms)
+    return [_floor(chain)[1], *([chain.options.index(o)] * n for o in ("keep", "selective", "recompute")
+                                if o in chain.options)]
+
+
+def _top(profile: Profile, names: Sequence[str]) -> _Phase:
+    """The phase of the highest peak of the step with ``names``, one option per block."""
     handed = handed_over(profile, names)  # NOTE [ Tensors that cross a block boundary ] in remat.crossing
     costs = [b.options[name] for b, name in zip(handed.blocks, names)]
-    top = max(_phases(handed, costs, names), key=lambda p: p.peak_bytes)
-    assert top.peak_bytes == peak or (chain.bound and top.peak_bytes < peak), (top.peak_bytes, peak)
-    return peak, _dominant(profile, top)
+    return max(_phases(handed, costs, names), key=lambda p: p.peak_bytes)
 
 
 def _dominant(profile: Profile, phase: _Phase) -> str:

@@ -35,7 +35,9 @@ mask. The rule, for both kinds:
 5. Handovers take at most ``HANDOVER_BITS`` bits at a time; one that finds too few free takes
    none, and reads as the most held and offloaded wherever an option of its maker does either
    (pinned): by rule 4 the highest its numbers can be, so a plan the search finds fits is never
-   predicted under its cost (``estimate`` prices the plan itself). BS-RoFormer hands the outputs
+   predicted under its cost (``estimate`` prices the plan itself), and the floor named is the
+   lowest of the plans ``estimate`` prices (``remat.plan.costmodel.priced_picks``), each a plan
+   ``solve`` returns where the search finds none. BS-RoFormer hands the outputs
    of its 65 band-split MLPs to the code after the last of them, all alive together: the search
    asked for 2**65 states and crashed (OverflowError).
 ``remat.plan.costmodel.estimate`` applies the same rule to one plan (``handed_over``, the side

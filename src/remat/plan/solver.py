@@ -19,7 +19,7 @@ from remat.errors import InfeasibleBudget, InvalidType, InvalidValue, did_you_me
 from remat.plan.baselines import baseline, option_index
 from remat.plan.bounds import optimal_picks
 from remat.plan.chain import ChainConstraints, chain_constraints
-from remat.plan.costmodel import smallest_feasible
+from remat.plan.costmodel import estimate, priced_picks, smallest_feasible
 from remat.plan.fastest import fastest
 from remat.plan.handovers import handovers
 from remat.plan.head import HEAD_KEEP, best_of_heads, frontier_of_heads, head_names, with_head
@@ -235,9 +235,20 @@ def _optimal(
     found = fastest(chain, model, budget)
     if model is not None and handovers(profile):
         found = _counted(profile, chain, model, budget, found)
+    if found is None and chain.bound:
+        found = _priced(profile, chain, budget)
     if found is None:
         raise _infeasible(profile, budget, segments)
     return found.picks, _segment_names(profile, found.trees)
+
+
+def _priced(profile: Profile, chain: ChainConstraints, budget: int) -> Found | None:
+    """The fastest of ``priced_picks`` that ``estimate`` fits in ``budget``, where pinned handovers
+    left the searches none: ``smallest_feasible`` names their floor too."""
+    names = [b.name for b in profile.blocks]
+    fits = [(e.step_ms, picks) for picks in priced_picks(chain)
+            if (e := estimate(profile, dict(zip(names, chain.chosen(picks))))).peak_bytes <= budget]
+    return Found(picks=min(fits)[1], trees=[]) if fits else None
 
 
 def _counted(profile: Profile, chain: ChainConstraints, model: SegmentModel, budget: int,
