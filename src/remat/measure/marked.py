@@ -257,7 +257,8 @@ def sides_of(model: nn.Module, named: list[tuple[str, nn.Module]], batch: Any, l
 #    step, and warns, naming them, when the runs of its options freed any: a cache made once and
 #    kept, or a new view of a storage that lives on, frees nothing and is not named. Under 1 KiB
 #    in all (a step counter) it does not warn.
-# 3. The warning says how to be sure: verify the plan, which measures it.
+# 3. The warning says how to be sure: verify the plan, which measures it (a step may free them
+#    elsewhere than the profiled ones did).
 # 4. Every traced run sizes those frees: a real one after a warm-up under a memory profiler
 #    (``sized``: the profiler's warm-up, and the lean steps' before their first), a fake one by its
 #    meter, which takes the storages the modules hold as it starts (``FakeMeter(carrier=)``).
@@ -291,9 +292,9 @@ def warn_carried(before: Carried, model: nn.Module) -> None:
     shown = ", ".join(f"{(name + '.') if name else ''}{attr} ({format_bytes(b)})" for (name, attr), b in sizes.items())
     warnings.warn(
         f"the model keeps tensors of each training step on its modules into the next step: {shown}. "
-        "remat measures what a step allocates and frees, and cannot see when a tensor allocated in an "
-        "earlier step is freed, so a plan for this model may peak above its prediction, by as much as "
-        f"these tensors ({format_bytes(sum(sizes.values()))} together) or more. Verify the plan before relying on it "
+        "remat counts each as freed where the next of its steps freed it, but a step that frees them elsewhere "
+        f"may peak above the prediction, by as much as these tensors "
+        f"({format_bytes(sum(sizes.values()))} together) or more. Verify the plan before relying on it "
         "(remat.auto(..., verify=True), or `remat verify`), or keep such tensors off the modules "
         "(NOTE [ A tensor carried from one step into the next ])", stacklevel=outside_remat(),
     )
