@@ -213,13 +213,12 @@ class FakeMeter(TorchDispatchMode):
             self._get_rng_state = torch.get_rng_state
             torch.get_rng_state = self._counted_rng_state
         try:
-            entered = super().__enter__()
+            for *_, t in carried_tensors(self.carrier) if self.carrier is not None else ():
+                self._carry(t)
+            return super().__enter__()  # type: ignore[no-any-return]
         except BaseException:
             self._restore()
             raise
-        for *_, t in carried_tensors(self.carrier) if self.carrier is not None else ():
-            self._carry(t)
-        return entered  # type: ignore[no-any-return]
 
     def _carry(self, t: torch.Tensor) -> None:
         """Count the free of a storage made before the meter, as the live bytes' drop (rule 4 of NOTE
