@@ -35,6 +35,7 @@ from remat.applier import applied_plan, apply, remove
 from remat.errors import InvalidType, InvalidValue
 from remat.measure import step as _step
 from remat.measure.collector import collecting_once
+from remat.measure.copies import Copies
 from remat.measure.estimated import plain_peak
 from remat.measure.lean import lean_spec
 from remat.measure.step_memory import StepMemory, measure_step
@@ -189,7 +190,7 @@ def verify_many(
             remove(model)
             plain_mem = measure_step(model, batch, loss_fn=loss_fn, optimizer=optimizer, repeats=0)
             plain_grads = loss_and_grads(model, batch, loss_fn, optimizer, seed)
-            measured: dict[tuple[tuple[str, str], ...], tuple[StepMemory, list[torch.Tensor]]] = {}
+            measured: dict[tuple[tuple[str, str], ...], tuple[StepMemory, Copies]] = {}
             for key, plan in unique.items():
                 apply(model, plan)
                 mem = measure_step(model, batch, loss_fn=loss_fn, optimizer=optimizer, repeats=0)
@@ -251,7 +252,7 @@ def verify_many(
 # predicts. The report says which (``plain_ran``, ``reference``).
 
 
-def _compared(ref_grads: list[torch.Tensor], grads: list[torch.Tensor], plan: Plan,
+def _compared(ref_grads: Copies, grads: Copies, plan: Plan,
               lean: _Lean) -> tuple[float, bool | None]:
     """(largest difference, equal) of a plan's gradients and the reference's; (nan, None) where
     there is none."""
@@ -309,7 +310,7 @@ def _verify_lean(model: nn.Module, batch: Any, plans: Sequence[Plan], loss_fn: A
     measured: dict[tuple[tuple[str, str], ...], tuple[StepMemory, tuple[float, bool | None], int | None]] = {}
     with _step.as_planned(model):  # NOTE [ layerdrop ] in remat.models.hf
         try:
-            ref_grads: list[torch.Tensor] = []
+            ref_grads = Copies()
             if lean.reference is not None:
                 apply(model, lean.reference)
                 ref_grads = loss_and_grads(model, batch, loss_fn, optimizer, seed)

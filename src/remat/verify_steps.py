@@ -13,6 +13,7 @@ from torch import nn
 from remat.applier import apply, remove
 from remat.measure import clock
 from remat.measure import step as _step
+from remat.measure.copies import Copies
 from remat.measure.preserve import preserved
 from remat.records import Plan
 
@@ -37,34 +38,35 @@ def plan_key(plan: Plan) -> tuple[tuple[str, str], ...]:
     return (*sorted(plan.choices.items()), ("(head)", plan.head), *segments, *(("(tied)", n) for n in plan.tied))
 
 
-def compare(plain: list[torch.Tensor], planned: list[torch.Tensor], *, exact: bool = True) -> tuple[float, bool]:
+def compare(plain: Copies, planned: Copies, *, exact: bool = True) -> tuple[float, bool]:
     """(largest absolute difference, equal) of two lists of loss and gradients: bit for bit, or
-    with ``exact=False`` to round-off (within 1% of each tensor's largest magnitude)."""
-    diff = max(
-        (float((a - b).abs().max()) if a.numel() else 0.0 for a, b in zip(plain, planned)),
-        default=0.0,
-    )
-
-    def same(a: torch.Tensor, b: torch.Tensor) -> bool:
-        if exact or a.shape != b.shape or not a.numel():
-            return torch.equal(a, b)
-        return float((a - b).abs().max()) <= 0.01 * float(a.abs().max()) + 1e-12
-
-    equal = len(plain) == len(planned) and all(same(a, b) for a, b in zip(plain, planned))
+    with ``exact=False`` to round-off (within 1% of each tensor's largest magnitude). A piece of
+    each at a time: two whole gradients and their difference would take three times the largest
+    (NOTE [ Copies off the budget's memory ] in remat.measure.copies)."""
+    diff, equal = 0.0, len(plain) == len(planned)
+    for i in range(min(len(plain), len(planned))):
+        shaped = plain.shape(i) == planned.shape(i)
+        same, d, largest = shaped, 0.0, 0.0
+        for a, b in zip(plain.pieces(i), planned.pieces(i)) if shaped else ():
+            d = max(d, float((a - b).abs().max()))
+            largest = max(largest, float(a.abs().max()))
+            same = same and torch.equal(a, b)
+        diff = max(diff, d)
+        rounded = not exact and shaped and plain.shape(i).numel() > 0
+        equal = equal and (d <= 0.01 * largest + 1e-12 if rounded else same)
     return diff, equal
 
 
-def loss_and_grads(model: nn.Module, batch: Any, loss_fn: Any, optimizer: Any, seed: int) -> list[torch.Tensor]:
-    """The loss and every gradient of one forward+backward from a fixed RNG state, copied to the
-    host: kept on the device, they would take room from the steps verify runs after."""
+def loss_and_grads(model: nn.Module, batch: Any, loss_fn: Any, optimizer: Any, seed: int) -> Copies:
+    """The loss and every gradient of one forward+backward from a fixed RNG state, copied off the
+    device's memory: kept there, they would take room from the steps verify runs after (NOTE [
+    Copies off the budget's memory ] in remat.measure.copies)."""
     with preserved(model, optimizer, batch):
         torch.manual_seed(seed)
         model.zero_grad(set_to_none=True)
         loss = _step.forward_loss(model, batch, loss_fn)
         loss.backward()
-        out = [loss.detach().to("cpu", copy=True)]
-        out += [p.grad.detach().to("cpu", copy=True) for p in model.parameters() if p.grad is not None]
-    return out
+        return Copies([loss, *(p.grad for p in model.parameters() if p.grad is not None)])
 
 
 def times_in_turns(

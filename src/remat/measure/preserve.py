@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from remat.measure.copies import Copies, copy_tree, read_tree
 from remat.measure.step import batch_leaves
 
 __all__ = ["as_given", "batch_grads", "module_states", "preserved"]
@@ -52,13 +53,11 @@ def batch_grads(batch: Any) -> Iterator[None]:
 def preserved(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, batch: Any = None) -> Iterator[None]:
     """Run measuring steps, then put back weights, buffers, grads (the batch's too), optimizer
     state and RNG state."""
-    tensors = {name: t for name, t in _named_state(model)}
-    saved = {name: t.detach().to("cpu", copy=True) for name, t in tensors.items()}
-    grads = {
-        name: (p.grad.detach().to("cpu", copy=True) if p.grad is not None else None)
-        for name, p in model.named_parameters()
-    }
-    opt_state = _copy_to_cpu(optimizer.state_dict()) if optimizer is not None else None
+    tensors = dict(_named_state(model))
+    copies = Copies()  # NOTE [ Copies off the budget's memory ] in remat.measure.copies
+    saved = {name: copies.add(t) for name, t in tensors.items()}
+    grads = {name: copies.add(p.grad) if p.grad is not None else None for name, p in model.named_parameters()}
+    opt_state = copy_tree(optimizer.state_dict(), copies) if optimizer is not None else None
     cpu_rng = torch.get_rng_state()
     cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
     modules = module_states(model)
@@ -68,16 +67,20 @@ def preserved(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, 
     finally:
         for state in modules:
             state.put_back()
+        # the steps' gradients and optimizer state freed before the copies are read back (rule 4 of
+        # NOTE [ Copies off the budget's memory ]); the weights first, in place
+        model.zero_grad(set_to_none=True)
+        if optimizer is not None:
+            optimizer.state.clear()
         with torch.no_grad():
             for name, t in tensors.items():
-                t.copy_(saved[name])
+                copies.put(saved[name], t)
             for name, p in model.named_parameters():
                 g = grads.get(name)
-                p.grad = g.to(p.device) if g is not None else None
+                p.grad = copies[g].to(p.device) if g is not None else None
         if optimizer is not None and opt_state is not None:
-            optimizer.load_state_dict(opt_state)
-            if not opt_state["state"]:
-                optimizer.state.clear()
+            optimizer.load_state_dict(read_tree(opt_state, copies))
+        copies.close()
         torch.set_rng_state(cpu_rng)
         if cuda_rng is not None:
             torch.cuda.set_rng_state_all(cuda_rng)
@@ -147,13 +150,3 @@ def _named_state(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
             continue
         seen.add(id(t))
         yield name, t
-
-
-def _copy_to_cpu(obj: Any) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().to("cpu", copy=True)
-    if isinstance(obj, dict):
-        return {k: _copy_to_cpu(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_copy_to_cpu(v) for v in obj]
-    return obj

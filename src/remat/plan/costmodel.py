@@ -162,10 +162,10 @@ def smallest_feasible(profile: Profile) -> tuple[int, str]:
     ``(2_900_000_000, "parameters and optimizer state take 2.10 GiB")``."""
     chain = chain_constraints(profile)
     peak, picks = _floor(chain)
-    top = _top(profile, chain.chosen(picks))
-    assert top.peak_bytes == peak or (chain.bound and top.peak_bytes < peak), (top.peak_bytes, peak)
-    if chain.bound:  # the bound's floor is no plan's: the lowest of the plans priced exactly
-        top = min((_top(profile, chain.chosen(p)) for p in priced_picks(chain)), key=lambda p: p.peak_bytes)
+    # the bound's floor is no plan's: the lowest of the plans priced exactly
+    tops = [_top(profile, chain.chosen(p)) for p in (priced_picks(chain, picks) if chain.bound else [picks])]
+    assert tops[0].peak_bytes == peak or (chain.bound and tops[0].peak_bytes < peak), (tops[0].peak_bytes, peak)
+    top = min(tops, key=lambda p: p.peak_bytes)
     return top.peak_bytes, _dominant(profile, top)
 
 
@@ -189,14 +189,15 @@ def _floor(chain: ChainConstraints) -> tuple[int, list[int]]:
     return peak, picks
 
 
-def priced_picks(chain: ChainConstraints) -> list[list[int]]:
+def priced_picks(chain: ChainConstraints, floor: list[int] | None = None) -> list[list[int]]:
     """Where handovers are pinned (rule 5 of NOTE [ What crosses a block boundary, as state ] in
     remat.plan.crossings), the searches read plans above their cost; ``estimate`` prices these
     exactly: the chain's floor plan, and one option on every block, for each of keep, selective
     and recompute it offers. BS-RoFormer's 16 band outputs, 6 pinned, put the floor 31,048 B above
-    every block recomputed (torch's checkpoint on every block, to the byte)."""
+    every block recomputed (torch's checkpoint on every block, to the byte). ``floor``: the floor
+    plan's picks, where the caller has them."""
     n = len(chain.extra_ms)
-    return [_floor(chain)[1], *([chain.options.index(o)] * n for o in ("keep", "selective", "recompute")
+    return [floor if floor is not None else _floor(chain)[1], *([chain.options.index(o)] * n for o in ("keep", "selective", "recompute")
                                 if o in chain.options)]
 
 
