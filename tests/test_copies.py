@@ -90,3 +90,15 @@ def test_compare_reads_pieces_and_finds_one_difference_anywhere(exact: bool) -> 
     assert compare(plain, Copies([torch.tensor(1.5), off]), exact=exact)[1] is False
     assert compare(plain, Copies([torch.tensor(1.5), big[:-1]]), exact=exact)[1] is False  # another shape
     assert compare(plain, Copies([torch.tensor(1.5)]), exact=exact)[1] is False  # fewer gradients
+
+
+def test_copies_stay_in_memory_where_the_file_cannot_be_written(monkeypatch: pytest.MonkeyPatch,
+                                                                caplog: pytest.LogCaptureFixture) -> None:
+    def full(*args: object, **kwargs: object) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr("remat.measure.copies.tempfile.TemporaryFile", full)
+    tensors = _tensors()
+    copies = Copies(tensors)
+    assert copies._file is None and "No space left on device" in caplog.text
+    assert all(torch.equal(back.to_dense(), t.to_dense()) for t, back in zip(tensors, copies))

@@ -17,11 +17,14 @@ gradients ``verify`` compares), kept off the memory those steps are measured in.
    optimizer state first, so putting back needs no more than the user's own had, and puts the
    weights back first, in place (the capped ``embedding`` case of tests/test_does_not_fit.py ran
    out of memory reading its 32 MiB embedding gradient beside the last step's).
+5. Where the temporary file cannot be made or written (no space left), copies stay in memory, as
+   before, with a warning: measuring goes on, only with less room.
 """
 
 from __future__ import annotations
 
 import io
+import logging
 import tempfile
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -30,6 +33,8 @@ from typing import Any, cast, overload
 import torch
 
 __all__ = ["Copies", "copy_tree", "read_tree"]
+
+log = logging.getLogger(__name__)
 
 _PIECE = 4 * 2**20
 """The most bytes read back at once (NOTE [ Copies off the budget's memory ], rule 2)."""
@@ -60,22 +65,32 @@ class Copies(Sequence[torch.Tensor]):
     def __init__(self, tensors: Sequence[torch.Tensor] = ()) -> None:
         self._copies: list[torch.Tensor | _Written] = []
         self._file: io.BufferedRandom | None = None
+        self._unwritable = False
         for t in tensors:
             self.add(t)
 
     def add(self, t: torch.Tensor) -> int:
         """Copy ``t`` (its values as they are now); its index."""
         t = t.detach()
-        if not _to_file(t):
-            self._copies.append(t.to("cpu", copy=True))
-            return len(self._copies) - 1
-        if self._file is None:
-            self._file = cast(io.BufferedRandom, tempfile.TemporaryFile())  # noqa: SIM115  # closed by close()
-        src = t.contiguous()
-        offset = self._file.seek(0, 2)
-        self._file.write(src.reshape(-1).view(torch.uint8).numpy().data)
-        self._copies.append(_Written(offset, src.numel() * src.element_size(), t.shape, t.stride(), t.dtype))
+        written = self._write(t) if _to_file(t) and not self._unwritable else None
+        self._copies.append(written if written is not None else t.to("cpu", copy=True))
         return len(self._copies) - 1
+
+    def _write(self, t: torch.Tensor) -> _Written | None:
+        """``t``'s copy in the file; None where the file cannot take it (rule 5 of NOTE [ Copies off
+        the budget's memory ]), and from then on."""
+        try:
+            if self._file is None:
+                self._file = cast(io.BufferedRandom, tempfile.TemporaryFile())  # noqa: SIM115  # closed by close()
+            src = t.contiguous()
+            offset = self._file.seek(0, 2)
+            self._file.write(src.reshape(-1).view(torch.uint8).numpy().data)
+            self._file.flush()
+        except OSError as e:
+            log.warning("remat: keeping copies in memory: the temporary file for them failed (%s)", e)
+            self._unwritable = True
+            return None
+        return _Written(offset, src.numel() * src.element_size(), t.shape, t.stride(), t.dtype)
 
     def __len__(self) -> int:
         return len(self._copies)
