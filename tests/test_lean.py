@@ -959,3 +959,43 @@ def test_running_out_of_host_memory_on_fake_tensors_is_no_refusal_of_the_budget(
     with pytest.raises(remat.errors.ProfileError, match=r"ran out of host memory planning on fake tensors, before "
                        r"any real step \(MemoryError: std::bad_alloc\).*Give the process more memory"):
         profile(model, batch, loss_fn=models.loss_fn_for(model), repeats=1, budget=1)
+
+
+def test_every_real_step_of_a_lean_profile_measures_within_what_gated_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """NOTE [ What each kernel allocates ] in remat.measure.tracer: a head chunked by rows no traced
+    step ran is charged its kernels' most scratch per byte. Before, the first step (chunked by 64)
+    measured no scratch for chunks of 128 and 256 rows, and their lean steps measured 1,885,048 and
+    5,948,792 B over the predictions that let them run below a budget."""
+    transformers = pytest.importorskip("transformers")
+    from remat.measure import lean_steps, runner
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=8000, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                                   num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256)
+    model = transformers.LlamaForCausalLM(cfg)
+    ids = torch.randint(0, 8000, (2, 256))
+    batch = {"input_ids": ids, "labels": ids}
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    traced, measure = runner.StepRunner.traced, lean_steps.LeanSteps._measure
+    real: list[int] = []
+    steps: list[tuple[str, int, int]] = []
+
+    def spy_traced(self: Any, kernels: bool = False) -> Any:
+        out = traced(self, kernels)
+        if self.spec is None:  # the real step, not its fake twin
+            real.append(out[0].peak_bytes + params)
+        return out
+
+    def spy_measure(self: Any, options: Any, head: str, segments: Any = (), kernels: bool = False) -> Any:
+        predicted = self.peak(options, head)
+        out = measure(self, options, head, segments, kernels)
+        steps.append((head, predicted, real[-1]))
+        return out
+
+    monkeypatch.setattr(runner.StepRunner, "traced", spy_traced)
+    monkeypatch.setattr(lean_steps.LeanSteps, "_measure", spy_measure)
+    plain = measure_step(model, batch, repeats=0).peak_bytes
+    profile(model, batch, repeats=1, budget=int(plain * 0.9))
+    heads = {head for head, _, _ in steps}
+    assert {"chunked:128", "chunked:256"} <= heads, steps
+    assert all(measured <= predicted for _, predicted, measured in steps), steps

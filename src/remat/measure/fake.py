@@ -38,7 +38,7 @@ from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sd
 
 from remat.devices import ROOFLINE_EFFICIENCY, DeviceSpec
 from remat.measure.storages import carried_tensors, storage_key
-from remat.measure.tracer import Mark, Trace
+from remat.measure.tracer import Mark, Trace, by_op, kernel_scratch
 
 __all__ = ["FakeMeter", "convertible_parameters"]
 
@@ -136,6 +136,7 @@ class FakeMeter(TorchDispatchMode):
         self.carrier = carrier
         """The model whose carried tensors' frees count (rule 4 of NOTE [ A tensor carried from one
         step into the next ] in remat.measure.marked)."""
+        self._by_op = by_op(spec.kernel_scratch)  # NOTE [ What each kernel allocates ] in remat.measure.tracer
         self.live = 0
         self.peak = 0
         self._peak_since = 0
@@ -284,7 +285,7 @@ class FakeMeter(TorchDispatchMode):
         if summed is not None:
             self._summed = (summed, self.live)
         elif self.spec.kernel_scratch:  # NOTE [ What each kernel allocates ] in remat.measure.tracer
-            self._at_least(self.live + self.spec.kernel_scratch.get((func._schema.name, written), 0))
+            self._at_least(self.live + kernel_scratch(self.spec.kernel_scratch, self._by_op, func._schema.name, written))
         if written or func in _EXTRA_FLOPS or func._overloadpacket in flop_registry:
             self.clock_ms += self._kernel_ms(func, args, kwargs, out, inputs, written)
         return out
