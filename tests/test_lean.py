@@ -999,3 +999,47 @@ def test_every_real_step_of_a_lean_profile_measures_within_what_gated_it(monkeyp
     heads = {head for head, _, _ in steps}
     assert {"chunked:128", "chunked:256"} <= heads, steps
     assert all(measured <= predicted for _, predicted, measured in steps), steps
+
+
+class _Counted(torch.nn.Module):
+    """performer-pytorch's ``ProjectionUpdater``: a buffer counts the calls, and the forward reads it
+    (``if calls >= interval``) to redraw a projection."""
+
+    def __init__(self, d: int = 128) -> None:
+        super().__init__()
+        self.register_buffer("calls", torch.tensor(0))
+        self.proj = torch.nn.Parameter(torch.randn(d, d) / d**0.5)
+        self.blocks = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.LayerNorm(d), torch.nn.Linear(d, 4 * d),
+                                                              torch.nn.GELU(), torch.nn.Linear(4 * d, d)) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.calls >= 1000:
+            with torch.no_grad():
+                self.proj.normal_()
+                self.calls.zero_()
+        self.calls += 1
+        x = x @ self.proj
+        for block in self.blocks:
+            x = x + block(x)
+        return x
+
+
+def test_a_forward_that_reads_a_counter_buffer_is_planned_without_its_plain_step() -> None:
+    """``remat.measure.estimated.fake_copy``: a fake copy keeps a buffer of a few integers real, so the
+    forward's read of it runs. Before, the fake step raised (``DataDependentOutputException``) and a
+    budget at 75% of the plain step ran the plain step (55.3 MiB at a 41.5 MiB budget, helper 40's
+    repro)."""
+    torch.manual_seed(0)
+    model, x = _Counted(), torch.randn(4, 256, 128)
+    model.calls.fill_(7)
+
+    def loss_fn(out: torch.Tensor, batch: Any) -> torch.Tensor:
+        return out.square().mean()
+
+    plan, report = remat.auto(model, x, "75%", loss_fn=loss_fn, repeats=1, verify=True)
+    try:
+        assert not report.plain_ran and report.measured_peak_bytes <= plan.budget_bytes, report
+        assert report.measured_peak_bytes <= report.predicted_peak_bytes and report.grads_equal, report
+        assert int(model.calls) == 7  # the user's count, as it was
+    finally:
+        remat.remove(model)

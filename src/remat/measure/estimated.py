@@ -16,7 +16,7 @@ import dataclasses
 import functools
 import inspect
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -47,6 +47,9 @@ from remat.measure.warmup import by_floor, running
 from remat.models.hf import cache_off, layerdrop_blocks, layerdrop_off
 from remat.plan.solver import smallest_any
 from remat.records import OptionCost, Profile
+
+if TYPE_CHECKING:
+    from remat.measure.fake_steps import FakeSteps
 
 __all__ = ["FAKE_LIMITS", "BatchFactory", "FakeFloors", "FakeRun", "fake_copy", "fake_optimizer", "fake_run",
            "plain_peak"]
@@ -125,8 +128,8 @@ class FakeRun:
 def fake_run(make_model: Callable[[Any], nn.Module], batch: Any, loss_fn: Any,
              make_optimizer: Callable[[nn.Module], torch.optim.Optimizer] | None, blocks: Any,
              spec: DeviceSpec) -> FakeRun:
-    """The profiler's steps on fake tensors. ``make_model(fake_mode)`` makes the model inside the
-    fake mode; ``make_optimizer(model)`` its optimizer; ``batch`` the user's, taken as it is (NOTE
+    """The profiler's steps on fake tensors. ``make_model(steps)`` makes the model inside the
+    fake mode of ``steps`` (a ``FakeSteps``); ``make_optimizer(model)`` its optimizer; ``batch`` the user's, taken as it is (NOTE
     [ The batch's values ] in remat.measure.fake_steps), or a ``BatchFactory`` made inside the mode."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -135,9 +138,8 @@ def fake_run(make_model: Callable[[Any], nn.Module], batch: Any, loss_fn: Any,
 
     made = isinstance(batch, BatchFactory)
     steps = FakeSteps(FakeTensorMode(allow_non_fake_inputs=True), None if made else batch)
-    fake_mode = steps.mode
     with steps:
-        model = make_model(fake_mode)
+        model = make_model(steps)
         steps.watch(model)
         step_batch = batch.make() if made else batch  # the user's, real: NOTE [ The batch's values ] in remat.measure.fake_steps
         opt = make_optimizer(model) if make_optimizer is not None else None
@@ -210,10 +212,9 @@ def plain_peak(model: nn.Module, batch: Any, loss_fn: Any, optimizer: torch.opti
     from remat.measure.fake_steps import FakeSteps
 
     steps = FakeSteps(FakeTensorMode(allow_non_fake_inputs=True), batch)
-    fake_mode = steps.mode
     steps.watch(model)
     with steps:
-        fake = fake_copy(model, fake_mode)
+        fake = fake_copy(model, steps)
         opt = fake_optimizer(optimizer, model)(fake) if optimizer is not None else None
         cache_off(fake)
         layerdrop_off(fake)  # a fake copy, thrown away after: nothing to put back
@@ -243,7 +244,7 @@ def _create_state(model: nn.Module, opt: torch.optim.Optimizer | None) -> None:
     opt.zero_grad(set_to_none=True)
 
 
-def fake_copy(model: nn.Module, fake_mode: Any) -> nn.Module:
+def fake_copy(model: nn.Module, steps: FakeSteps) -> nn.Module:
     """A deep copy of ``model`` whose parameters and buffers are fake tensors of the same shapes,
     dtypes, devices and ``requires_grad`` (tied ones stay tied): the user's own modules, at no
     memory. So are the tensors a module holds as plain attributes, alone or in lists, tuples and
@@ -251,11 +252,19 @@ def fake_copy(model: nn.Module, fake_mode: Any) -> nn.Module:
     keeps ``att_mat = torch.Tensor()``, its DynUNet a list of its deep supervision's heads). A
     ``staticmethod`` held on an instance (rotary-embedding-torch's) is shared: no deepcopy takes it,
     and so is a sparse tensor (openai-whisper's ``alignment_heads``), whose fake twin holds none of
-    its values."""
+    its values. A buffer of a few integers (a counter, a flag) is a real copy the steps own: a
+    forward that reads it (performer-pytorch redraws its projections every so many calls) runs on
+    the copy's values, as the real step does on the model's (NOTE [ The batch's values ] in
+    remat.measure.fake_steps)."""
+    fake_mode = steps.mode
     memo: dict[int, Any] = {}
+    counters = {id(t) for t in model.buffers() if _counter(t)}
     for t in (*model.parameters(), *model.buffers()):
         if t.layout != torch.strided:  # a fake sparse tensor holds no values (its bytes 0): shared, as it is
             memo[id(t)] = t
+            continue
+        if id(t) in counters:
+            memo[id(t)] = steps.real(t)
             continue
         fake = fake_mode.from_tensor(t)
         memo[id(t)] = nn.Parameter(fake, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else fake
@@ -276,6 +285,15 @@ def fake_copy(model: nn.Module, fake_mode: Any) -> nn.Module:
         ) from e
     _put_back_fakes(model, twin, memo)
     return twin
+
+
+_COUNTER_ELEMENTS = 64
+"""The most elements of an integer buffer a fake copy keeps real (``fake_copy``)."""
+
+
+def _counter(t: torch.Tensor) -> bool:
+    return (t.layout == torch.strided and not t.is_floating_point() and not t.is_complex()
+            and t.numel() <= _COUNTER_ELEMENTS and t.device.type != "meta")
 
 
 def _put_back_fakes(model: nn.Module, twin: nn.Module, memo: dict[int, Any]) -> None:

@@ -58,7 +58,9 @@ aten = torch.ops.aten
 # RNG state a real op draws from is put back when the fake steps end. A tensor of the batch that
 # requires grad (a physics-informed loss's coordinates) gets a fake gradient in the fake step, and
 # ``remat.measure.preserve``'s ``batch_grads`` puts back the one it had; torch's warning that the
-# fake mode read ``.grad`` of a real tensor made from it is the fake mode's, not the user's.
+# fake mode read ``.grad`` of a real tensor made from it is the fake mode's, not the user's. A fake
+# copy's buffer of a few integers is a real copy the steps own (``FakeSteps.real``): performer-pytorch
+# reads its call counter (``if calls >= interval``), and the fake step raised where the real one reads it.
 
 
 @functools.cache
@@ -330,8 +332,18 @@ class FakeSteps:
         self._stack.enter_context(warnings.catch_warnings())
         warnings.filterwarnings("ignore", message=_NON_LEAF_GRAD, category=UserWarning)
         self._stack.enter_context(self.mode)
-        self._stack.enter_context(_AsTheRealStep())
+        self._as_real = self._stack.enter_context(_AsTheRealStep())
         return self
+
+    def real(self, t: torch.Tensor) -> torch.Tensor:
+        """A real copy of ``t`` that the steps own, so that they write into it for real (a fake
+        copy's counter: NOTE [ The batch's values ])."""
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+        with unset_fake_temporarily():
+            copy = t.detach().clone()
+        self._as_real.made.add(_address(copy))
+        return copy
 
     def __exit__(self, *exc: Any) -> None:
         try:

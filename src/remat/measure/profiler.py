@@ -253,8 +253,8 @@ def _estimated(factory: Any, batch: Any, loss_fn: Any, optimizer: Any, blocks: A
 
     check_factory(factory, optimizer)
 
-    def build(fake_mode: Any) -> nn.Module:
-        with convertible_parameters(fake_mode):
+    def build(steps: Any) -> nn.Module:
+        with convertible_parameters(steps.mode):
             model = factory()
         if not isinstance(model, nn.Module):
             raise InvalidType(f"the model factory returned a {type(model).__name__}, not an nn.Module")
