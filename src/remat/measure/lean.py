@@ -106,7 +106,7 @@ def resolve_budget(model: nn.Module, batch: Any, loss_fn: Any, optimizer: torch.
         raise
     except Exception as e:  # a forward that reads tensor values, an op fake tensors cannot run
         if out_of_memory(e):  # the host's memory, not the model's code: never run the plain step instead
-            raise
+            raise _ran_out_on_fakes(e) from e
         why = "its forward reads tensor values" if isinstance(e, FAKE_LIMITS) else str(e).split("\n")[0][:200]
         log.warning("remat: %s runs no step on fake tensors (%s: %s), so the plain step cannot be "
                     "predicted: it is profiled by running it, which needs it to fit the device",
@@ -119,6 +119,16 @@ def resolve_budget(model: nn.Module, batch: Any, loss_fn: Any, optimizer: torch.
         log.info("remat: the plain step is predicted at %s, over the budget of %s: profiling it lean",
                  format_bytes(plain), format_bytes(budget_bytes))
     return lean
+
+
+def _ran_out_on_fakes(e: BaseException) -> ProfileError:
+    """The host running out of memory in a step on fake tensors, before any real step: no refusal
+    of the budget, and no reason to run the plain step instead."""
+    return ProfileError(
+        f"remat ran out of host memory planning on fake tensors, before any real step ({type(e).__name__}: "
+        f"{str(e)[:200]}): the fake copy of the model and its steps take host memory, tens of MB on the CPU, "
+        "where the budget's memory is that memory too. Give the process more memory than the budget, or "
+        "plan where there is more and apply the saved plan here (Plan.save, Plan.load, remat.apply)")
 
 
 def lean_spec(device: torch.device) -> DeviceSpec:
@@ -159,11 +169,7 @@ def lean_profile(model: nn.Module, batch: Any, loss_fn: Any, optimizer: torch.op
     except (RuntimeError, MemoryError) as e:
         if not out_of_memory(e):
             raise
-        raise ProfileError(
-            f"remat ran out of host memory planning on fake tensors, before any real step ({type(e).__name__}: "
-            f"{str(e)[:200]}): the fake copy of the model and its steps take host memory, tens of MB on the CPU, "
-            "where the budget's memory is that memory too. Give the process more memory than the budget, or "
-            "plan where there is more and apply the saved plan here (Plan.save, Plan.load, remat.apply)") from e
+        raise _ran_out_on_fakes(e) from e
     try:
         solve(fake, lean.budget_bytes)  # InfeasibleBudget before any real step (rule 3)
     except InfeasibleBudget as e:
