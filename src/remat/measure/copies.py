@@ -130,7 +130,7 @@ class Copies(Sequence[torch.Tensor]):
         """Copy ``i``'s values in order, flat, in new tensors of at most ``_PIECE`` bytes each."""
         copy = self._copies[i]
         if isinstance(copy, torch.Tensor):
-            flat = copy.reshape(-1)
+            flat = (copy if copy.layout == torch.strided else copy.to_dense()).reshape(-1)
             step = max(1, _PIECE // flat.element_size())
             yield from (flat[start:start + step] for start in range(0, flat.numel(), step))
             return
