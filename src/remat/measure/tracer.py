@@ -87,13 +87,13 @@ profiler, what it allocated and had not freed when it returned."""
 # shapes the profiler can record, the first lean step of a tab-transformer took 100 MB more host
 # memory than without them. Measured: diffusers' UNet2D below its plain step, lean; torch's
 # checkpoint on every block (7,325,808 B) was refused at 7,443,544, and is planned at 7,250,168
-# (measured 7,250,160; ``test_libs_zoo``). An op making a size no traced step's op made (a head
-# chunked by other rows, a tiled MLP's tiles) is charged the scratch that op allocated where it made
-# the nearest size, in proportion, within ``_NEAR`` times that size (``kernel_scratch``; a ratio from
-# a much smaller output, applied to a larger one, put a UNet's plain step at 85 MB for a measured
-# 10): a transformers Llama's head chunked by 512 rows, after
-# a step that chunked it by 128, was predicted 15.6 MiB below the 97.04 MiB its lean step measured,
-# so that step ran where its budget might not have held it (now predicted 97.05).
+# (measured 7,250,160; ``test_libs_zoo``).
+# An op making a size no traced step's op made (a head chunked by other rows, a tiled MLP's tiles)
+# is charged the scratch the same op allocated where it made the nearest size, in proportion, within
+# ``_NEAR`` times that size (``kernel_scratch``). Without it, a transformers Llama's head chunked by
+# 512 rows, after a first step that chunked it by 128, was predicted at 81.43 MiB and its lean step
+# measured 97.04 (now predicted 97.05): a step let run below a budget it could exceed. Without the
+# limit, a ratio from a much smaller output put a UNet's plain step at 85 MB for a measured 10.
 
 
 @dataclass(frozen=True, kw_only=True)
