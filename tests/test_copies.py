@@ -90,6 +90,9 @@ def test_compare_reads_pieces_and_finds_one_difference_anywhere(exact: bool) -> 
     assert compare(plain, Copies([torch.tensor(1.5), off]), exact=exact)[1] is False
     assert compare(plain, Copies([torch.tensor(1.5), big[:-1]]), exact=exact)[1] is False  # another shape
     assert compare(plain, Copies([torch.tensor(1.5)]), exact=exact)[1] is False  # fewer gradients
+    nan = big.clone()
+    nan[-1] = float("nan")  # a NaN in both: bit for bit it is no equal pair, nor to round-off
+    assert compare(Copies([nan]), Copies([nan.clone()]), exact=exact)[1] is False
     sparse = torch.randn(4, 3).to_sparse()  # an embedding's sparse gradient, kept in memory
     assert compare(Copies([sparse]), Copies([sparse.clone()]), exact=exact) == (0.0, True)
 
