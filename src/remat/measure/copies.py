@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any, cast, overload
 
 import torch
+from torch.utils._pytree import tree_map
 
 __all__ = ["Copies", "copy_tree", "read_tree"]
 
@@ -45,10 +46,13 @@ class _Written:
     """Where a copy lies in the file, and what tensor it was."""
 
     offset: int
-    nbytes: int
     shape: torch.Size
     stride: tuple[int, ...]
     dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return self.shape.numel() * self.dtype.itemsize
 
 
 def _to_file(t: torch.Tensor) -> bool:
@@ -90,7 +94,7 @@ class Copies(Sequence[torch.Tensor]):
             log.warning("remat: keeping copies in memory: the temporary file for them failed (%s)", e)
             self._unwritable = True
             return None
-        return _Written(offset, src.numel() * src.element_size(), t.shape, t.stride(), t.dtype)
+        return _Written(offset, t.shape, t.stride(), t.dtype)
 
     def __len__(self) -> int:
         return len(self._copies)
@@ -176,24 +180,12 @@ def _dense(copy: _Written) -> bool:
 def copy_tree(obj: Any, copies: Copies) -> Any:
     """``obj`` (dicts and lists of tensors, as an optimizer's ``state_dict``) with each tensor
     replaced by its index in ``copies``, as ``_Index``."""
-    if isinstance(obj, torch.Tensor):
-        return _Index(copies.add(obj))
-    if isinstance(obj, dict):
-        return {k: copy_tree(v, copies) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [copy_tree(v, copies) for v in obj]
-    return obj
+    return tree_map(lambda v: _Index(copies.add(v)) if isinstance(v, torch.Tensor) else v, obj)
 
 
 def read_tree(obj: Any, copies: Copies) -> Any:
     """``copy_tree``'s ``obj`` with each tensor read back."""
-    if isinstance(obj, _Index):
-        return copies[obj.i]
-    if isinstance(obj, dict):
-        return {k: read_tree(v, copies) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [read_tree(v, copies) for v in obj]
-    return obj
+    return tree_map(lambda v: copies[v.i] if isinstance(v, _Index) else v, obj)
 
 
 @dataclass(frozen=True)
