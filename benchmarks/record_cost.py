@@ -1,5 +1,5 @@
 """What the CPU record of a step costs in host memory (NOTE [ The CPU record's own memory ] in
-remat.measure.tracer).
+remat.measure.cpu_record).
 
 Each configuration runs in its own process (glibc keeps what a process freed, so one run would
 inherit the last one's heap; a record's first use in a process costs the most): the model is
@@ -7,7 +7,8 @@ built, one step warms it up, then one step runs with nothing recording it, under
 read as remat read them before), or under remat's ``MemoryTracer`` without and with the kernels'
 scratch. The columns are the record's own memory: the process's resident high-water mark over the
 step (the record read included), and the most address space it mapped (what a capped process
-runs out of), each minus the same step's with nothing recording it. Each record
+runs out of), each minus the same step's with nothing recording it. MemoryTracer marks each
+block's forward start and end, as the profiler's steps do (where its record may be cut). Each record
 holds the step's allocations and frees (one memory event each) and more besides: torch.profiler
 every op and autograd node, MemoryTracer its marks, and with the kernels' scratch every op. ``MALLOC_MMAP_THRESHOLD_`` and ``MALLOC_ARENA_MAX`` as in the capped tests.
 
@@ -39,6 +40,7 @@ def _child(model_name: str, way: str) -> dict[str, Any]:
     import torch
     from profile_cost import _models  # the same models, built alike (this folder is on sys.path)
 
+    from remat.manual.blocks import find_blocks
     from remat.measure import step as _step
     from remat.measure.tracer import MemoryTracer
 
@@ -72,7 +74,12 @@ def _child(model_name: str, way: str) -> dict[str, Any]:
         events = sum(e.name() == "[memory]" for e in prof.profiler.kineto_results.events())
     else:
         with MemoryTracer("cpu", kernels=way.endswith("(kernels=True)")) as tracer:
+            marks = [h for _, block in find_blocks(model) for h in (
+                block.register_forward_pre_hook(lambda *_: tracer.mark("start")),
+                block.register_forward_hook(lambda *_: tracer.mark("end")))]
             step()
+            for h in marks:
+                h.remove()
         events = len(tracer.trace.points)
     highest.append(_status("VmSize"))
     done.set()

@@ -54,6 +54,9 @@ class CallsSeen:
     handles: list[RemovableHandle] = field(default_factory=list)
     """The hooks on modules and on the tensors they returned, removed after the step (a tensor of
     the batch a module returns as it is outlives the step)."""
+    mark: Callable[[str], None] = lambda _: None
+    """Called at each module call and each saved tensor the backward reads: where the warm-up's
+    memory record may be cut (``remat.measure.tracer.sized``)."""
 
     def __post_init__(self) -> None:
         self.names = {id(m): n for n, m in self.model.named_modules()}
@@ -80,6 +83,7 @@ class CallsSeen:
         return not ((r := self.outputs.get(id(x))) is not None and r() is x)
 
     def pre(self, module: nn.Module, args: Any, kwargs: Any) -> None:
+        self.mark("call")
         if not torch.is_grad_enabled():
             return
         calls, name = self.calls, self.names[id(module)]
@@ -124,6 +128,7 @@ class CallsSeen:
         return tuple(self.first), t.detach()  # NOTE [ What the saving hook holds ] in remat.measure.saved
 
     def unpack(self, packed: tuple[tuple[str, ...], torch.Tensor]) -> torch.Tensor:
+        self.mark("read")
         self.read.update(packed[0])
         return packed[1]
 
@@ -133,20 +138,21 @@ class CallsSeen:
             self.calls.mutates.setdefault(name, buffer)
 
 
-def seen_calls(model: nn.Module, batch: Any, loss_fn: Any, optimizer: Any) -> CallsSeen:
+def seen_calls(model: nn.Module, batch: Any, loss_fn: Any, optimizer: Any,
+               mark: Callable[[str], None] = lambda _: None) -> CallsSeen:
     """One training step of ``model`` on ``batch``, its module calls watched; where it wrote into
     buffers, the next step too, whose writes are the ones a step makes (the first alone fills a
-    cache: rule 1)."""
-    seen = _watched(model, batch, loss_fn, optimizer)
+    cache: rule 1). ``mark``: ``CallsSeen.mark``."""
+    seen = _watched(model, batch, loss_fn, optimizer, mark)
     if seen.calls.mutates:
-        again = _watched(model, batch, loss_fn, optimizer).calls.mutates
+        again = _watched(model, batch, loss_fn, optimizer, mark).calls.mutates
         for name in [n for n in seen.calls.mutates if n not in again]:
             del seen.calls.mutates[name]
     return seen
 
 
-def _watched(model: nn.Module, batch: Any, loss_fn: Any, optimizer: Any) -> CallsSeen:
-    seen = CallsSeen(model, batch_ids={id(t) for t in _storages.batch_tensors(batch)})
+def _watched(model: nn.Module, batch: Any, loss_fn: Any, optimizer: Any, mark: Callable[[str], None]) -> CallsSeen:
+    seen = CallsSeen(model, batch_ids={id(t) for t in _storages.batch_tensors(batch)}, mark=mark)
     seen.handles += [h for m in model.modules()
                      for h in (m.register_forward_pre_hook(seen.pre, with_kwargs=True), m.register_forward_hook(seen.post))]
     try:

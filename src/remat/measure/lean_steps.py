@@ -158,8 +158,9 @@ class LeanSteps:
         # had not recorded where that forward made lazy state (CoCa's rotary table)
         warm = ["recompute" if plan.choices[n] == "selective" else plan.choices[n] for n in self.names]
         assert self.runner.device is not None  # the user's model's real steps
-        with sized(self.runner.device), self._config(self.runner.model, self.named, warm, plan.head, plan.segments):
-            self.runner.marked(lambda _: None)
+        with sized(self.runner.device) as mark, self._config(self.runner.model, self.named, warm, plan.head,
+                                                              plan.segments):
+            self.runner.marked(mark)
         blocks, parts = self._measure([plan.choices[n] for n in self.names], plan.head, plan.segments, kernels=True)
         s = self.scratch
         s.margin = max(0, *(v for b in blocks for v in (b.fwd_peak, b.bwd_peak, b.stop_peak) if v is not None))

@@ -205,8 +205,8 @@ def _measured(
     cuda = device.type == "cuda"
     with preserved(model, optimizer, batch):
         # warm-up: lazy state, allocator, and which blocks run
-        with sized(device):  # NOTE [ A free the CPU trace cannot size ] in remat.measure.tracer
-            named, coarse, repeated = running(model, named, blocks is not None, batch, loss_fn, optimizer)
+        with sized(device) as mark:  # NOTE [ A free the CPU trace cannot size ] in remat.measure.tracer
+            named, coarse, repeated = running(model, named, blocks is not None, batch, loss_fn, optimizer, mark)
             make_opt = None if optimizer is None else fake_optimizer(optimizer, model)
             named = by_floor(named, coarse, FakeFloors(functools.partial(fake_copy, model), batch, loss_fn, make_opt,
                                                        lean_spec(device)))

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from remat.crossing import Crossing
+from remat.measure.cpu_record import inside_an_op
 from remat.measure.handovers import note_saved
 from remat.measure.notes import StepNotes
 from remat.measure.sides import first_death
@@ -70,6 +71,7 @@ def noting_saved(
         yield
         return
 
+    @inside_an_op
     def pack(t: torch.Tensor) -> Any:
         who = hooks.running[-1] if hooks.running else (("after", hooks.order[-1]) if hooks.order else "pre")
         if saved is not None:
@@ -80,6 +82,7 @@ def noting_saved(
             return who, t.detach()  # whose it is, for the mark when it is read
         return t.detach() if hold else None
 
+    @inside_an_op
     def unpack(packed: Any) -> Any:
         if isinstance(packed, tuple):
             assert mark is not None

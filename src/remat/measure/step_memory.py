@@ -93,9 +93,9 @@ def measure_step(
     loss_fn = _step.resolve_loss_fn(loss_fn)
     device = _step.batch_device(model, batch)
     with preserved(model, optimizer, batch):
-        with sized(device):
+        with sized(device) as mark:
             for _ in range(warmup):
-                _step.train_step(model, batch, loss_fn, optimizer)
+                _step.train_step(model, batch, loss_fn, optimizer, mark=mark)
         memory = _measure_once(model, batch, loss_fn, optimizer, device)
         times = clock.timed_steps(model, batch, loss_fn, optimizer, repeats=repeats, device=device)
     step_ms = statistics.median(times) if times else None

@@ -6,8 +6,9 @@ plan is judged by (``remat.measure.step_memory`` measures a whole step with it).
   the previous mark (``max_memory_allocated`` after ``reset_peak_memory_stats``).
 - CPU: the allocator-level record of torch's profiler with ``profile_memory=True``: one event per
   allocation and per free, kernel temporaries included, each storage counted once by construction.
-  RSS does not work (malloc keeps freed pages). Marks are ``record_function`` ranges whose start
-  times order them among the memory events (NOTE [ The CPU record's own memory ]).
+  RSS does not work (malloc keeps freed pages). Marks are allocations of their own, read in the
+  record's order and left out of the sums (NOTE [ The CPU record's own memory ] in
+  remat.measure.cpu_record).
 - Either way the trace is *relative*: bytes allocated minus bytes freed since the trace began.
   What was live before (parameters, optimizer state, the batch) is counted separately from the
   tensors themselves, storages once each, so a saved ``weight.t()`` (a view of a parameter) is never
@@ -20,39 +21,29 @@ of the model's: DETR's ``lru_cache``d position embedding, replaced each step) is
 no size: the trace stays that storage's bytes too high from there on, in the first traced run
 and not in the next, whose cache the first allocated under the profiler. DETR's keep run read
 16,512 B high, and every plan with a checkpoint measured that much over its prediction. So warm-up
-steps run ``sized``: under a memory profiler whose record is dropped (tests/test_profiler.py).
+steps run ``sized``: under a memory record that is never read (tests/test_profiler.py).
 """
 
 from __future__ import annotations
 
-import bisect
 import gc
 import logging
 import math
 import statistics
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch._C._autograd import _disable_profiler, _enable_profiler, _prepare_profiler
-from torch._C._profiler import (
-    ProfilerActivity,
-    ProfilerConfig,
-    ProfilerState,
-    RecordScope,
-    _ExperimentalConfig,
-)
 
 from remat.errors import InvalidState, InvalidValue, UnknownKey
+from remat.measure.cpu_record import CpuRecord
 
 __all__ = ["KernelKey", "Mark", "MemoryTracer", "Trace", "by_op", "host_link_bytes_per_s", "kernel_scratch", "sized"]
 
 log = logging.getLogger(__name__)
-
-_MARK = "remat::mark::"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -131,56 +122,16 @@ class Trace:
 
 
 @contextmanager
-def sized(device: torch.device | str) -> Iterator[None]:
+def sized(device: torch.device | str) -> Iterator[Callable[[str], None]]:
     """Run a warm-up step so that a later trace can size the frees of what it allocates (NOTE [ A
-    free the CPU trace cannot size ]): on CPU under a memory profiler whose record is dropped."""
+    free the CPU trace cannot size ]): on CPU under a memory record that is never read. Yields the
+    step's ``mark``, where the record may be cut (NOTE [ The CPU record's own memory ] in
+    remat.measure.cpu_record)."""
     if torch.device(device).type != "cpu":
-        yield
+        yield lambda _: None
         return
-    with _AllocatorRecord():
-        yield
-
-
-# NOTE [ The CPU record's own memory ]
-# 1. On the CPU the record of a step is host memory, the memory the budget is about (all of it, in
-#    a process whose address space is capped). Each event torch's profiler holds takes about 2 KB
-#    when it stops, and ``torch.profiler.profile`` imports ``torch._dynamo`` on its first use
-#    (benchmarks/record_cost.py).
-# 2. So the record is the same profiler started by its own calls, recording only what is read:
-#    memory events and marks (``RecordScope.USER_SCOPE``), ops (``FUNCTION``) only for the
-#    kernels' scratch, never the autograd engine's nodes. A fake step imports ``torch._dynamo`` too
-#    (``FakeTensorMode``): a lean profile saves the per-event part only.
-# 3. Not torch's legacy profiler (a few hundred bytes an event): it records an op's end as a new
-#    event from a destructor, so a process that runs out of memory inside a traced step is aborted
-#    (``std::bad_alloc`` in ``terminate``) where this one raises ``MemoryError``.
-
-
-_RECORD_CONFIG = ProfilerConfig(
-    state=ProfilerState.KINETO, report_input_shapes=False, profile_memory=True, with_stack=False,
-    with_flops=False, with_modules=False, experimental_config=_ExperimentalConfig(),
-)
-
-
-class _AllocatorRecord:
-    """The CPU allocator's events while the block runs (NOTE [ The CPU record's own memory ]);
-    ``events()`` after it: the memory events and the marks, with the ops when ``ops``."""
-
-    def __init__(self, ops: bool = False) -> None:
-        self.ops = ops
-        self._result: Any = None
-
-    def __enter__(self) -> _AllocatorRecord:
-        activities = {ProfilerActivity.CPU}
-        _prepare_profiler(_RECORD_CONFIG, activities)
-        scopes = {RecordScope.USER_SCOPE, RecordScope.FUNCTION} if self.ops else {RecordScope.USER_SCOPE}
-        _enable_profiler(_RECORD_CONFIG, activities, scopes)  # type: ignore[call-arg]  # the stub lacks scopes
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self._result = _disable_profiler()
-
-    def events(self) -> list[Any]:
-        return self._result.events()
+    with CpuRecord(keep=False) as record:
+        yield lambda _: record.mark()
 
 
 class MemoryTracer:
@@ -199,7 +150,7 @@ class MemoryTracer:
         """Whether the trace measures each kernel's scratch (NOTE [ What each kernel allocates ])."""
         self._labels: list[str] = []
         self._cuda_marks: list[Mark] = []
-        self._prof: Any = None
+        self._record: CpuRecord | None = None
         self._trace: Trace | None = None
 
     def __enter__(self) -> MemoryTracer:
@@ -215,7 +166,7 @@ class MemoryTracer:
             self._t0 = torch.cuda.Event(enable_timing=True)
             self._t0.record()
         else:
-            self._prof = _AllocatorRecord(ops=self.kernels).__enter__()
+            self._record = CpuRecord(ops=self.kernels).__enter__()
             self.mark("__start__")
         return self
 
@@ -236,8 +187,8 @@ class MemoryTracer:
             )
             torch.cuda.reset_peak_memory_stats(self.device)
         else:
-            with torch.profiler.record_function(_MARK + str(len(self._labels) - 1)):
-                pass
+            assert self._record is not None
+            self._record.mark()
 
     def __exit__(self, *exc: Any) -> None:
         if self._gc_was_enabled:
@@ -251,71 +202,20 @@ class MemoryTracer:
             )
             return
         self.mark("__end__")
-        self._prof.__exit__(*exc)
+        record, self._record = self._record, None
+        assert record is not None
+        record.__exit__(*exc)
         if exc[0] is None:
-            self._trace = self._read_profile()
-        self._prof = None  # its event records are host memory: freed as soon as they are read
-
-    def _read_profile(self) -> Trace:
-        events = self._prof.events()
-        timeline: list[tuple[int, int, int]] = []  # (ns, order, delta or -(mark index + 1))
-        ops: list[tuple[int, int, str]] = []  # (start ns, end ns, op)
-        for e in events:
-            name = e.name()
-            if name == "[memory]":
-                if e.device_type() == torch.device("cpu").type or str(e.device_type()).endswith("CPU"):
-                    timeline.append((e.start_ns(), 1, int(e.nbytes())))
-            elif name.startswith(_MARK):
-                timeline.append((e.start_ns(), 0, -(int(name[len(_MARK) :]) + 1)))
-            elif self.kernels and name.startswith("aten::"):
-                ops.append((e.start_ns(), e.start_ns() + e.duration_ns(), name))
-        timeline.sort(key=lambda x: (x[0], x[1]))
-        t0 = timeline[0][0] if timeline else 0
-        live = peak_since = peak = 0
-        marks: list[Mark] = []
-        points: list[tuple[float, int]] = []
-        for ns, kind, value in timeline:
-            t_ms = (ns - t0) / 1e6
-            if kind == 1:
-                live += value
-                peak_since = max(peak_since, live)
-                peak = max(peak, live)
-                points.append((t_ms, live))
-            else:
-                marks.append(
-                    Mark(label=self._labels[-value - 1], live_bytes=live, peak_bytes=peak_since, t_ms=t_ms)
-                )
-                peak_since = live
-        return Trace(marks=marks, points=points, peak_bytes=peak, kernel_scratch=_kernel_scratch(timeline, ops))
+            marks = [Mark(label=label, live_bytes=live, peak_bytes=since, t_ms=t_ms)
+                     for label, (live, since, t_ms) in zip(self._labels, record.marks, strict=True)]
+            self._trace = Trace(marks=marks, points=record.points, peak_bytes=record.peak,
+                                kernel_scratch=record.scratch)
 
     @property
     def trace(self) -> Trace:
         if self._trace is None:
             raise InvalidState("the tracer has not finished: read .trace after the with block")
         return self._trace
-
-
-def _kernel_scratch(timeline: list[tuple[int, int, int]], ops: list[tuple[int, int, str]]) -> dict[KernelKey, int]:
-    """Per op and the bytes it made, the most it peaked above the larger of its live bytes at start
-    and end (NOTE [ What each kernel allocates ]); ``timeline`` sorted, its memory events of order 1."""
-    if not ops:
-        return {}
-    times, levels, live = [], [], 0
-    for ns, kind, value in timeline:
-        if kind == 1:
-            live += value
-            times.append(ns)
-            levels.append(live)
-    scratch: dict[KernelKey, int] = {}
-    for start, end, op in ops:
-        i, j = bisect.bisect_left(times, start), bisect.bisect_right(times, end)
-        before = levels[i - 1] if i else 0
-        after = levels[j - 1] if j else 0
-        extra = max(levels[i:j], default=before) - max(before, after)
-        key = (op, after - before)
-        if extra > scratch.get(key, 0):
-            scratch[key] = extra
-    return scratch
 
 
 def by_op(table: dict[KernelKey, int]) -> dict[str, list[tuple[int, int]]]:

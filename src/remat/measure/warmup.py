@@ -37,13 +37,14 @@ Blocks = list[tuple[str, nn.Module]]
 
 
 def running(model: nn.Module, named: Blocks, explicit: bool, batch: Any, loss_fn: Any,
-            optimizer: Any) -> tuple[Blocks, list[Blocks], list[str]]:
+            optimizer: Any, mark: Callable[[str], None] = lambda _: None) -> tuple[Blocks, list[Blocks], list[str]]:
     """The blocks, settled by what runs in a warm-up step on ``batch``: named ones must run; found
     ones are settled by the module calls (NOTE [ Blocks by what runs ] in remat.manual.settle),
     with the other candidate lists of rule 9 (``coarser``); and the modules that ran more
-    than once, not checkpointed (``Profile.repeated``; rule 6)."""
+    than once, not checkpointed (``Profile.repeated``; rule 6). ``mark``: where its memory record may be
+    cut (``remat.measure.tracer.sized``)."""
     _refuse_users_checkpoints_over(model, named)
-    seen = seen_calls(model, batch, loss_fn, optimizer)
+    seen = seen_calls(model, batch, loss_fn, optimizer, mark)
     calls, late = seen.calls, seen.late
     if explicit:
         if missing := [n for n, _ in named if n not in calls.count]:
