@@ -90,7 +90,12 @@ def _inside_an_op(frame: FrameType | None) -> bool:
 def _quiet() -> Iterator[None]:
     """Kineto's lines at a start and a stop off the process's stderr (rule 5)."""
     sys.stderr.flush()
-    saved, null = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    try:
+        saved = os.dup(2)
+    except OSError:  # no stderr to keep them off
+        yield
+        return
+    null = os.open(os.devnull, os.O_WRONLY)
     os.dup2(null, 2)
     try:
         yield
