@@ -82,7 +82,9 @@ RANDOM_SKIPS = ("step: turn off layerdrop, stochastic depth or other random laye
 #    first name only, in a stack found under its second name too. That name may be in a path
 #    that never runs as a whole (a shared layer's name under the reversible blocks, while the
 #    plain blocks that hold it run). A module that holds blocks under other
-#    names (DynUNet's recursive ``skip_layers``, fed the batch) is no block itself.
+#    names (DynUNet's recursive ``skip_layers``, fed the batch) is no block itself; one that shares
+#    a part with blocks is judged as any other (video-diffusion-pytorch's lone temporal attentions,
+#    which share one rotary embedding with the stacks', floored 24% higher left out).
 # 6. A module that runs more than once (a weight-tied layer the model calls in every iteration of its
 #    loop: perceiver-pytorch's ``weight_tie_layers``, ALBERT's shared layer) is no block, nor is
 #    anything in it: remat's cost model replays each block once. Its calls are the model's code
@@ -228,7 +230,7 @@ def by_calls(model: nn.Module, found: list[tuple[str, nn.Module]], calls: Calls,
               and isinstance(modules[c], CONTAINERS)}  # rule 7: a stack's stage, not the model
     trunk = _Trunk(calls, last_end=max((calls.end[n] for n, _ in blocks), default=None),
                    least=min((param_count(m) for _, m in blocks), default=0),
-                   blocks=frozenset(id(m) for _, b in blocks for m in b.modules()), stages=frozenset(stages))
+                   blocks=frozenset(id(b) for _, b in blocks), stages=frozenset(stages))
     taken = {n for n, _ in blocks}
     above = {".".join(n.split(".")[:k]) for n in taken for k in range(n.count(".") + 1)}  # with the root, ""
     blocks += _uncovered(model, "", taken, above, trunk)
@@ -306,8 +308,9 @@ class _Trunk:
     last_end: int | None = None
     least: int = 0
     blocks: frozenset[int] = frozenset()
-    """The modules of the blocks found so far, by object: a module that holds one under another
-    name (DynUNet's recursive ``skip_layers``, fed the batch) is no block (rule 5)."""
+    """The blocks found so far, by object: a module that holds one under another name (DynUNet's
+    recursive ``skip_layers``, fed the batch) is no block (rule 5); one that only shares a part
+    with them (video-diffusion-pytorch's rotary embedding, one for every temporal attention) may be."""
     stages: frozenset[str] = frozenset()
     """The modules that keep a stack of found blocks in a container of their own (rule 7)."""
     last_resort: bool = False
