@@ -887,7 +887,7 @@ def test_a_trace_sizes_the_free_of_what_a_sized_warm_up_left() -> None:
 
 
 def test_the_cpu_record_of_a_step_takes_little_of_the_memory_it_measures() -> None:
-    # NOTE [ The CPU record's own memory ] in remat.measure.tracer: each in a fresh process, as a
+    # NOTE [ The CPU record's own memory ] in remat.measure.cpu_record: each in a fresh process, as a
     # user's first remat call is. torch.profiler.profile took 70 MiB resident and 78 MiB mapped.
     from pathlib import Path
 

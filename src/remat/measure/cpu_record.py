@@ -6,8 +6,8 @@ step's host memory with (NOTE [ How bytes are measured ] there).
    process whose address space is capped). Each event torch's profiler holds takes about 1 KB
    when it stops and is read (three copies: its results, its events and a Kineto trace), and the
    heap that grew stays mapped after it is dropped: 40,000 events peaked 36.9 MiB above the step
-   and left 20.4 MiB (benchmarks/record_cost.py). A model of many small ops was refused in a cap
-   that torch's checkpoint on every block fits, by that much.
+   and left 20.4 MiB. A model of many small ops was refused in a cap that torch's checkpoint on
+   every block fits, by that much (benchmarks/record_cost.py measures a step's record).
 2. So the record is cut: at a mark, once ``_CUT_NS`` have passed since the last cut, it stops, its
    events are folded into running sums (live bytes, the peak since the last mark, each kernel's
    scratch) and dropped, and a new one starts. Its memory is that of one piece, whatever the step.
@@ -66,7 +66,8 @@ _CUT_NS = 25_000_000
 """How long a piece of the record runs before the next mark cuts it (NOTE [ The CPU record's own
 memory ] rule 2): at most a few thousand events, a cut (about 1 ms) in every 25 ms of the step."""
 _MARKER_BYTES = 977
-"""A mark's allocation: an odd size no tensor of the step's dtypes takes."""
+"""A mark's allocation: an odd size, which only a byte tensor of as many elements takes (and a
+step's own one at the mark's address, between two marks, would be taken for it)."""
 
 _OP_CODES: set[CodeType] = {torch.autograd.function.Function.apply.__code__}
 """Code that runs inside an op's profiled range: a mark made under it cannot cut (rule 3)."""
@@ -88,7 +89,7 @@ def _inside_an_op(frame: FrameType | None) -> bool:
 
 @contextmanager
 def _quiet() -> Iterator[None]:
-    """Kineto's lines at a start and a stop off the process's stderr (rule 5)."""
+    """Kineto's lines at a start and a stop off the process's stderr (rule 6)."""
     sys.stderr.flush()
     try:
         saved = os.dup(2)
