@@ -276,6 +276,7 @@ def test_a_plan_that_runs_out_of_memory_when_verified_is_a_refusal(monkeypatch: 
     assert all(torch.equal(keys[k], v) for k, v in model.state_dict().items())
 
 
+@pytest.mark.slow  # 20-25 s
 def test_a_refusal_a_few_bytes_over_names_the_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
     # In a process capped below the plain step, a diffusers UNet's plan at its floor measured 32
     # bytes over the lean profile's prediction: "raise the budget to at least 148.39 MiB" read as

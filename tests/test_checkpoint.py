@@ -10,6 +10,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 import remat
+from remat.errors import BlockError
 from remat.manual.checkpoint import checkpoint_call
 from remat.manual.module_form import checkpoint_module, is_checkpointed, uncheckpoint_module
 
@@ -96,6 +97,87 @@ def test_plain_torch_checkpoint_updates_batchnorm_twice() -> None:
     torch_checkpoint(bn, x, use_reentrant=False).sum().backward()
     assert int(bn.num_batches_tracked) == 2
 
+
+
+# --- a buffer the forward writes (NOTE [ A buffer the forward writes ] in remat.manual.buffer_writes) --
+
+
+class EmaCodebook(nn.Module):
+    """vector-quantize-pytorch's EMA codebook, reduced: the forward quantizes with the codebook and
+    then moves it towards the batch (a write every call)."""
+
+    def __init__(self, d: int = 16, k: int = 8) -> None:
+        super().__init__()
+        self.proj = nn.Linear(d, d)
+        self.register_buffer("embed", torch.randn(k, d))
+
+    def forward(self, z: torch.Tensor) -> torch.Tensor:
+        z = self.proj(z)
+        idx = torch.cdist(z, self.embed).argmin(-1)
+        q = self.embed[idx]
+        if self.training:
+            with torch.no_grad():
+                self.embed.mul_(0.9).index_add_(0, idx, 0.1 * z.detach() / z.shape[0])
+        return z + (q - z).detach() + (q - z).pow(2).mean()
+
+
+class FilledOnce(nn.Module):
+    """rotary-embedding-torch's table, reduced: the first call fills a cache the later ones read."""
+
+    def __init__(self, d: int = 16) -> None:
+        super().__init__()
+        self.lin = nn.Linear(d, d)
+        self.register_buffer("cached", torch.zeros(d))
+        self.register_buffer("filled", torch.tensor(False))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.filled:
+            self.cached.copy_(torch.linspace(0, 1, self.cached.numel()))
+            self.filled.fill_(True)
+        return torch.tanh(self.lin(x)) * self.cached
+
+
+@pytest.mark.parametrize("form", ["module", "call"])
+def test_a_forward_that_writes_a_buffer_every_call_stops_the_backward(form: str) -> None:
+    torch.manual_seed(0)
+    ema = EmaCodebook()
+    plain = copy.deepcopy(ema)
+    x = torch.randn(32, 16)
+    plain(x)  # the buffer after one forward, as the plain step leaves it
+    if form == "module":
+        checkpoint_module(ema)
+        out = ema(x)
+    else:
+        out = remat.checkpoint(ema, x)
+    with pytest.raises(BlockError, match=r"EmaCodebook changed the buffer EmaCodebook.embed in place in "
+                                               r"its forward and again in its recompute.*Checkpoint the modules around it"):
+        out.sum().backward()
+    assert torch.equal(ema.embed, plain.embed)  # moved once, as by the plain forward
+
+
+def test_a_forward_that_fills_a_cache_once_is_replayed_as_the_plain_step_runs() -> None:
+    torch.manual_seed(0)
+    block = FilledOnce()
+    plain = copy.deepcopy(block)
+    checkpoint_module(block)
+    x = torch.randn(8, 16)
+    for _ in range(2):  # the first call fills the cache inside the checkpoint, the second reads it
+        block(x).sum().backward()
+        plain(x).sum().backward()
+    _assert_same_grads(block, plain)
+    assert torch.equal(block.cached, plain.cached) and bool(block.filled)
+
+
+def test_plain_torch_checkpoint_replays_an_ema_on_its_changed_values() -> None:
+    # The trap remat stops on: if torch ever refuses or fixes it, this test tells us.
+    torch.manual_seed(0)
+    ema = EmaCodebook()
+    plain = copy.deepcopy(ema)
+    x = torch.randn(32, 16)
+    torch_checkpoint(ema, x, use_reentrant=False).sum().backward()
+    plain(x).sum().backward()
+    assert not torch.equal(ema.embed, plain.embed)  # moved twice
+    assert not torch.equal(ema.proj.weight.grad, plain.proj.weight.grad)
 
 def test_autocast_bf16() -> None:
     torch.manual_seed(0)

@@ -167,9 +167,11 @@ def test_solve_with_compiled_options_equals_brute_force(p: Profile, data: st.Dat
 # --- measured (a subprocess: torch.compile) -----------------------------------------------------
 
 
+@pytest.mark.slow  # compiles: 25-30 s
 def test_measured_compiled_options_predict_mixed_plans_to_the_byte() -> None:
     check("compiled_options")
 
 
+@pytest.mark.slow  # compiles: 25-30 s
 def test_compiled_options_with_side_inputs_are_offered_only_where_they_save_as_kept() -> None:
     check("compiled_side_inputs")

@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 from _capped import TIED
+from _tiers import breadth
 
 HERE = Path(__file__).parent
 MiB = 2**20
@@ -69,7 +70,7 @@ def _ran(result: dict[str, Any], scenario: str) -> dict[str, Any]:
     return got
 
 
-@pytest.mark.parametrize("model", list(CASES))
+@pytest.mark.parametrize("model", breadth(CASES, quick=["gpt"]))  # 35-100 s a case
 def test_auto_plans_verifies_and_trains_where_the_plain_step_does_not_fit(model: str) -> None:
     if model.startswith("hf-"):
         pytest.importorskip("transformers")
@@ -102,6 +103,7 @@ def test_auto_plans_verifies_and_trains_where_the_plain_step_does_not_fit(model:
         assert got["losses"][-1] < got["losses"][0], got["losses"]  # it trains
 
 
+@pytest.mark.slow  # 60-80 s
 def test_remat_train_plans_and_trains_where_the_plain_step_does_not_fit(tmp_path: Path) -> None:
     result = _child("train", "gpt-tiny", str(240 * MiB), "40%", str(tmp_path / "run"))
     assert _ran_out(result["plain"]), result["plain"]

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import torch
+from _tiers import breadth
 from torch import nn
 
 import remat
@@ -237,7 +238,7 @@ def test_bloom_every_plan_is_predicted_and_solve_fits() -> None:
             assert _measured(model, batch, plan.choices) == plan.estimate.peak_bytes <= budget
 
 
-@pytest.mark.parametrize("hold", ["next", "all"])
+@pytest.mark.parametrize("hold", breadth(["next", "all"], quick=["next"]))
 def test_no_phase_of_any_plan_measures_over_its_prediction(hold: str) -> None:
     # Phase by phase, not only the peak: the head's forward, where the loop lets handovers go
     # (maybe after the head's own peak), and the backward up to each maker's, where every run has
@@ -379,7 +380,7 @@ class _CacheLoop(nn.Module):
         return self.head(h).pow(2).mean()
 
 
-@pytest.mark.parametrize("hold", ["all", "next"])
+@pytest.mark.parametrize("hold", breadth(["all", "next"], quick=["next"]))  # 20-30 s each
 def test_a_handover_whose_graph_saves_more_than_itself_is_predicted_to_the_byte(hold: str) -> None:
     # NOTE [ A handover's graph ] in remat.measure.handovers: counted as its storage alone, every
     # plan mixing keep and recompute here missed by the index of each maker (RKKK 64 KiB under

@@ -291,6 +291,7 @@ def test_llama3_8b_head_option_lowers_the_floor_in_estimated_mode() -> None:
     assert len(floors) == 2 and floors[0] - floors[1] > 2.0, text  # the 128k-vocabulary head's logits
 
 
+@pytest.mark.slow  # 25-35 s
 def test_verify_and_auto_pass_a_plan_with_a_chunked_head() -> None:
     from remat.models.hf import build
 

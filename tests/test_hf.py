@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 import torch
+from _tiers import breadth
 from torch import nn
 
 pytest.importorskip("transformers")
@@ -76,7 +77,7 @@ def same_files(a: Path, b: Path) -> None:
     assert not mismatch and not errors, (mismatch, errors)
 
 
-@pytest.mark.parametrize("kind", list(hf.KINDS))
+@pytest.mark.parametrize("kind", breadth(hf.KINDS, quick=["gpt2", "bert"]))  # 20-40 s each
 def test_auto_on_a_transformers_model(kind: str, tmp_path: Path) -> None:
     # GPT-2 passes its KV cache positionally; see test_gpt2_with_its_cache_on for use_cache=True.
     model, batch, loss_fn = hf.build(kind, **({"use_cache": False} if kind == "gpt2" else {}))

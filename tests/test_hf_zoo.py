@@ -26,6 +26,7 @@ from torch import nn
 pytest.importorskip("transformers")
 
 import _hf_zoo
+from _tiers import breadth
 
 import remat
 from remat.manual.blocks import find_blocks
@@ -102,9 +103,8 @@ def _without_plan(model: Any, plan: Any) -> Iterator[None]:
         remat.apply(model, plan)
 
 
-@pytest.mark.slow  # 72 cases of 1-5 s: about 3 minutes on one core, 1.5 on two (-n 2)
 @pytest.mark.parametrize("share", SHARES, ids=lambda s: f"{s:.0%}" if s else "smallest")
-@pytest.mark.parametrize("name", list(_hf_zoo.ZOO))
+@pytest.mark.parametrize("name", breadth(_hf_zoo.ZOO, quick=["llama"]))  # 15-75 s a case; the quick tier: llama
 def test_verified_plan_fits_and_is_exact(
     name: str, share: float, table: list[dict[str, Any]], caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -63,7 +63,8 @@ class _Steps:
             monkeypatch.setattr(f"{module}.marked_step", spy, raising=False)
 
 
-@pytest.mark.parametrize(("build", "shares"), [(_gpt, (0.7, 0.85)), (_unet, (0.42, 0.7))], ids=["gpt", "unet"])
+@pytest.mark.parametrize(("build", "shares"), [pytest.param(_gpt, (0.7, 0.85), id="gpt"),
+                                               pytest.param(_unet, (0.42, 0.7), id="unet", marks=pytest.mark.slow)])
 def test_a_lean_profile_predicts_its_plans_to_the_byte(build: Any, shares: tuple[float, ...],
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     model, batch, loss_fn = build()
@@ -126,6 +127,11 @@ def test_a_budget_below_the_floor_runs_no_real_step(monkeypatch: pytest.MonkeyPa
     # a floor from the tensors alone: what no tensor holds (the convolutions' scratch) may raise it
     assert caught.value.estimated and "smallest feasible from the step tensors alone" in str(caught.value)
     assert remat.applied_plan(model) is None
+    # at that floor, the floor plan's real step measures the scratch, and the floor it names says so
+    with pytest.raises(InfeasibleBudget) as again:
+        remat.auto(model, batch, caught.value.smallest_bytes, loss_fn=loss_fn, repeats=1)
+    assert not again.value.estimated and again.value.smallest_bytes > caught.value.smallest_bytes
+    assert "what no tensor holds included (a convolution's scratch space, measured by a real step" in str(again.value)
 
 
 def test_auto_verifies_without_the_plain_step() -> None:

@@ -19,6 +19,7 @@ from typing import Any
 import _libs_zoo
 import pytest
 import torch
+from _tiers import breadth
 from torch import nn
 from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
@@ -82,7 +83,10 @@ def _library_checkpointing(model: nn.Module, batch: Any, loss_fn: Any) -> int | 
     return _peak(twin, batch, loss_fn)
 
 
-@pytest.fixture(scope="module", params=list(_libs_zoo.LIBS))
+_SLOW = ["diffusers-cond-unet-stages", "diffusers-svd-unet", "diffusers-cond-unet", "x-unet"]  # 15-30 s each
+
+
+@pytest.fixture(scope="module", params=breadth(_libs_zoo.LIBS, quick=[n for n in _libs_zoo.LIBS if n not in _SLOW]))
 def case(request: pytest.FixtureRequest) -> dict[str, Any]:
     """A model, its profile, and the peaks of plain PyTorch, torch's checkpoint on remat's blocks
     and the library's own checkpointing."""
@@ -144,7 +148,8 @@ def test_every_plan_fits_without_verifying(case: dict[str, Any], budget: str) ->
 
 
 @pytest.mark.parametrize(("name", "near"), [("fair-esm2", "floor"), ("peft-lora-llama", "floor"),
-                                            ("diffusers-unet", "torch"), ("perceiver-tied", "tied")])
+                                            pytest.param("diffusers-unet", "torch", marks=pytest.mark.slow),  # 20-25 s
+                                            pytest.param("perceiver-tied", "tied", marks=pytest.mark.slow)])
 def test_auto_below_the_plain_step_plans_near_the_measured_floor(name: str, near: str) -> None:
     """The user's situation: ``auto`` below the plain step, 2% above the floor the measured profile
     names or at the peak of torch's checkpoint on every block, plans from fake tensors without

@@ -212,6 +212,7 @@ def test_estimated_mode_wants_factories() -> None:
         profile(lambda: model, batch, loss_fn=loss_fn, device="h1000")
 
 
+@pytest.mark.slow  # 25 s; the README's `remat plan --model llama-8b` runs in the quick tier
 def test_llama_7b_profiles_on_a_laptop() -> None:
     # Llama-7B shape, seq 4096, batch 1, bf16, for an H100: < 60 s and < 4 GiB of RAM.
     code = textwrap.dedent(

@@ -34,7 +34,8 @@ def test_readme_opens_with_the_two_commands() -> None:
     assert "make demo" in first and "make test" in first
     makefile = (ROOT / "Makefile").read_text()
     assert "\ndemo:" in makefile and "\ntest:" in makefile
-    assert "make test" in (ROOT / ".ci" / "run").read_text()
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert "make test\n" in ci and "make test-slow" in ci and "\ntest-slow:" in makefile  # both tiers (tests/_tiers.py)
 
 
 @pytest.mark.parametrize("code", PYTHON_BLOCKS, ids=[f"python-{i}" for i in range(len(PYTHON_BLOCKS))])
@@ -44,7 +45,8 @@ def test_python_examples_run(code: str, tmp_path: Path) -> None:
                    capture_output=True, text=True)
 
 
-@pytest.mark.parametrize("command", COMMANDS, ids=COMMANDS)
+@pytest.mark.parametrize("command", [pytest.param(c, marks=pytest.mark.slow) if c.startswith("remat train") else c
+                                     for c in COMMANDS], ids=COMMANDS)  # `remat train`: 40-100 s
 def test_commands_run(command: str, tmp_path: Path) -> None:
     argv = shlex.split(command)
     exe = BIN / argv[0]

@@ -204,6 +204,7 @@ class EncoderDecoder(nn.Module):
         return x.pow(2).mean()
 
 
+@pytest.mark.slow  # 25 s
 def test_every_mixed_plan_of_an_encoder_decoder_is_predicted_exactly() -> None:
     """Work between the stacks (a bridge, a block by what runs: NOTE [ Blocks by what runs ]), and
     every block of the decoder reads the encoder's output: all 64 plans of keep and recompute are

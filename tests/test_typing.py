@@ -59,6 +59,7 @@ def _mypy(tmp_path: Path, code: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+@pytest.mark.slow  # a mypy run: 20-25 s
 def test_mypy_sees_the_verbs(tmp_path: Path) -> None:
     wrong = _mypy(tmp_path, """
         import remat
@@ -71,6 +72,7 @@ def test_mypy_sees_the_verbs(tmp_path: Path) -> None:
     assert 'user.py:5: error: Incompatible types in assignment' in wrong.stdout, wrong.stdout
 
 
+@pytest.mark.slow  # a mypy run: 20-25 s
 def test_mypy_accepts_correct_use(tmp_path: Path) -> None:
     right = _mypy(tmp_path, """
         from collections.abc import Callable

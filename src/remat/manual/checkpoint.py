@@ -29,6 +29,7 @@ from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
 from remat.errors import InvalidType, InvalidValue
 from remat.manual.batchnorm import RestoreRunningStats, module_roots
+from remat.manual.buffer_writes import ForwardWrites, ReplayWrites
 from remat.manual.contexts import stop_passes_through, uncached_casts
 from remat.manual.policy import SAVE_OPS, default_policy, resolve_policy
 from remat.manual.torch_options import TORCH_OPTIONS, TorchOptions, pop_torch_options, torch_options
@@ -225,6 +226,7 @@ class _Staged:
         # the inputs alive past torch's own saved (and maybe packed) copies.
         self.arg_roots = module_roots(args)
         self.started = False
+        self.written: list[tuple[str, torch.Tensor]] = []  # NOTE [ A buffer the forward writes ]
         self.fwd: Any = contextlib.nullcontext()
         self.rec: Any = contextlib.nullcontext()
         if policy is not None:
@@ -233,13 +235,23 @@ class _Staged:
     def __call__(self, *args: Any) -> Any:
         if self.same:
             args = tuple(args[self.same[i]] if i in self.same else a for i, a in enumerate(args))
+        roots = module_roots(self.fn, self.kwargs) + self.arg_roots
         if not self.started:
             self.started = True
-            with self.fwd, uncached_casts():
-                return self.fn(*args, **self.kwargs)
-        roots = module_roots(self.fn, self.kwargs) + self.arg_roots
-        with self.rec, RestoreRunningStats(roots), stop_passes_through():
+            with self.fwd, uncached_casts(), ForwardWrites(roots) as writes:
+                out = self.fn(*args, **self.kwargs)
+            self.written = writes.written
+            return out
+        with self.rec, RestoreRunningStats(roots), ReplayWrites(self.written, _named(self.fn)), stop_passes_through():
             return self.fn(*args, **self.kwargs)
+
+
+def _named(fn: Callable[..., Any]) -> str:
+    """``fn`` as an error names it: a module's class, else the function's name."""
+    module = fn if isinstance(fn, nn.Module) else getattr(fn, "__self__", None)
+    if isinstance(module, nn.Module):
+        return f"the checkpointed {type(module).__name__}"
+    return f"the checkpointed {getattr(fn, '__qualname__', type(fn).__name__)}"
 
 
 # NOTE [ Recompute with offloaded inputs ]

@@ -30,6 +30,8 @@ def infeasible(profile: Profile, budget_bytes: int, smallest: int, dominant: str
     source, caveat = ("from the step tensors alone, ", (
         ": what no tensor holds (a convolution's scratch space) is measured only by a real step, none of "
         "which fits this budget, and may put it higher")) if estimated else ("", "")
+    if not estimated and not profile.plain_ran:  # a lean profile's, made once a real step ran within the budget
+        caveat = ", what no tensor holds included (a convolution's scratch space, measured by a real step within this budget)"
     return InfeasibleBudget(
         f"budget {exact_bytes(budget_bytes, smallest)} is below the smallest feasible {source}"
         f"{exact_bytes(smallest, budget_bytes)} ({dominant}){caveat}; {advice}.",
