@@ -28,20 +28,29 @@ from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils.checkpoint import _StopRecomputationError
 
 from remat.errors import BlockError
-from remat.manual.batchnorm import running_stats
 
 __all__ = ["ForwardWrites", "ReplayWrites"]
 
 
-def _buffers(roots: tuple[nn.Module, ...]) -> list[tuple[str, torch.Tensor]]:
-    """The buffers under ``roots``, each once, by name, but the training norms' running statistics."""
-    stats = {id(b) for b in running_stats(roots)}
-    found: dict[int, tuple[str, torch.Tensor]] = {}
+_STATS = frozenset({"running_mean", "running_var", "num_batches_tracked"})
+
+
+def _buffers(roots: tuple[nn.Module, ...]) -> list[tuple[nn.Module, str, torch.Tensor, int]]:
+    """The buffers under ``roots``, each once, with its module, its name there and its version, but
+    a training norm's running statistics. A walk of the modules once (it runs at every checkpointed
+    call: the names are made only for an error)."""
+    seen: set[int] = set()
+    found = []
     for root in roots:
-        for name, b in root.named_buffers(remove_duplicate=False):
-            if id(b) not in stats:
-                found.setdefault(id(b), (f"{type(root).__name__}.{name}", b))
-    return list(found.values())
+        for module in root.modules():
+            if not module._buffers:
+                continue
+            norm = module.training and isinstance(module, nn.modules.batchnorm._NormBase)
+            for key, b in module._buffers.items():
+                if b is not None and not (norm and key in _STATS) and id(b) not in seen:
+                    seen.add(id(b))
+                    found.append((module, key, b, b._version))
+    return found
 
 
 class ForwardWrites:
@@ -51,14 +60,14 @@ class ForwardWrites:
     def __init__(self, roots: tuple[nn.Module, ...]) -> None:
         self.roots = roots
         self.written: list[tuple[str, torch.Tensor]] = []
-        self._before: list[tuple[str, torch.Tensor, int]] = []
+        self._before: list[tuple[nn.Module, str, torch.Tensor, int]] = []
 
     def __enter__(self) -> ForwardWrites:
-        self._before = [(n, b, b._version) for n, b in _buffers(self.roots)]
+        self._before = _buffers(self.roots)
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        self.written = [(n, b) for n, b, v in self._before if b._version != v]
+        self.written = [(f"{type(m).__name__}.{key}", b) for m, key, b, v in self._before if b._version != v]
         self._before = []
 
 
