@@ -126,3 +126,56 @@ def test_the_solver_takes_tiled_where_it_is_the_cheapest_fit() -> None:
     plan = solve(prof, 220)
     assert sorted(plan.choices.values()) == ["keep", "tiled", "tiled"]  # 2 ms beats one recompute's 5
     assert plan.estimate.peak_bytes == 220
+
+
+class _Layer(nn.Module):
+    def __init__(self, d: int = 32) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.SiLU(), nn.Linear(4 * d, d))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.mlp(self.norm(x))
+
+
+def _wrapped_lm(vocab: int = 512, d: int = 32) -> nn.Module:
+    """Layers under torch's ``checkpoint_wrapper``, as torchtune's and torchtitan's activation
+    checkpointing leaves them: ``layer.mlp`` reaches the wrapped module's MLP."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Embedding(vocab, d), *[checkpoint_wrapper(_Layer(d)) for _ in range(4)],
+                         nn.Linear(d, vocab, bias=False))
+
+
+def test_a_wrapped_blocks_mlp_is_untiled_where_it_was_tiled() -> None:
+    model = _wrapped_lm()
+    ids = torch.randint(0, 512, (2, 64))
+    run = lambda: nn.functional.cross_entropy(model(ids).flatten(0, 1), ids.flatten())  # noqa: E731
+    want = _grads(model, run)
+    block = model[1]
+    assert find_mlp(block) is block._checkpoint_wrapped_module.mlp  # through the wrapper's attributes
+    set_option(block, "tiled")
+    assert option_of(block) == "tiled"
+    got = _grads(model, run)
+    torch.testing.assert_close(got[0], want[0])
+    for g, w in zip(got[1], want[1]):
+        torch.testing.assert_close(g, w)
+    clear_option(block)  # remat.remove's: the MLP's own forward again
+    assert option_of(block) == "keep" and not [n for n, m in model.named_modules() if "forward" in m.__dict__]
+
+
+def test_a_lean_profile_of_wrapped_blocks_predicts_its_plan() -> None:
+    # The fake copy's MLPs were left tiled after the profiler measured the option (untile looked at
+    # the wrapper's children only), so every fake twin of a real step ran them tiled: each block was
+    # charged 40,448 B less than it keeps, and a plan under the plain step measured over its budget.
+    model = _wrapped_lm(vocab=4096, d=64)
+    ids = torch.randint(0, 4096, (4, 64))
+    loss_fn = lambda out, b: nn.functional.cross_entropy(out[:, :-1].flatten(0, 1), b[:, 1:].flatten())  # noqa: E731
+    plain = remat.measure_step(model, ids, loss_fn=loss_fn, repeats=0).peak_bytes
+    plan = remat.auto(model, ids, plain - 100_000, loss_fn=loss_fn, repeats=1)
+    assert not plan.plain_ran and plan.estimate is not None
+    measured = remat.measure_step(model, ids, loss_fn=loss_fn, repeats=0).peak_bytes
+    remat.remove(model)
+    assert measured <= plan.estimate.peak_bytes <= plain - 100_000, (measured, plan.estimate.peak_bytes, plan.choices)
+    assert not [n for n, m in model.named_modules() if "forward" in m.__dict__]

@@ -124,8 +124,11 @@ def tile_block(block: nn.Module) -> nn.Module:
 
 
 def untile_block(block: nn.Module) -> None:
-    """Undo ``tile_block``: the MLP's own forward again. A no-op otherwise."""
-    for module in block.children():
+    """Undo ``tile_block``: the MLP's own forward again. A no-op otherwise. The MLP is looked for
+    among all the block's modules: ``find_mlp`` reaches it through a wrapper's attributes too
+    (torch's ``checkpoint_wrapper`` hands ``block.mlp`` on to the module it wraps), and a fake copy
+    left tiled by the profiler had its lean profile 40,448 B a block low (torchtune's layers)."""
+    for module in block.modules():
         if _RECORD in module.__dict__:
             original = module.__dict__.pop(_RECORD)
             module.__dict__.pop("forward", None)
@@ -135,7 +138,7 @@ def untile_block(block: nn.Module) -> None:
 
 def is_tiled(block: nn.Module) -> bool:
     """Whether ``block``'s MLP runs in tiles."""
-    return any(_RECORD in m.__dict__ for m in block.children())
+    return any(_RECORD in m.__dict__ for m in block.modules())
 
 
 def _tile_forward(mlp: Any, tile: torch.Tensor) -> Any:
