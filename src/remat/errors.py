@@ -102,15 +102,16 @@ class InfeasibleBudget(RematError, ValueError):
         self.budget_bytes = budget_bytes
         """The budget asked for."""
         self.smallest_bytes = smallest_bytes
-        """The lowest peak any plan reaches: the smallest budget that can be met."""
+        """The lowest peak any plan reaches: the smallest budget that can be met (where ``estimated``,
+        a lower bound of it)."""
         self.dominant = dominant
         """What dominates that lowest peak, for people."""
         self.estimated = estimated
         """Whether ``smallest_bytes`` is an estimate, not a floor real steps measured: from the step's
         tensors alone, where no real step fits the budget, or just above the budget, where the floor
         plan's own step ran out of memory (NOTE [ Planning what does not fit ] in remat.measure.lean).
-        What no tensor holds (a convolution's scratch space) may put the smallest budget that can be
-        met higher."""
+        What no tensor holds (a kernel's scratch space, as a convolution's or a loss's temporary) may put
+        the smallest budget that can be met higher."""
         self.repeated = list(repeated or [])
         """Modules that ran more than once in the step and kept their activations (``Profile.repeated``):
         checkpointing every call of them lowers ``smallest_bytes`` (NOTE [ Every call of a tied module ]

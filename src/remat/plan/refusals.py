@@ -28,10 +28,11 @@ def infeasible(profile: Profile, budget_bytes: int, smallest: int, dominant: str
                    "no plan fits without; or run remat.checkpoint_module(model.get_submodule(name)) on each "
                    "before profiling (in the model factory, for a profile on fake tensors)")
     source, caveat = ("from the step tensors alone, ", (
-        ": what no tensor holds (a convolution's scratch space) is measured only by a real step, none of "
-        "which fits this budget, and may put it higher")) if estimated else ("", "")
+        ": what no tensor holds (a kernel's scratch space, as a convolution's or a loss's temporary) is "
+        "measured only by a real step, none of which fits this budget, and may put it higher")) if estimated else ("", "")
     if not estimated and not profile.plain_ran:  # a lean profile's, made once a real step ran within the budget
-        caveat = ", what no tensor holds included (a convolution's scratch space, measured by a real step within this budget)"
+        caveat = (", what no tensor holds included (a kernel's scratch space, as a convolution's or a loss's "
+                  "temporary), measured by a real step within this budget")
     return InfeasibleBudget(
         f"budget {exact_bytes(budget_bytes, smallest)} is below the smallest feasible {source}"
         f"{exact_bytes(smallest, budget_bytes)} ({dominant}){caveat}; {advice}.",
@@ -95,7 +96,8 @@ def _ran_out_why(host: bool) -> str:
     """Why a step predicted within the budget ran out; ``host``: it ran on the CPU."""
     shared = (" On the CPU, remat's profiling shares that memory (its profiler's records, a fake copy of the "
               "model: tens of MB)." if host else "")
-    return ("What no tensor holds (a convolution's scratch space) takes the rest, or the device holds less than "
+    return ("What no tensor holds (a kernel's scratch space, as a convolution's or a loss's temporary) takes the "
+            "rest, or the device holds less than "
             f"the budget besides what is already on it.{shared}")
 
 
