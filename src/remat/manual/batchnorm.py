@@ -29,9 +29,12 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import _disable_current_modes
 
-__all__ = ["RestoreRunningStats", "module_roots", "running_stats", "snapshot_bytes"]
+__all__ = ["RUNNING_STATS", "RestoreRunningStats", "module_roots", "running_stats", "snapshot_bytes"]
 
 _DEPTH = 4
+
+RUNNING_STATS = ("running_mean", "running_var", "num_batches_tracked")
+"""The buffers a training norm moves in its forward, which a recompute puts back."""
 
 
 def module_roots(*objs: Any) -> tuple[nn.Module, ...]:
@@ -88,7 +91,7 @@ def running_stats(roots: tuple[nn.Module, ...]) -> list[torch.Tensor]:
                 continue
             seen.add(id(module))
             if module.training:
-                found += [b for n in ("running_mean", "running_var", "num_batches_tracked")
+                found += [b for n in RUNNING_STATS
                           if isinstance(b := getattr(module, n, None), torch.Tensor)]
     return found
 

@@ -28,11 +28,9 @@ from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils.checkpoint import _StopRecomputationError
 
 from remat.errors import BlockError
+from remat.manual.batchnorm import RUNNING_STATS
 
 __all__ = ["ForwardWrites", "ReplayWrites"]
-
-
-_STATS = frozenset({"running_mean", "running_var", "num_batches_tracked"})
 
 
 def _buffers(roots: tuple[nn.Module, ...]) -> list[tuple[nn.Module, str, torch.Tensor, int]]:
@@ -47,7 +45,7 @@ def _buffers(roots: tuple[nn.Module, ...]) -> list[tuple[nn.Module, str, torch.T
                 continue
             norm = module.training and isinstance(module, nn.modules.batchnorm._NormBase)
             for key, b in module._buffers.items():
-                if b is not None and not (norm and key in _STATS) and id(b) not in seen:
+                if b is not None and not (norm and key in RUNNING_STATS) and id(b) not in seen:
                     seen.add(id(b))
                     found.append((module, key, b, b._version))
     return found
